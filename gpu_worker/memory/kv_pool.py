@@ -1,0 +1,70 @@
+"""TokenToKVPool: the K and V tensors of every layer, indexed by KV slot.
+
+The pool knows nothing about requests or pages in use; the allocator decides which slots
+are free and ReqToTokenPool says which slots a request reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TokenToKVPool:
+    """Per-layer K and V buffers indexed by KV slot. Slots [0, page_size) are a padding page that
+    is never handed out: padded batch entries write there harmlessly."""
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str,
+    ) -> None:
+        if page_size < 1 or size < page_size or size % page_size:
+            raise ValueError(f"size {size} must be a positive multiple of page_size {page_size}")
+        self.size = size
+        self.page_size = page_size
+        self.dtype = dtype
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.device = torch.device(device)
+        shape = (size + page_size, num_kv_heads, head_dim)
+        # One tensor per layer (not one [layers, ...] tensor) so a layer's buffer is contiguous
+        # and attention kernels can take it without a stride argument.
+        self.k_buffer = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+        self.v_buffer = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(
+        self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store k, v ([T, kv_heads, head_dim]) at slots loc ([T]), cast to the pool dtype."""
+        if k.dtype != self.dtype:
+            k = k.to(self.dtype)
+        if v.dtype != self.dtype:
+            v = v.to(self.dtype)
+        self.k_buffer[layer_id][loc] = k
+        self.v_buffer[layer_id][loc] = v
+
+    @staticmethod
+    def bytes_per_token(
+        dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int
+    ) -> int:
+        """Bytes one token's K and V take over all layers (for sizing the pool from a budget)."""
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    def total_bytes(self) -> int:
+        per_token = self.bytes_per_token(
+            self.dtype, self.num_layers, self.num_kv_heads, self.head_dim
+        )
+        return (self.size + self.page_size) * per_token
