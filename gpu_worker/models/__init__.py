@@ -1,0 +1,1 @@
+"""Llama-family models, their configs, and loading (HF folders, GGUF files, random shapes)."""

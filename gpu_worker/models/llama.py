@@ -1,0 +1,210 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flat batch of tokens.
+
+Numerics follow transformers' LlamaForCausalLM: RMSNorm in float32, rotary cos/sin from
+float32 frequencies, SiLU-gated MLP. Q/K/V and gate/up are fused into one Linear each (fewer
+matmuls); `load_weights` takes transformers' parameter names and fills the right shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.attention.layer import PagedAttention
+from gpu_worker.models.config import ModelConfig
+from gpu_worker.models.rotary import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Cast before the weight multiply, as transformers does, so bf16 rounding matches.
+        return self.weight * x.to(input_dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=config.attention_bias,
+            dtype=dtype,
+        )
+        # transformers' Llama puts attention_bias on o_proj too; Qwen2 does not.
+        o_bias = config.attention_bias and config.architecture == "LlamaForCausalLM"
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
+        self.attn = PagedAttention(
+            layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+        )
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.contiguous())
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=False, dtype=dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        # One cos/sin for all layers: the positions are the same in each.
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    # fused parameter, checkpoint name, shard id (see _shard_slice)
+    stacked_params_mapping = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.tie_weights()
+
+    @classmethod
+    def empty(
+        cls, config: ModelConfig, dtype: torch.dtype, device: torch.device | str
+    ) -> LlamaForCausalLM:
+        """Allocate without initializing; every weight must then be loaded or filled."""
+        with torch.device("meta"):
+            model = cls(config, dtype)
+        model.to_empty(device=device)
+        # to_empty gives tied modules separate tensors and leaves buffers uninitialized.
+        model.tie_weights()
+        model.model.rotary_emb.reset_inv_freq()
+        return model
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64 -> final-normed hidden [num_tokens, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] float32 (the matmul runs in the model dtype, as in HF)."""
+        return self.lm_head(hidden).float()
+
+    def _shard_slice(self, shard: str | int) -> slice:
+        if isinstance(shard, int):  # gate_up_proj: equal halves
+            size = self.config.intermediate_size
+            return slice(shard * size, (shard + 1) * size)
+        q_size = self.config.num_attention_heads * self.config.head_dim
+        kv_size = self.config.num_key_value_heads * self.config.head_dim
+        start = {"q": 0, "k": q_size, "v": q_size + kv_size}[shard]
+        return slice(start, start + (q_size if shard == "q" else kv_size))
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy transformers-named tensors in; raise on unknown names and on anything left out."""
+        params = dict(self.named_parameters())
+        expected = {name: self._expected_shards(name) for name in params}
+        loaded: dict[str, set[str | int | None]] = {name: set() for name in params}
+        for hf_name, tensor in weights:
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue  # recomputed from the config, never loaded
+            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints still store a copy of the embedding
+            name, shard = self._resolve(hf_name)
+            if name not in params:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has no parameter in {type(self).__name__} "
+                    f"(config architecture {self.config.architecture})"
+                )
+            target = params[name].data
+            if shard is not None:
+                target = target[self._shard_slice(shard)]
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded[name].add(shard)
+        missing = sorted(name for name in params if loaded[name] != expected[name])
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing)}")
+
+    def _resolve(self, hf_name: str) -> tuple[str, str | int | None]:
+        for fused, part, shard in self.stacked_params_mapping:
+            if f".{part}." in hf_name:
+                return hf_name.replace(f".{part}.", f".{fused}."), shard
+        return hf_name, None
+
+    def _expected_shards(self, name: str) -> set[str | int | None]:
+        shards = {shard for fused, _, shard in self.stacked_params_mapping if f".{fused}." in name}
+        return shards or {None}
+
+
+# architecture name (config.json "architectures") -> model class
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
