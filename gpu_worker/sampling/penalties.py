@@ -1,0 +1,128 @@
+"""Logit edits that come from a request's settings and history, applied before sampling.
+
+In order: logit_bias, the repetition penalty, frequency/presence penalties, the min-tokens
+mask. Each is built only when some row in the batch uses it, so a batch that uses none costs
+nothing here. Every tensor is per row, so a row's result never depends on its neighbours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class SparseEdit:
+    """A few (row, token) cells of the logits; built from Python lists in one copy each."""
+
+    rows: torch.Tensor  # [n] int64, on the logits' device
+    cols: torch.Tensor  # [n] int64
+    values: torch.Tensor  # [n] float32, or a 0-dim tensor broadcast to every cell
+
+    @classmethod
+    def build(
+        cls, rows: list[int], cols: list[int], values: list[float] | float, device
+    ) -> SparseEdit | None:
+        if not rows:
+            return None
+        return cls(
+            torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(cols, dtype=torch.int64, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device),
+        )
+
+
+@dataclass
+class LogitAdjustments:
+    bias: SparseEdit | None  # added to the logits
+    repetition: torch.Tensor | None  # [bs, 1] float32, 1.0 on rows without the penalty
+    seen: torch.Tensor | None  # [bs, vocab] bool: the token is in prompt + output
+    frequency: torch.Tensor | None  # [bs, 1] float32
+    presence: torch.Tensor | None  # [bs, 1] float32
+    counts: torch.Tensor | None  # [bs, vocab] float32: occurrences in the output
+    min_tokens_mask: SparseEdit | None  # cells set to -inf
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        blocked_until_min_tokens: list[list[int]],
+        vocab_size: int,
+        device,
+    ) -> LogitAdjustments | None:
+        """None when no row needs any edit (the sampler's fast path)."""
+        bias_rows, bias_cols, bias_values = [], [], []
+        for row, p in enumerate(params):
+            for token, value in p.logit_bias.items():
+                bias_rows.append(row)
+                bias_cols.append(token)
+                bias_values.append(value)
+        mask_rows, mask_cols = [], []
+        for row, blocked in enumerate(blocked_until_min_tokens):
+            mask_rows.extend([row] * len(blocked))
+            mask_cols.extend(blocked)
+
+        bs = len(params)
+        repetition = seen = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            repetition = _column([p.repetition_penalty for p in params], device)
+            rows, cols = [], []
+            for row, p in enumerate(params):
+                if p.repetition_penalty != 1.0:
+                    history = prompt_ids[row] + output_ids[row]
+                    rows.extend([row] * len(history))
+                    cols.extend(history)
+            seen = torch.zeros(bs, vocab_size, dtype=torch.bool, device=device)
+            seen[_indices(rows, device), _indices(cols, device)] = True
+
+        frequency = presence = counts = None
+        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            frequency = _column([p.frequency_penalty for p in params], device)
+            presence = _column([p.presence_penalty for p in params], device)
+            rows, cols = [], []
+            for row, p in enumerate(params):
+                if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                    rows.extend([row] * len(output_ids[row]))
+                    cols.extend(output_ids[row])
+            counts = torch.zeros(bs, vocab_size, dtype=torch.float32, device=device)
+            counts.index_put_(
+                (_indices(rows, device), _indices(cols, device)),
+                torch.ones(len(rows), dtype=torch.float32, device=device),
+                accumulate=True,
+            )
+
+        bias = SparseEdit.build(bias_rows, bias_cols, bias_values, device)
+        min_tokens_mask = SparseEdit.build(mask_rows, mask_cols, float("-inf"), device)
+        if bias is None and repetition is None and counts is None and min_tokens_mask is None:
+            return None
+        return cls(bias, repetition, seen, frequency, presence, counts, min_tokens_mask)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Edit `logits` ([bs, vocab] float32, owned by the caller) in place and return it."""
+        if self.bias is not None:
+            logits.index_put_((self.bias.rows, self.bias.cols), self.bias.values, accumulate=True)
+        if self.repetition is not None:
+            # HF (CTRL paper): a seen token's logit moves towards "less likely" whatever its
+            # sign: l > 0 -> l / p, l <= 0 -> l * p.
+            penalized = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
+            logits = torch.where(self.seen, penalized, logits)
+        if self.counts is not None:
+            # OpenAI: l -= count * frequency_penalty + (count > 0) * presence_penalty.
+            logits -= self.counts * self.frequency + (self.counts > 0) * self.presence
+        if self.min_tokens_mask is not None:
+            mask = self.min_tokens_mask
+            logits.index_put_((mask.rows, mask.cols), mask.values)
+        return logits
+
+
+def _column(values: list[float], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _indices(values: list[int], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
