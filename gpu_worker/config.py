@@ -1,0 +1,96 @@
+"""EngineConfig: every engine option in one validated dataclass, passed whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    # "auto": cuda when available, else cpu.
+    device: str = "auto"
+    # "auto": bfloat16, the dtype these models are served in; "float32" for exact comparisons.
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    # KV slots per page; the prefix cache matches and evicts whole pages.
+    page_size: int = 1
+    max_running_requests: int = 256
+    # Token budget of one extend forward; longer prompts are prefilled in chunks.
+    chunked_prefill_size: int = 4096
+    # KV pool size in tokens. When None: sized from kv_cache_memory_gb on CPU, or from free
+    # GPU memory times mem_fraction_static on CUDA.
+    max_total_tokens: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    mem_fraction_static: float = 0.85
+    # Longest prompt + output accepted; None means the model's max_position_embeddings.
+    context_length: int | None = None
+    disable_radix_cache: bool = False
+    schedule_policy: str = "fcfs"
+    forward_hooks: list[dict[str, Any]] = field(default_factory=list)
+    # Seeds the random weights of `random:` models and the sampling of unseeded requests.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty string")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError as error:
+                raise ValueError(f"device {self.device!r} is not a torch device") from error
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {['auto', *DTYPES]}")
+        _require_positive_int("page_size", self.page_size)
+        _require_positive_int("max_running_requests", self.max_running_requests)
+        _require_positive_int("chunked_prefill_size", self.chunked_prefill_size)
+        if self.max_total_tokens is not None:
+            _require_positive_int("max_total_tokens", self.max_total_tokens)
+        if self.context_length is not None:
+            _require_positive_int("context_length", self.context_length)
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
+            )
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy {self.schedule_policy!r} is not one of {list(SCHEDULE_POLICIES)}"
+            )
+        if not isinstance(self.forward_hooks, list):
+            raise ValueError("forward_hooks must be a list of hook specs")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **options: Any) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine options {unknown}; known: {sorted(known)}")
+        return cls(model=model, **options)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.dtype == "auto" else DTYPES[self.dtype]
+
+
+def _require_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,49 @@
+"""The per-batch data of one model forward: token ids, positions, and where KV lives.
+
+A ForwardBatch holds batch data only. Runtime objects (the attention backend, the KV
+pools) reach the model through the ForwardContext, never through this object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+
+class ForwardMode(IntEnum):
+    # Some request computes more than one new token (prefill, a prefill chunk, or a
+    # retracted request being recomputed). Requests with one new token may ride along.
+    EXTEND = 1
+    # Every request computes exactly one new token.
+    DECODE = 2
+    # Nothing to compute (a data-parallel peer is busy); the forward is a no-op.
+    IDLE = 3
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64, on device; the new tokens of every request
+    positions: torch.Tensor  # [num_tokens] int64, on device
+    req_pool_indices: torch.Tensor  # [bs] int64, on device; rows of ReqToTokenPool.req_to_token
+    seq_lens: torch.Tensor  # [bs] int64, on device; tokens with KV once this forward is done
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, on device; KV slots for the new tokens
+    seq_lens_cpu: list[int]
+    # Per request: how many new tokens this forward computes, and how many tokens before
+    # them already have KV in the pool. For DECODE these are all 1 and seq_len - 1.
+    extend_seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Index into the token axis of each request's last new token: [bs] int64."""
+        if self.forward_mode == ForwardMode.DECODE:
+            return torch.arange(self.batch_size, device=self.input_ids.device)
+        ends = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0) - 1
+        return ends.to(self.input_ids.device)

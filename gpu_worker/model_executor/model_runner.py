@@ -1,0 +1,101 @@
+"""ModelRunner: owns the model, the KV memory and the attention backend; runs one forward.
+
+It loads the weights, sizes the KV pool (from a memory budget on CPU, from free memory on
+CUDA), registers forward hooks, and dispatches a ForwardBatch by mode. Batch forming and
+sampling live elsewhere: this class turns a batch into logits.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from gpu_worker.attention.registry import create_attention_backend, resolve_backend_name
+from gpu_worker.config import EngineConfig
+from gpu_worker.memory.allocator import PagedTokenAllocator
+from gpu_worker.memory.kv_pool import TokenToKVPool
+from gpu_worker.memory.req_to_token_pool import ReqToTokenPool
+from gpu_worker.model_executor.forward_batch import ForwardBatch, ForwardMode
+from gpu_worker.model_executor.forward_context import ForwardContext, forward_context
+from gpu_worker.model_executor.hooks import ForwardHooks
+from gpu_worker.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype()
+        loaded = load_model(config.model, self.dtype, self.device, seed=config.seed)
+        self.model = loaded.model
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_source = loaded.source
+        self.forward_hooks = ForwardHooks(self.model, config.forward_hooks)
+
+        self.page_size = config.page_size
+        self.max_total_tokens = self._kv_pool_tokens()
+        self.context_length = min(
+            config.context_length or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        # A request longer than the pool could never finish; the row width never needs more.
+        row_width = min(self.context_length, self.max_total_tokens)
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, row_width, self.device)
+        self.kv_pool = TokenToKVPool(
+            self.max_total_tokens,
+            self.page_size,
+            self.dtype,
+            self.model_config.num_hidden_layers,
+            self.model_config.num_key_value_heads,
+            self.model_config.head_dim,
+            self.device,
+        )
+        self.allocator = PagedTokenAllocator(self.max_total_tokens, self.page_size, self.device)
+        backend_name = resolve_backend_name(config.attention_backend, self.device)
+        self.attn_backend = create_attention_backend(
+            backend_name, self.req_to_token_pool, self.kv_pool
+        )
+        logger.info(
+            "model %s on %s/%s: KV pool %d tokens (page %d), attention %s",
+            self.model_source,
+            self.device,
+            self.dtype,
+            self.max_total_tokens,
+            self.page_size,
+            backend_name,
+        )
+
+    def _kv_pool_tokens(self) -> int:
+        cfg = self.model_config
+        per_token = TokenToKVPool.bytes_per_token(
+            self.dtype, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        )
+        if self.config.max_total_tokens is not None:
+            tokens = self.config.max_total_tokens
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserved_for_activations = total * (1 - self.config.mem_fraction_static)
+            tokens = int(max(free - reserved_for_activations, 0) // per_token)
+        else:
+            tokens = int(self.config.kv_cache_memory_gb * 2**30 // per_token)
+        tokens -= tokens % self.page_size
+        if tokens < self.page_size:
+            raise ValueError(
+                f"the KV pool would hold {tokens} tokens: raise max_total_tokens or the memory "
+                "budget (kv_cache_memory_gb / mem_fraction_static)"
+            )
+        return tokens
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Logits of each request's last new token: [bs, vocab] float32."""
+        if forward_batch.forward_mode == ForwardMode.IDLE:
+            return torch.empty((0, self.model_config.vocab_size), device=self.device)
+        with forward_context(ForwardContext(self.attn_backend, forward_batch)):
+            self.attn_backend.prepare_metadata(forward_batch)
+            hidden = self.model(forward_batch.input_ids, forward_batch.positions)
+            return self.model.compute_logits(hidden[forward_batch.last_token_indices()])

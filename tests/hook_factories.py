@@ -1,0 +1,34 @@
+"""Hook factories the forward-hook tests name by import path."""
+
+from __future__ import annotations
+
+CALLS: dict[str, int] = {}
+
+
+def count_calls(config: dict):
+    key = config["key"]
+    CALLS[key] = 0
+
+    def hook(module, args, output):
+        CALLS[key] += 1
+
+    return hook
+
+
+def force_token(config: dict):
+    """Make every logit row prefer one token: changes what the model generates."""
+    token = config["token"]
+
+    def hook(module, args, output):
+        output = output.clone()
+        output[..., token] = output.max() + 100.0
+        return output
+
+    return hook
+
+
+def returns_none(config: dict):
+    return None
+
+
+NOT_CALLABLE = 42

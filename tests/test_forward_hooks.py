@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from gpu_worker import Engine
+from tests import hook_factories
+
+MODEL = "random:tiny-llama"
+GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+
+
+def _hook(factory: str, targets="model.layers.*.mlp", **config):
+    return {
+        "name": factory.rsplit(":", 1)[-1],
+        "target_modules": targets,
+        "hook_factory": factory,
+        "config": config,
+    }
+
+
+def test_hook_runs_on_every_matched_module_and_can_be_removed():
+    spec = _hook("tests.hook_factories:count_calls", key="mlp")
+    engine = Engine(MODEL, forward_hooks=[spec])
+    layers = engine.runner.model_config.num_hidden_layers
+    assert len(engine.runner.forward_hooks) == layers
+    engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)
+    assert hook_factories.CALLS["mlp"] == layers * 4  # one prefill + three decode forwards
+    assert engine.runner.forward_hooks.remove("count_calls") == layers
+    engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)
+    assert hook_factories.CALLS["mlp"] == layers * 4
+
+
+def test_hook_can_change_the_output():
+    spec = _hook("tests.hook_factories.force_token", targets="lm_head", token=7)
+    engine = Engine(MODEL, forward_hooks=[spec])
+    out = engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)
+    assert out["output_ids"] == [7, 7, 7, 7]
+
+
+@pytest.mark.parametrize(
+    "factory, message",
+    [
+        ("no-dots-or-colon", "malformed"),
+        ("tests.hook_factories:missing", "has no attribute 'missing'"),
+        ("tests.no_such_module:count_calls", "cannot import"),
+        ("tests.hook_factories:NOT_CALLABLE", "not callable"),
+    ],
+)
+def test_bad_hook_factory_path_fails_startup(factory, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(MODEL, forward_hooks=[_hook(factory)])
+
+
+def test_hook_spec_missing_field_fails_startup():
+    with pytest.raises(ValueError, match="missing 'hook_factory'"):
+        Engine(MODEL, forward_hooks=[{"name": "x", "target_modules": ["lm_head"]}])
+
+
+def test_hook_matching_nothing_only_warns(caplog):
+    spec = _hook("tests.hook_factories:count_calls", targets="no.such.module*", key="none")
+    with caplog.at_level(logging.WARNING):
+        engine = Engine(MODEL, forward_hooks=[spec])
+    assert len(engine.runner.forward_hooks) == 0
+    assert "matched no module" in caplog.text
+
+
+def test_factory_returning_none_only_warns(caplog):
+    with caplog.at_level(logging.WARNING):
+        engine = Engine(MODEL, forward_hooks=[_hook("tests.hook_factories:returns_none")])
+    assert len(engine.runner.forward_hooks) == 0
+    assert "returned None" in caplog.text
