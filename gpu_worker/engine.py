@@ -1,0 +1,200 @@
+"""Engine: the in-process, offline API over the scheduler and model runner.
+
+    engine = Engine(model="smollm2-135m-instruct")
+    engine.generate(["Hello"], {"temperature": 0, "max_new_tokens": 32})
+    for chunk in engine.generate_stream("Hello", {"max_new_tokens": 32}): ...
+
+The engine is synchronous: a call steps the shared scheduler until its own requests are
+done, so requests from interleaved calls batch together. Use it from one thread.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from gpu_worker.config import DEFAULT_MODEL, EngineConfig
+from gpu_worker.model_executor.model_runner import ModelRunner
+from gpu_worker.request_input import normalize_prompts, normalize_sampling_params
+from gpu_worker.sampling.sampling_params import SamplingParams
+from gpu_worker.scheduling.req import Req
+from gpu_worker.scheduling.scheduler import Scheduler
+from gpu_worker.text_stream import TextStream
+
+
+class Engine:
+    def __init__(self, model: str = DEFAULT_MODEL, **options: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model, **options)
+        self.runner = ModelRunner(self.config)
+        self.scheduler = Scheduler(self.runner, self.config)
+        self.tokenizer = self.runner.tokenizer
+        self.vocab_size = self.runner.model_config.vocab_size
+        eos = set(self.runner.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+
+    # ---- public API ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        *,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        messages: Sequence[Any] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Run to completion. One prompt gives one dict; a list gives a list in order."""
+        reqs, single = self._submit(prompt, sampling_params, input_ids, messages)
+        try:
+            while not all(req.finished for req in reqs):
+                self._step()
+        finally:
+            self._abort_unfinished(reqs)
+        results = [self._result(req) for req in reqs]
+        return results[0] if single else results
+
+    def generate_stream(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        *,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        messages: Sequence[Any] | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """Yield incremental chunks {index, text, output_ids, finish_reason[, usage]}.
+
+        Closing the iterator early aborts the requests it still owns and frees their KV.
+        """
+        reqs, _ = self._submit(prompt, sampling_params, input_ids, messages)
+        reported = [0] * len(reqs)
+        done = [False] * len(reqs)
+        try:
+            while not all(done):
+                if not all(req.finished for req in reqs):
+                    self._step()
+                for index, req in enumerate(reqs):
+                    if done[index]:
+                        continue
+                    chunk = self._chunk(index, req, reported[index])
+                    if chunk is not None:
+                        reported[index] = len(req.output_ids)
+                        done[index] = req.finished
+                        yield chunk
+        finally:
+            self._abort_unfinished(reqs)
+
+    def abort(self, rid: str) -> bool:
+        return self.scheduler.abort_request(rid) is not None
+
+    def shutdown(self) -> None:
+        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
+            self.scheduler.abort_request(req.rid)
+        self.runner.forward_hooks.remove()
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _submit(self, prompt, sampling_params, input_ids, messages) -> tuple[list[Req], bool]:
+        prompts, single = normalize_prompts(
+            self.tokenizer, self.vocab_size, prompt, input_ids, messages
+        )
+        params = normalize_sampling_params(sampling_params, len(prompts), self.vocab_size)
+        for ids, one in zip(prompts, params, strict=True):
+            self._check_fits(ids, one)
+        reqs = [self._make_req(ids, one) for ids, one in zip(prompts, params, strict=True)]
+        for req in reqs:
+            self.scheduler.add_request(req)
+        return reqs, single
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        total = len(ids) + params.max_new_tokens
+        limit = self.runner.context_length
+        if total > limit:
+            raise ValueError(
+                f"max_new_tokens: the prompt ({len(ids)} tokens) plus max_new_tokens "
+                f"({params.max_new_tokens}) is {total}, beyond the context length {limit}"
+            )
+        if total > self.runner.max_total_tokens:
+            raise ValueError(
+                f"max_new_tokens: the prompt ({len(ids)} tokens) plus max_new_tokens "
+                f"({params.max_new_tokens}) needs {total} KV slots; the pool has "
+                f"{self.runner.max_total_tokens}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; this model has none")
+
+    def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        text_stream = None
+        if self.tokenizer is not None:
+            text_stream = TextStream(
+                self.tokenizer, params.stop, params.skip_special_tokens, prompt_ids=ids
+            )
+        return Req(uuid.uuid4().hex, ids, params, self.eos_ids, generator, text_stream)
+
+    def _step(self) -> None:
+        if self.scheduler.step() is None:
+            # Admission guarantees every request fits the pool alone, so an unfinished request
+            # always has a batch to run; getting here is a scheduler bug, not a user error.
+            raise RuntimeError(f"scheduler has nothing to run: {self.scheduler.load()}")
+
+    def _abort_unfinished(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            if not req.finished:
+                self.scheduler.abort_request(req.rid)
+
+    def _usage(self, req: Req) -> dict[str, int]:
+        prompt_tokens = len(req.origin_input_ids)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(req.output_ids),
+            "total_tokens": prompt_tokens + len(req.output_ids),
+            "cached_tokens": req.prompt_cache_hit or 0,
+        }
+
+    def _result(self, req: Req) -> dict[str, Any]:
+        result: dict[str, Any] = {
+            "rid": req.rid,
+            "text": req.text_stream.text if req.text_stream is not None else None,
+            "output_ids": list(req.output_ids),
+            "finish_reason": req.finished_reason.kind,
+            "matched_stop": req.finished_reason.matched,
+            "usage": self._usage(req),
+        }
+        if req.params.logprobs:
+            result["logprobs"] = list(req.logprobs)
+            if req.params.top_logprobs:
+                result["top_logprobs"] = list(req.top_logprobs)
+        return result
+
+    def _chunk(self, index: int, req: Req, reported: int) -> dict[str, Any] | None:
+        new_ids = req.output_ids[reported:]
+        if not new_ids and not req.pending_text and not req.finished:
+            return None
+        text, req.pending_text = req.pending_text, ""
+        chunk: dict[str, Any] = {
+            "index": index,
+            "rid": req.rid,
+            "text": text if req.text_stream is not None else None,
+            "output_ids": list(new_ids),
+            "finish_reason": req.finished_reason.kind if req.finished else None,
+        }
+        if req.params.logprobs:
+            chunk["logprobs"] = req.logprobs[reported:]
+        if req.finished:
+            chunk["matched_stop"] = req.finished_reason.matched
+            chunk["usage"] = self._usage(req)
+        return chunk

@@ -1,0 +1,38 @@
+"""Which waiting requests to admit first."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gpu_worker.scheduling.req import Req
+
+# Longest-prefix-match sorting costs a tree walk per waiting request; past this many the
+# sort costs more than it saves, so the policy falls back to arrival order.
+LPM_MAX_QUEUE = 128
+
+
+def order_waiting(
+    waiting: list[Req], policy: str, cached_prefix_len: Callable[[Req], int]
+) -> list[Req]:
+    """fcfs keeps arrival order (retracted requests sit at the front); lpm puts the requests
+    with the longest cached prefix first, so the cache is hit before it is evicted."""
+    if policy == "lpm" and 1 < len(waiting) <= LPM_MAX_QUEUE:
+        return sorted(waiting, key=lambda req: -cached_prefix_len(req))
+    return list(waiting)
+
+
+def shares_prefix_with_batch(
+    req: Req, cached_len: int, admitted: list[Req], min_shared: int
+) -> bool:
+    """Whether `req` shares at least `min_shared` uncached tokens with a request already in
+    this batch. Such a request waits one step: the batch will put that prefix in the cache,
+    and computing it twice in one forward would waste the work."""
+    end = cached_len + min_shared
+    ids = req.all_ids
+    if len(ids) <= end:
+        return False
+    head = ids[:end]
+    return any(
+        len(other.origin_input_ids) > end and other.origin_input_ids[:end] == head
+        for other in admitted
+    )

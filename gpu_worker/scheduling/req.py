@@ -1,0 +1,85 @@
+"""Req: one generation request as the scheduler tracks it, in token counts.
+
+`kv_len` tokens of `all_ids` have KV in the pool; the first `cached_len` of those belong to
+the prefix cache (locked through `last_node`), the rest to this request. A request needs
+computing while kv_len < num_tokens; one rule covers prefill, chunked prefill, prefix hits,
+decode and recompute after retraction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gpu_worker.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from gpu_worker.text_stream import TextStream
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    kind: str  # "stop" | "length" | "abort"
+    # The stop token id or stop string that ended the request, or an abort's message.
+    matched: int | str | None = None
+
+
+class Req:
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: SamplingParams,
+        eos_ids: frozenset[int],
+        generator: torch.Generator | None = None,
+        text_stream: TextStream | None = None,
+    ) -> None:
+        self.rid = rid
+        self.origin_input_ids = input_ids
+        self.params = params
+        self.generator = generator
+        self.text_stream = text_stream
+        self.output_ids: list[int] = []
+        # Tokens whose generation stops the request (unless min_new_tokens holds them back).
+        self.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else eos_ids
+        )
+
+        self.req_pool_idx: int | None = None
+        self.kv_len = 0
+        self.cached_len = 0
+        self.last_node: Any = None
+        # Prompt tokens served from the prefix cache at first admission (reported in usage).
+        self.prompt_cache_hit: int | None = None
+
+        self.finished_reason: FinishReason | None = None
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        # Text produced by the text stream but not yet handed to the caller.
+        self.pending_text = ""
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def blocked_until_min_tokens(self) -> list[int]:
+        """Stop ids to mask while the request is still short of min_new_tokens."""
+        if len(self.output_ids) >= self.params.min_new_tokens:
+            return []
+        return sorted(self.stop_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Req({self.rid!r}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)}, "
+            f"kv={self.kv_len}, cached={self.cached_len})"
+        )

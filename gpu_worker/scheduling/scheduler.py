@@ -1,0 +1,250 @@
+"""The engine loop's scheduler: admit, batch, run, sample, finish — one step at a time.
+
+Each step either extends (prefill chunks of waiting requests, under a token budget) or
+decodes every running request by one token. Prefill goes first, so new requests start
+quickly. When a decode step finds no KV room, the request with the least progress is
+retracted: its KV is released (whole pages stay in the prefix cache) and it goes back to
+the front of the queue, to be recomputed and continue where it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import torch
+
+from gpu_worker.config import EngineConfig
+from gpu_worker.model_executor.forward_batch import ForwardMode
+from gpu_worker.model_executor.model_runner import ModelRunner
+from gpu_worker.sampling.sampler import SamplingBatch, sample
+from gpu_worker.scheduling.policy import order_waiting, shares_prefix_with_batch
+from gpu_worker.scheduling.req import FinishReason, Req
+from gpu_worker.scheduling.request_kv import RequestKV
+from gpu_worker.scheduling.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+# A waiting request sharing this many uncached tokens with one already in the batch waits a
+# step for the cache instead (see shares_prefix_with_batch).
+IN_BATCH_PREFIX_MIN_TOKENS = 32
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, config: EngineConfig) -> None:
+        from gpu_worker.memory.radix_cache import RadixCache
+
+        self.runner = runner
+        self.config = config
+        prefix_cache = (
+            None if config.disable_radix_cache else RadixCache(runner.allocator, runner.page_size)
+        )
+        self.kv = RequestKV(runner.req_to_token_pool, runner.allocator, prefix_cache)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.default_generator = torch.Generator().manual_seed(config.seed)
+        self.num_retractions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort_request(self, rid: str) -> Req | None:
+        """Finish `rid` now with reason "abort" and free its KV; None if it is not here."""
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                return self._finish(req, FinishReason("abort", "aborted by the client"))
+        for req in self.running:
+            if req.rid == rid:
+                self.running.remove(req)
+                return self._finish(req, FinishReason("abort", "aborted by the client"))
+        if self.chunked is not None and self.chunked.rid == rid:
+            req, self.chunked = self.chunked, None
+            return self._finish(req, FinishReason("abort", "aborted by the client"))
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def load(self) -> dict[str, int]:
+        return {
+            "waiting": len(self.waiting),
+            "running": len(self.running) + (self.chunked is not None),
+            "free_kv_tokens": self.kv.available_tokens(),
+        }
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def step(self) -> list[Req] | None:
+        """Run one forward; return the requests that got a token (None: nothing to run)."""
+        batch = self.get_next_batch_to_run()
+        if batch is None:
+            return None
+        logits = self.runner.forward(batch.to_forward_batch(self.runner.device))
+        return self.process_batch_result(batch, logits)
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.waiting or self.chunked:
+            batch = self._prefill_batch()
+            if batch is not None:
+                return batch
+        if self.running:
+            return self._decode_batch()
+        return None
+
+    def _prefill_batch(self) -> ScheduleBatch | None:
+        budget = self.config.chunked_prefill_size
+        reqs: list[Req] = []
+        extend_lens: list[int] = []
+        locs: list[torch.Tensor] = []
+        prefix_lens: list[int] = []
+
+        def add(req: Req, num_new: int, slots: torch.Tensor) -> None:
+            nonlocal budget
+            reqs.append(req)
+            prefix_lens.append(req.kv_len)
+            extend_lens.append(num_new)
+            locs.append(slots)
+            budget -= num_new
+
+        if self.chunked is not None:
+            req = self.chunked
+            num_new = min(req.num_tokens - req.kv_len, budget)
+            slots = self.kv.alloc_extend(req, num_new)
+            if slots is None:
+                return None  # decode steps will finish requests and free room
+            self.chunked = None
+            add(req, num_new, slots)
+
+        max_new_reqs = self.config.max_running_requests - len(self.running) - len(reqs)
+        for req in order_waiting(
+            list(self.waiting), self.config.schedule_policy, self.kv.cached_prefix_len
+        ):
+            if budget <= 0 or max_new_reqs <= 0 or not self.kv.can_attach():
+                break
+            if self.kv.prefix_cache is not None and shares_prefix_with_batch(
+                req, self.kv.cached_prefix_len(req), reqs, IN_BATCH_PREFIX_MIN_TOKENS
+            ):
+                continue
+            if not self.kv.attach(req):
+                break
+            num_new = min(req.num_tokens - req.kv_len, budget)
+            # Keep a page per running request free so the next decode step does not retract.
+            headroom = (len(self.running) + len(reqs) + 1) * self.runner.page_size
+            slots = None
+            if self.kv.available_tokens() >= num_new + headroom:
+                slots = self.kv.alloc_extend(req, num_new)
+            if slots is None:
+                self.kv.release(req)
+                break
+            self.waiting.remove(req)
+            add(req, num_new, slots)
+            max_new_reqs -= 1
+
+        if not reqs:
+            return None
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix_lens, extend_lens, torch.cat(locs))
+
+    def _decode_batch(self) -> ScheduleBatch | None:
+        while True:
+            slots = self.kv.alloc_decode(self.running)
+            if slots is not None:
+                break
+            if len(self.running) == 1:
+                # Admission guarantees a lone request fits the pool; reaching this is a bug.
+                raise RuntimeError(f"KV pool cannot hold a single request: {self.running[0]}")
+            self._retract_one()
+        reqs = list(self.running)
+        return ScheduleBatch(
+            ForwardMode.DECODE,
+            reqs,
+            [req.kv_len for req in reqs],
+            [1] * len(reqs),
+            slots,
+        )
+
+    def _retract_one(self) -> None:
+        # The request with the fewest output tokens (then the longest prompt) loses least work.
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        self.running.remove(victim)
+        self.kv.release(victim)
+        self.waiting.appendleft(victim)
+        self.num_retractions += 1
+        logger.info(
+            "retracted %s to free KV (retractions so far: %d)", victim.rid, self.num_retractions
+        )
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
+        rows, sampled = [], []
+        for i, (req, num_new) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
+            req.kv_len += num_new
+            if req.kv_len < req.num_tokens:
+                self.chunked = req  # a prefill chunk: nothing to sample yet
+            else:
+                rows.append(i)
+                sampled.append(req)
+            if batch.mode == ForwardMode.EXTEND:
+                self.kv.cache_prefix(req)
+        if not sampled:
+            return []
+        if len(rows) < len(batch.reqs):
+            logits = logits[rows]
+        result = sample(
+            logits,
+            SamplingBatch.build(
+                [req.params for req in sampled],
+                [req.origin_input_ids for req in sampled],
+                [req.output_ids for req in sampled],
+                [req.blocked_until_min_tokens() for req in sampled],
+                [req.generator for req in sampled],
+                self.runner.model_config.vocab_size,
+                logits.device,
+            ),
+            self.default_generator,
+        )
+        still_running = [] if batch.mode == ForwardMode.DECODE else self.running
+        for i, req in enumerate(sampled):
+            self._append_token(
+                req, result.next_token_ids[i], result.logprobs[i], result.top_logprobs[i]
+            )
+            if req.finished:
+                self._finish(req, req.finished_reason)
+            else:
+                still_running.append(req)
+        if batch.mode == ForwardMode.DECODE:
+            self.running = still_running
+        return sampled
+
+    def _append_token(self, req: Req, token: int, logprob, top_logprobs) -> None:
+        req.output_ids.append(token)
+        if req.params.logprobs:
+            req.logprobs.append(logprob)
+            if req.params.top_logprobs:
+                req.top_logprobs.append(top_logprobs)
+        stopped_by_string = False
+        if req.text_stream is not None:
+            text, stopped_by_string = req.text_stream.push([token])
+            req.pending_text += text
+        num_out = len(req.output_ids)
+        if token in req.stop_ids and num_out >= req.params.min_new_tokens:
+            req.finished_reason = FinishReason("stop", token)
+        elif stopped_by_string:
+            req.finished_reason = FinishReason("stop", req.text_stream.matched_stop)
+        elif num_out >= req.params.max_new_tokens or req.num_tokens >= self.runner.context_length:
+            req.finished_reason = FinishReason("length")
+
+    def _finish(self, req: Req, reason: FinishReason) -> Req:
+        req.finished_reason = reason
+        if (
+            req.text_stream is not None
+            and reason.kind != "abort"
+            and not (reason.kind == "stop" and isinstance(reason.matched, str))
+        ):
+            req.pending_text += req.text_stream.flush()
+        self.kv.release(req)
+        return req

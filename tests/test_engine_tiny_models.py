@@ -1,0 +1,84 @@
+"""The correctness anchor on small random Llama, Qwen2 and Mistral models built by transformers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from gpu_worker import Engine
+from tests.conftest import hf_greedy
+
+MAX_NEW = 20
+VOCAB = 512
+
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=96,
+    intermediate_size=192,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    # A wide init makes the logits peaked, so fp32 rounding cannot flip a greedy choice.
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+)
+
+MODELS = {
+    "llama": lambda: transformers.LlamaConfig(
+        **SHAPE,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 50000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen2": lambda: transformers.Qwen2Config(**SHAPE),
+    "mistral": lambda: transformers.MistralConfig(**SHAPE, head_dim=16),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def tiny_model_dir(request, tmp_path_factory):
+    torch.manual_seed(0)
+    config = MODELS[request.param]()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if request.param == "qwen2":
+        # Random init leaves the q/k/v biases at zero, which would not test that they load.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0, 0.5)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return path, model
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(VOCAB) for _ in range(n)] for n in (1, 3, 7, 12, 25, 40, 61, 90)]
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"page_size": 16, "chunked_prefill_size": 32}, {"disable_radix_cache": True}]
+)
+def test_tiny_model_greedy_equals_transformers(tiny_model_dir, options):
+    path, hf_model = tiny_model_dir
+    prompts = _prompts()
+    reference = hf_greedy(hf_model, prompts, MAX_NEW, stop_at_eos=False)
+    engine = Engine(str(path), dtype="float32", **options)
+    results = engine.generate(
+        input_ids=prompts,
+        sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True},
+    )
+    assert [r["output_ids"] for r in results] == reference
