@@ -91,7 +91,7 @@ class Engine:
         return self.scheduler.abort_request(rid) is not None
 
     def shutdown(self) -> None:
-        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
+        for req in self.scheduler.live_requests():
             self.scheduler.abort_request(req.rid)
         self.runner.forward_hooks.remove()
         if self.runner.device.type == "cuda":

@@ -179,15 +179,15 @@ def test_req_pool_write_fills_one_row_range():
 
 def test_kv_pool_round_trip_casts_to_pool_dtype():
     pool = TokenToKVPool(8, 4, torch.bfloat16, num_layers=2, num_kv_heads=2, head_dim=3, device=CPU)
-    assert len(pool.k_buffer) == 2 and pool.k_buffer[0].shape == (12, 2, 3)
+    assert len(pool.k_buffer) == 2 and pool.k_buffer[0].shape == (2, 12, 3)
     loc = torch.tensor([4, 9])
     k = torch.randn(2, 2, 3, dtype=torch.float32)
     v = torch.randn(2, 2, 3, dtype=torch.float32)
     pool.set_kv_buffer(1, loc, k, v)
     k_buf, v_buf = pool.get_kv_buffer(1)
     assert k_buf.dtype == torch.bfloat16
-    torch.testing.assert_close(k_buf[loc], k.to(torch.bfloat16))
-    torch.testing.assert_close(v_buf[loc], v.to(torch.bfloat16))
+    torch.testing.assert_close(k_buf[:, loc], k.to(torch.bfloat16).transpose(0, 1))
+    torch.testing.assert_close(v_buf[:, loc], v.to(torch.bfloat16).transpose(0, 1))
     assert not pool.get_kv_buffer(0)[0].any()
 
 

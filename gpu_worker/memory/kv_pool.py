@@ -11,7 +11,11 @@ import torch
 
 class TokenToKVPool:
     """Per-layer K and V buffers indexed by KV slot. Slots [0, page_size) are a padding page that
-    is never handed out: padded batch entries write there harmlessly."""
+    is never handed out: padded batch entries write there harmlessly.
+
+    Buffers are head-major, [kv_heads, slots, head_dim]: gathering one head's keys for a
+    batch gives a contiguous [tokens, head_dim] block that a batched matmul takes as it is
+    (with slot-major storage the gathered keys are strided and every matmul copies them)."""
 
     def __init__(
         self,
@@ -32,7 +36,7 @@ class TokenToKVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.device = torch.device(device)
-        shape = (size + page_size, num_kv_heads, head_dim)
+        shape = (num_kv_heads, size + page_size, head_dim)
         # One tensor per layer (not one [layers, ...] tensor) so a layer's buffer is contiguous
         # and attention kernels can take it without a stride argument.
         self.k_buffer = [
@@ -53,8 +57,8 @@ class TokenToKVPool:
             k = k.to(self.dtype)
         if v.dtype != self.dtype:
             v = v.to(self.dtype)
-        self.k_buffer[layer_id][loc] = k
-        self.v_buffer[layer_id][loc] = v
+        self.k_buffer[layer_id][:, loc] = k.transpose(0, 1)
+        self.v_buffer[layer_id][:, loc] = v.transpose(0, 1)
 
     @staticmethod
     def bytes_per_token(

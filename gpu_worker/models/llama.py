@@ -55,10 +55,12 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.contiguous())
+        qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads sit side by side: one rotary call covers both (fewer ops per layer).
+        heads = self.num_heads + self.num_kv_heads
+        qk = apply_rotary(qk.reshape(num_tokens, heads, self.head_dim), cos, sin)
+        q, k = qk.reshape(num_tokens, -1).split([self.q_size, self.kv_size], dim=-1)
+        out = self.attn(q, k, v.contiguous())
         return self.o_proj(out)
 
 

@@ -66,6 +66,10 @@ class Scheduler:
             return self._finish(req, FinishReason("abort", "aborted by the client"))
         return None
 
+    def live_requests(self) -> list[Req]:
+        chunked = [self.chunked] if self.chunked is not None else []
+        return [*self.waiting, *chunked, *self.running]
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
 
