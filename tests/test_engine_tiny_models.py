@@ -66,7 +66,13 @@ def tiny_model_dir(request, tmp_path_factory):
 
 def _prompts() -> list[list[int]]:
     rng = random.Random(0)
-    return [[rng.randrange(VOCAB) for _ in range(n)] for n in (1, 3, 7, 12, 25, 40, 61, 90)]
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (1, 3, 7, 12, 25, 40, 61, 90)]
+    # Long prompts take the blocked extend path; the second shares 48 tokens with the first,
+    # so it extends 180+ tokens after a prefix-cache hit.
+    long_prompt = [rng.randrange(VOCAB) for _ in range(230)]
+    prompts.append(long_prompt)
+    prompts.append(long_prompt[:48] + [rng.randrange(VOCAB) for _ in range(185)])
+    return prompts
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,12 @@ short request is not padded to the longest one: decode attention is memory-bound
 padding is memory traffic. On CPU that is several times faster
 than scaled_dot_product_attention, whose kernel does poorly with one query per sequence.
 The gather writes into reused workspace buffers: a fresh multi-megabyte tensor per layer
-costs more in page faults than the copy itself. Extend makes one SDPA call per request,
-since prompt lengths differ a lot and a prompt has many queries.
+costs more in page faults than the copy itself.
+
+Extend attends one request at a time, since prompt lengths differ a lot: short extends
+through SDPA, long ones in blocks of queries with two matmuls each, where a block sees
+only the keys up to its last query, so the masked upper triangle is mostly skipped (on
+CPU 1.8x faster than SDPA for 512 tokens).
 """
 
 from __future__ import annotations
@@ -26,6 +30,16 @@ from gpu_worker.model_executor.forward_batch import ForwardBatch, ForwardMode
 # A decode group grows while its real keys fill at least this share of its padded block.
 MIN_GROUP_FILL = 0.8
 MAX_DECODE_GROUPS = 4
+# Key lengths are padded up to a multiple of this. oneDNN builds a kernel per matmul shape
+# (~0.5 ms on CPU) and caches it; a length that grows by one every step would build new
+# kernels every step, while aligned lengths repeat.
+DECODE_KEY_ALIGN = 64
+# One gather over all kv heads saves calls (it wins on small batches); past this many keys
+# a gather per head is faster (measured on CPU: 126 vs 203 us for 21k keys).
+GATHER_PER_HEAD_MIN_KEYS = 4096
+# Extends with at least this many new tokens attend in query blocks of EXTEND_BLOCK.
+MIN_BLOCKED_EXTEND = 192
+EXTEND_BLOCK = 128
 
 
 @dataclass
@@ -108,10 +122,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         device = table.device
         self._decode = []
         for rows in groups:
-            max_len = max(fb.seq_lens_cpu[i] for i in rows)
+            longest = max(fb.seq_lens_cpu[i] for i in rows)
+            max_len = -(-longest // DECODE_KEY_ALIGN) * DECODE_KEY_ALIGN
             lens = torch.tensor([fb.seq_lens_cpu[i] for i in rows], device=device)
             batch_rows = torch.tensor(rows, dtype=torch.int64, device=device)
-            slots = table[fb.req_pool_indices[batch_rows], :max_len]
+            slots = table[fb.req_pool_indices[batch_rows], :longest]
+            slots = F.pad(slots, (0, max_len - longest))
             real = torch.arange(max_len, device=device)[None, :] < lens[:, None]
             bias = torch.zeros(real.shape, dtype=torch.float32, device=device)
             bias.masked_fill_(~real, float("-inf"))
@@ -190,8 +206,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         shape = (kv_heads, n * max_len, dim)
         keys = self._workspace.get("keys", shape, k_buffer)
         values = self._workspace.get("values", shape, v_buffer)
-        torch.index_select(k_buffer, 1, group.slots, out=keys)
-        torch.index_select(v_buffer, 1, group.slots, out=values)
+        if n * max_len >= GATHER_PER_HEAD_MIN_KEYS:
+            for head in range(kv_heads):
+                torch.index_select(k_buffer[head], 0, group.slots, out=keys[head])
+                torch.index_select(v_buffer[head], 0, group.slots, out=values[head])
+        else:
+            torch.index_select(k_buffer, 1, group.slots, out=keys)
+            torch.index_select(v_buffer, 1, group.slots, out=values)
         keys = keys.view(kv_heads, n, max_len, dim)
         values = values.view(kv_heads, n, max_len, dim)
         queries = q.transpose(0, 1).to(keys.dtype)  # [kv_heads, n, group_size, dim]
@@ -208,17 +229,53 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = torch.empty_like(q)
         for seq in self._extend:
             end = seq.token_start + seq.num_new
-            keys = k_buffer[:, seq.slots].unsqueeze(0)  # [1, kv_heads, len, dim]
-            values = v_buffer[:, seq.slots].unsqueeze(0)
-            queries = q[seq.token_start : end].transpose(0, 1).unsqueeze(0).to(keys.dtype)
-            attended = F.scaled_dot_product_attention(
-                queries,
-                keys,
-                values,
-                attn_mask=seq.mask,
-                is_causal=seq.mask is None,
-                scale=layer.scaling,
-                enable_gqa=layer.num_heads != layer.num_kv_heads,
-            )
-            out[seq.token_start : end] = attended.squeeze(0).transpose(0, 1).to(q.dtype)
+            keys = k_buffer[:, seq.slots]  # [kv_heads, seq_len, dim]
+            values = v_buffer[:, seq.slots]
+            queries = q[seq.token_start : end].to(keys.dtype)  # [num_new, heads, dim]
+            if seq.num_new >= MIN_BLOCKED_EXTEND:
+                attended = _blocked_causal_attention(queries, keys, values, layer)
+            else:
+                attended = (
+                    F.scaled_dot_product_attention(
+                        queries.transpose(0, 1).unsqueeze(0),
+                        keys.unsqueeze(0),
+                        values.unsqueeze(0),
+                        attn_mask=seq.mask,
+                        is_causal=seq.mask is None,
+                        scale=layer.scaling,
+                        enable_gqa=layer.num_heads != layer.num_kv_heads,
+                    )
+                    .squeeze(0)
+                    .transpose(0, 1)
+                )
+            out[seq.token_start : end] = attended.to(q.dtype)
         return out
+
+
+def _blocked_causal_attention(
+    queries: torch.Tensor,  # [num_new, heads, dim]: the last num_new positions of the sequence
+    keys: torch.Tensor,  # [kv_heads, seq_len, dim]
+    values: torch.Tensor,  # [kv_heads, seq_len, dim]
+    layer: PagedAttention,
+) -> torch.Tensor:  # [num_new, heads, dim]
+    num_new = queries.shape[0]
+    kv_heads, seq_len, dim = keys.shape
+    group = layer.num_heads // kv_heads
+    prefix = seq_len - num_new
+    # [kv_heads, group, num_new, dim]: query head h reads kv head h // group.
+    grouped = queries.view(num_new, kv_heads, group, dim).permute(1, 2, 0, 3)
+    out = torch.empty_like(grouped)
+    for start in range(0, num_new, EXTEND_BLOCK):
+        stop = min(start + EXTEND_BLOCK, num_new)
+        rows = stop - start
+        visible = prefix + stop  # keys this block's last query may see
+        block = grouped[:, :, start:stop].reshape(kv_heads, group * rows, dim)
+        scores = torch.matmul(block, keys[:, :visible].transpose(-1, -2))
+        scores = scores.float().mul_(layer.scaling).view(kv_heads, group, rows, visible)
+        query_pos = torch.arange(prefix + start, prefix + stop, device=keys.device)
+        key_pos = torch.arange(visible, device=keys.device)
+        scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        attended = torch.matmul(probs.view(kv_heads, group * rows, visible), values[:, :visible])
+        out[:, :, start:stop] = attended.view(kv_heads, group, rows, dim)
+    return out.permute(2, 0, 1, 3).reshape(num_new, kv_heads * group, dim)
