@@ -16,6 +16,7 @@ from gpu_worker.config import EngineConfig
 from gpu_worker.memory.allocator import PagedTokenAllocator
 from gpu_worker.memory.kv_pool import TokenToKVPool
 from gpu_worker.memory.req_to_token_pool import ReqToTokenPool
+from gpu_worker.model_executor.cpu_malloc import keep_freed_memory_in_heap
 from gpu_worker.model_executor.forward_batch import ForwardBatch, ForwardMode
 from gpu_worker.model_executor.forward_context import ForwardContext, forward_context
 from gpu_worker.model_executor.hooks import ForwardHooks
@@ -29,6 +30,8 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
+        if self.device.type == "cpu":
+            keep_freed_memory_in_heap()
         loaded = load_model(config.model, self.dtype, self.device, seed=config.seed)
         self.model = loaded.model
         self.model_config = loaded.config
