@@ -15,6 +15,7 @@ from collections import deque
 import torch
 
 from gpu_worker.config import EngineConfig
+from gpu_worker.memory.radix_cache import RadixCache
 from gpu_worker.model_executor.forward_batch import ForwardMode
 from gpu_worker.model_executor.model_runner import ModelRunner
 from gpu_worker.sampling.sampler import SamplingBatch, sample
@@ -32,8 +33,6 @@ IN_BATCH_PREFIX_MIN_TOKENS = 32
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, config: EngineConfig) -> None:
-        from gpu_worker.memory.radix_cache import RadixCache
-
         self.runner = runner
         self.config = config
         prefix_cache = (
@@ -211,17 +210,16 @@ class Scheduler:
             ),
             self.default_generator,
         )
-        still_running = [] if batch.mode == ForwardMode.DECODE else self.running
         for i, req in enumerate(sampled):
             self._append_token(
                 req, result.next_token_ids[i], result.logprobs[i], result.top_logprobs[i]
             )
             if req.finished:
                 self._finish(req, req.finished_reason)
-            else:
-                still_running.append(req)
+            elif batch.mode == ForwardMode.EXTEND:
+                self.running.append(req)  # its prefill is done: it decodes from now on
         if batch.mode == ForwardMode.DECODE:
-            self.running = still_running
+            self.running = [req for req in self.running if not req.finished]
         return sampled
 
     def _append_token(self, req: Req, token: int, logprob, top_logprobs) -> None:
@@ -244,11 +242,10 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason) -> Req:
         req.finished_reason = reason
-        if (
-            req.text_stream is not None
-            and reason.kind != "abort"
-            and not (reason.kind == "stop" and isinstance(reason.matched, str))
-        ):
+        stopped_by_string = reason.kind == "stop" and isinstance(reason.matched, str)
+        # Text held back as a possible stop-string start is real output unless the request
+        # was aborted or that stop string did complete.
+        if req.text_stream is not None and reason.kind != "abort" and not stopped_by_string:
             req.pending_text += req.text_stream.flush()
         self.kv.release(req)
         return req
