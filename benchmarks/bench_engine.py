@@ -159,14 +159,13 @@ def main() -> None:
             input_ids=[[100] * 64] * 4, sampling_params={"max_new_tokens": 8, "ignore_eos": True}
         )  # warm-up
         for workload in workloads:
+            # Each workload starts from an empty prefix cache, as a fresh server would.
+            engine.flush_cache()
             emit(workload, "engine", run_engine(engine, workload))
             if workload.name == "shared-prefix":
                 no_cache = Engine(args.model, dtype=args.dtype, disable_radix_cache=True)
                 emit(workload, "engine-no-cache", run_engine(no_cache, workload))
                 del no_cache
-            # Each workload starts from an empty prefix cache, as a fresh server would.
-            if engine.scheduler.kv.prefix_cache is not None:
-                engine.scheduler.kv.prefix_cache.reset()
         del engine
     if "hf" in systems:
         model = load_hf(args.model, dtype)

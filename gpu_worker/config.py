@@ -85,7 +85,10 @@ class EngineConfig:
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: this torch build or machine has no CUDA")
+        return device
 
     def torch_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.dtype == "auto" else DTYPES[self.dtype]

@@ -87,6 +87,10 @@ class Engine:
         finally:
             self._abort_unfinished(reqs)
 
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache and free its KV; refused (False) while requests are live."""
+        return self.scheduler.flush_cache()
+
     def abort(self, rid: str) -> bool:
         return self.scheduler.abort_request(rid) is not None
 

@@ -128,3 +128,19 @@ def test_closing_a_stream_aborts_and_frees_its_kv(tiny):
     stream.close()
     assert not tiny.scheduler.has_work()
     assert tiny.runner.req_to_token_pool.available_size() == rows_free
+
+
+def test_flush_cache_frees_every_slot_and_is_refused_while_busy(tiny):
+    allocator = tiny.runner.allocator
+    total = allocator.available_size() + tiny.scheduler.kv.prefix_cache.total_size()
+    tiny.generate(input_ids=[list(range(1, 40))], sampling_params={"max_new_tokens": 4})
+    assert tiny.scheduler.kv.prefix_cache.total_size() > 0
+    stream = tiny.generate_stream(
+        input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 50, "ignore_eos": True}
+    )
+    next(stream)
+    assert tiny.flush_cache() is False
+    stream.close()
+    assert tiny.flush_cache() is True
+    assert tiny.scheduler.kv.prefix_cache.total_size() == 0
+    assert allocator.available_size() == total

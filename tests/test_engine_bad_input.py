@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from gpu_worker import Engine
 
@@ -89,8 +90,15 @@ def test_bad_input_leaves_the_engine_working(tiny):
         ({"model": "random:tiny-llama", "schedule_policy": "random"}, "schedule_policy"),
         ({"model": "random:tiny-llama", "max_batch": 3}, "max_batch"),
         ({"model": "random:tiny-llama", "attention_backend": "magic"}, "attention_backend"),
+        ({"model": "random:tiny-llama", "device": "tpu:7"}, "device"),
     ],
 )
 def test_bad_engine_option_names_it(options, field):
     with pytest.raises(ValueError, match=field):
         Engine(**options)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match="no CUDA"):
+        Engine("random:tiny-llama", device="cuda")

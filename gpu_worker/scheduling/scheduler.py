@@ -69,6 +69,16 @@ class Scheduler:
         chunked = [self.chunked] if self.chunked is not None else []
         return [*self.waiting, *chunked, *self.running]
 
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache and return every KV slot; only when no request is live."""
+        if self.has_work():
+            return False
+        if self.kv.prefix_cache is not None:
+            self.kv.prefix_cache.reset()
+        # With nothing live, every allocated page belonged to the cache: start from clean.
+        self.runner.allocator.clear()
+        return True
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
 
