@@ -54,3 +54,23 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_at_eos:
             )
             outputs.append(out[0, len(ids) :].tolist())
     return outputs
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """One embedded server for the whole session; tests isolate through `redis_client`."""
+    from bus.embedded_server import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture
+def redis_client(redis_url):
+    """A client on the session's server, emptied first so no test sees another's keys."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    yield client
+    client.close()

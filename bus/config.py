@@ -1,0 +1,177 @@
+"""Every user-tunable bus setting, in one place, with its default.
+
+Environment variables read by ``BusConfig.from_env``:
+
+- ``REDIS_URL``: the server to use (``redis://``, ``rediss://`` or ``unix://``). Unset or
+  empty: start the embedded server.
+- ``STREAMSERVE_STREAM_PREFIX``: prefix of every stream and key name (default
+  ``streamserve``).
+- ``STREAMSERVE_STREAM_MAXLEN``: approximate ``MAXLEN`` each ``XADD`` trims a stream to.
+- ``STREAMSERVE_READ_COUNT``: most entries one ``XREADGROUP`` returns.
+- ``STREAMSERVE_BLOCK_MS``: how long one ``XREADGROUP`` blocks waiting for entries.
+- ``STREAMSERVE_CLAIM_IDLE_MS``: how long an entry stays pending before another consumer
+  takes it over with ``XAUTOCLAIM``.
+- ``STREAMSERVE_MAX_DELIVERIES``: deliveries after which an entry is dead-lettered.
+- ``STREAMSERVE_HEARTBEAT_INTERVAL_S``: seconds between a worker's heartbeats.
+- ``STREAMSERVE_HEARTBEAT_TTL_S``: seconds a heartbeat key lives; a worker silent for
+  longer is taken as dead.
+- ``STREAMSERVE_REPLY_TTL_S``: seconds a reply stream lives after its last write (a reader
+  that died leaves nothing behind for longer).
+- ``STREAMSERVE_NO_WORKER_TIMEOUT_S``: how long the scheduler holds a job while no worker is
+  alive before failing it with an error reply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ENV_PREFIX = "STREAMSERVE_"
+REDIS_URL_ENV = "REDIS_URL"
+_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+@dataclass(frozen=True)
+class BusConfig:
+    redis_url: str | None = None  # None: start the embedded server
+    stream_prefix: str = "streamserve"
+    stream_maxlen: int = 100_000
+    read_count: int = 64
+    block_ms: int = 100
+    claim_idle_ms: int = 5_000
+    max_deliveries: int = 5
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 5.0
+    reply_ttl_s: int = 3_600
+    no_worker_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.redis_url is not None and not self.redis_url.startswith(_URL_SCHEMES):
+            raise ValueError(
+                f"redis_url must start with one of {', '.join(_URL_SCHEMES)}; "
+                f"got {self.redis_url!r}"
+            )
+        if not self.stream_prefix or any(c.isspace() for c in self.stream_prefix):
+            raise ValueError(
+                f"stream_prefix must be non-empty without whitespace; got {self.stream_prefix!r}"
+            )
+        for name in (
+            "stream_maxlen",
+            "read_count",
+            "claim_idle_ms",
+            "max_deliveries",
+            "reply_ttl_s",
+        ):
+            _require_int(name, getattr(self, name), minimum=1)
+        # 0 would mean "block forever" to XREADGROUP, and a stage must stay responsive.
+        _require_int("block_ms", self.block_ms, minimum=1)
+        for name in ("heartbeat_interval_s", "heartbeat_ttl_s", "no_worker_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{name} must be a positive number; got {value!r}")
+        if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
+            # Otherwise a live worker's key expires between two beats.
+            raise ValueError(
+                f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must exceed "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s})"
+            )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides: Any) -> BusConfig:
+        """Defaults, then the environment, then ``overrides`` (keyword per field)."""
+        fields = dataclasses.fields(cls)
+        unknown = set(overrides) - {f.name for f in fields}
+        if unknown:
+            raise TypeError(f"unknown BusConfig fields: {', '.join(sorted(unknown))}")
+        values: dict[str, Any] = {}
+        variables: dict[str, str] = {}  # field -> the variable that set it
+        for field in fields:
+            variable = env_variable(field.name)
+            raw = environ.get(variable, "").strip()
+            if not raw or field.name in overrides:
+                continue
+            values[field.name] = _parse(variable, raw, field.type)
+            variables[field.name] = variable
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            # Validation speaks in field names; a user fixing it needs the variable's name.
+            named = [v for f, v in variables.items() if re.search(rf"\b{f}\b", str(exc))]
+            if not named:
+                raise
+            raise ValueError(f"{', '.join(named)}: {exc}") from None
+
+    @property
+    def uses_embedded_server(self) -> bool:
+        return self.redis_url is None
+
+    def requests_stream(self) -> str:
+        return f"{self.stream_prefix}:requests"
+
+    def tokenized_stream(self) -> str:
+        return f"{self.stream_prefix}:tokenized"
+
+    def tokens_stream(self) -> str:
+        return f"{self.stream_prefix}:tokens"
+
+    def worker_stream(self, worker_id: str) -> str:
+        return f"{self.stream_prefix}:worker:{_require_id('worker_id', worker_id)}"
+
+    def reply_stream(self, frontend_id: str) -> str:
+        return f"{self.stream_prefix}:reply:{_require_id('frontend_id', frontend_id)}"
+
+    def dead_letter_stream(self) -> str:
+        return f"{self.stream_prefix}:dead-letter"
+
+    def heartbeat_key(self, worker_id: str) -> str:
+        return f"{self.stream_prefix}:heartbeat:{_require_id('worker_id', worker_id)}"
+
+    def workers_key(self) -> str:
+        """A set of every worker id that ever beat; ids whose heartbeat expired are pruned."""
+        return f"{self.stream_prefix}:workers"
+
+    def routed_key(self) -> str:
+        """A hash worker id -> jobs routed to it, so schedulers see each other's routing."""
+        return f"{self.stream_prefix}:routed"
+
+    def route_key(self, rid: str) -> str:
+        """Which worker holds request `rid` (set by the scheduler, read by aborts)."""
+        return f"{self.stream_prefix}:route:{rid}"
+
+    def abort_key(self, rid: str) -> str:
+        """Set when `rid` is aborted, so a job still on its way is dropped on arrival."""
+        return f"{self.stream_prefix}:abort:{rid}"
+
+
+def env_variable(field_name: str) -> str:
+    """The environment variable that sets ``field_name``."""
+    return REDIS_URL_ENV if field_name == "redis_url" else ENV_PREFIX + field_name.upper()
+
+
+def _require_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+
+
+def _require_id(name: str, value: str) -> str:
+    # A ':' inside an id would make one worker's stream name look like another's.
+    if not value or ":" in value or any(c.isspace() for c in value):
+        raise ValueError(f"{name} must be non-empty, without ':' or whitespace; got {value!r}")
+    return value
+
+
+def _parse(variable: str, raw: str, type_name: object) -> Any:
+    # With `from __future__ import annotations`, field types are the annotation strings.
+    try:
+        if type_name == "int":
+            return int(raw)
+        if type_name == "float":
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{variable} must be {type_name}; got {raw!r}") from None
+    return raw
