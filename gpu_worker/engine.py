@@ -16,10 +16,14 @@ from typing import Any
 
 import torch
 
+from bus.sampling_params import SamplingParams
 from gpu_worker.config import DEFAULT_MODEL, EngineConfig
 from gpu_worker.model_executor.model_runner import ModelRunner
-from gpu_worker.request_input import normalize_prompts, normalize_sampling_params
-from gpu_worker.sampling.sampling_params import SamplingParams
+from gpu_worker.request_input import (
+    checked_ids,
+    normalize_prompts,
+    normalize_sampling_params,
+)
 from gpu_worker.scheduling.req import Req
 from gpu_worker.scheduling.scheduler import Scheduler
 from gpu_worker.text_stream import TextStream
@@ -87,6 +91,24 @@ class Engine:
         finally:
             self._abort_unfinished(reqs)
 
+    def build_request(
+        self, rid: str, input_ids: list[int], params: SamplingParams, detokenize: bool = True
+    ) -> Req:
+        """A checked request, ready for `scheduler.add_request`; ValueError names the field.
+
+        With `detokenize` False the request gets a text stream only if it has stop strings
+        (the worker stage leaves text to the detokenizer and only needs to find stops).
+        """
+        checked_ids([input_ids], self.vocab_size, "input_ids")
+        params.validate(self.vocab_size)
+        self._check_fits(input_ids, params)
+        return self._make_req(input_ids, params, rid, detokenize or bool(params.stop))
+
+    def token_budget(self, num_prompt_tokens: int) -> int:
+        """The most new tokens a prompt of this length can get (context and KV pool bound)."""
+        limit = min(self.runner.context_length, self.runner.max_total_tokens)
+        return limit - num_prompt_tokens
+
     def flush_cache(self) -> bool:
         """Drop the prefix cache and free its KV; refused (False) while requests are live."""
         return self.scheduler.flush_cache()
@@ -116,7 +138,10 @@ class Engine:
         params = normalize_sampling_params(sampling_params, len(prompts), self.vocab_size)
         for ids, one in zip(prompts, params, strict=True):
             self._check_fits(ids, one)
-        reqs = [self._make_req(ids, one) for ids, one in zip(prompts, params, strict=True)]
+        reqs = [
+            self._make_req(ids, one, uuid.uuid4().hex)
+            for ids, one in zip(prompts, params, strict=True)
+        ]
         for req in reqs:
             self.scheduler.add_request(req)
         return reqs, single
@@ -138,16 +163,18 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; this model has none")
 
-    def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
+    def _make_req(
+        self, ids: list[int], params: SamplingParams, rid: str, detokenize: bool = True
+    ) -> Req:
         generator = None
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
         text_stream = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and detokenize:
             text_stream = TextStream(
                 self.tokenizer, params.stop, params.skip_special_tokens, prompt_ids=ids
             )
-        return Req(uuid.uuid4().hex, ids, params, self.eos_ids, generator, text_stream)
+        return Req(rid, ids, params, self.eos_ids, generator, text_stream)
 
     def _step(self) -> None:
         if self.scheduler.step() is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpu_worker.sampling.sampling_params import SamplingParams
+from bus.sampling_params import SamplingParams
 
 
 def normalize_prompts(
@@ -38,20 +38,20 @@ def normalize_prompts(
             raise ValueError("prompt must be a string or a list of strings")
         _require_tokenizer(tokenizer, "prompt")
         ids = [tokenizer.encode(text) if text else [] for text in texts]
-        return _checked_ids(ids, vocab_size, "prompt"), single
+        return checked_ids(ids, vocab_size, "prompt"), single
     if input_ids is not None:
         if not isinstance(input_ids, Sequence) or isinstance(input_ids, str):
             raise ValueError("input_ids must be a list of token ids or a list of such lists")
         single = len(input_ids) == 0 or not isinstance(input_ids[0], Sequence)
         ids = [list(input_ids)] if single else [list(seq) for seq in input_ids]
-        return _checked_ids(ids, vocab_size, "input_ids"), single
+        return checked_ids(ids, vocab_size, "input_ids"), single
     _require_tokenizer(tokenizer, "messages")
     if not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content} dicts")
     single = isinstance(messages[0], Mapping)
     conversations = [messages] if single else list(messages)
     ids = [_apply_chat_template(tokenizer, conversation) for conversation in conversations]
-    return _checked_ids(ids, vocab_size, "messages"), single
+    return checked_ids(ids, vocab_size, "messages"), single
 
 
 def normalize_sampling_params(
@@ -88,7 +88,7 @@ def _apply_chat_template(tokenizer: Any, conversation: Sequence[Mapping[str, Any
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _checked_ids(ids: list[list[int]], vocab_size: int, field: str) -> list[list[int]]:
+def checked_ids(ids: list[list[int]], vocab_size: int, field: str) -> list[list[int]]:
     if not ids:
         raise ValueError(f"{field} is empty: give at least one prompt")
     for seq in ids:

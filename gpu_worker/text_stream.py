@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bus.stop_strings import find_stop, stop_prefix_len
+
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded as context for the first output token (vLLM and SGLang use 5).
 PROMPT_CONTEXT_TOKENS = 5
@@ -98,29 +100,15 @@ class TextStream:
             return pending, False
         # A stop string lies wholly inside `pending`: earlier text was released only when no
         # suffix of it could begin one.
-        hit = min(
-            ((at, s) for s in self.stop if (at := pending.find(s)) >= 0),
-            default=None,
-            key=lambda found: found[0],
-        )
+        hit = find_stop(pending, self.stop)
         if hit is not None:
             at, self.matched_stop = hit
             self.stopped = True
             self._pending = ""
             self.text += pending[:at]
             return pending[:at], True
-        keep = 0 if final else self._stop_prefix_len(pending)
+        keep = 0 if final else stop_prefix_len(pending, self.stop)
         emit = pending[: len(pending) - keep]
         self._pending = pending[len(pending) - keep :]
         self.text += emit
         return emit, False
-
-    def _stop_prefix_len(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        longest = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:n]):
-                    longest = n
-                    break
-        return longest

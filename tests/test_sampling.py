@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from bus.sampling_params import SamplingParams
 from gpu_worker.sampling.penalties import LogitAdjustments
 from gpu_worker.sampling.sampler import SamplingBatch, sample
-from gpu_worker.sampling.sampling_params import SamplingParams
 
 VOCAB = 50
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.sampling.sampling_params import SamplingParams
+from bus.sampling_params import SamplingParams
 
 
 @dataclass

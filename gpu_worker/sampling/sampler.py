@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from bus.sampling_params import SamplingParams
 from gpu_worker.sampling.logprobs import TopLogprobs, gather_logprobs
 from gpu_worker.sampling.penalties import LogitAdjustments
-from gpu_worker.sampling.sampling_params import SamplingParams
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpu_worker.sampling.sampling_params import SamplingParams
+from bus.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from gpu_worker.text_stream import TextStream
