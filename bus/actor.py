@@ -1,0 +1,273 @@
+"""The stage runtime: an actor on a consumer group of one input stream.
+
+One turn of the loop: ``XREADGROUP`` (COUNT > 1, bounded BLOCK) a batch of entries, decode
+them, let the stage turn the good ones into output messages, then ``XADD`` the outputs and
+``XACK`` the inputs in one MULTI: a crash before the EXEC leaves the inputs pending (another
+consumer claims them), a crash after it has handed them on. Entries that are not messages
+the stage accepts, or that make the stage raise, go to the dead-letter stream with the
+reason, and the stage keeps running. Entries left pending by a dead consumer are taken over
+with ``XAUTOCLAIM`` once idle for ``claim_idle_ms``; one delivered ``max_deliveries`` times is
+dead-lettered (it may be what killed its consumers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import redis
+
+from bus.config import BusConfig
+from bus.protocol import ENTRY_FIELD, ErrorReply, Message, ProtocolError, decode, encode
+
+logger = logging.getLogger(__name__)
+
+RECONNECT_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+@dataclass
+class Inbound:
+    entry_id: bytes
+    message: Message
+
+
+@dataclass
+class Outbound:
+    """A message to XADD (a stage's usual output)."""
+
+    stream: str
+    message: Message
+    expire_s: int | None = None  # for reply streams: gone once their reader is long gone
+
+    def apply(self, pipe: Any, config: BusConfig) -> None:
+        pipe.xadd(self.stream, {ENTRY_FIELD: encode(self.message)},
+                  maxlen=config.stream_maxlen, approximate=True)  # fmt: skip
+        if self.expire_s is not None:
+            pipe.expire(self.stream, self.expire_s)
+
+
+@dataclass
+class SetKey:
+    """A key written in the same MULTI as the outputs (e.g. where a request was routed)."""
+
+    key: str
+    value: str | bytes
+    ttl_s: int
+
+    def apply(self, pipe: Any, config: BusConfig) -> None:
+        pipe.set(self.key, self.value, ex=self.ttl_s)
+
+
+@dataclass
+class IncrHash:
+    key: str
+    field: str
+    by: int = 1
+
+    def apply(self, pipe: Any, config: BusConfig) -> None:
+        pipe.hincrby(self.key, self.field, self.by)
+
+
+Output = Outbound | SetKey | IncrHash
+
+
+class Stage(Protocol):
+    group: str  # consumer group name, shared by all replicas of the stage
+    accepts: tuple[type[Message], ...]
+
+    def input_stream(self, config: BusConfig) -> str: ...
+
+    def handle(self, batch: list[Inbound]) -> list[Output]: ...
+
+
+def unique_consumer_name(kind: str) -> str:
+    """Host, pid and a random suffix: two replicas never share a name, even after a restart."""
+    return f"{kind}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def ensure_group(client: redis.Redis, stream: str, group: str) -> None:
+    """Create the group (and stream) if missing; replicas race here, so BUSYGROUP is fine."""
+    try:
+        # From id 0: jobs written before any consumer existed are still served.
+        client.xgroup_create(stream, group, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+def dead_letter_fields(
+    source: str, entry_id: bytes | str, reason: str, payload: bytes | None
+) -> dict[str, Any]:
+    return {
+        "source": source,
+        "entry_id": entry_id,
+        "reason": reason,
+        "payload": payload if payload is not None else b"",
+        "time": f"{time.time():.3f}",
+    }
+
+
+def error_reply_for(message: Message, status: int, text: str, kind: str) -> Outbound | None:
+    """An error reply to the message's requester, when the message says who that is."""
+    rid, reply_to = getattr(message, "rid", None), getattr(message, "reply_to", None)
+    if not isinstance(rid, str) or not isinstance(reply_to, str):
+        return None
+    return Outbound(reply_to, ErrorReply(rid, status, text, kind))
+
+
+class Actor:
+    """Runs one stage replica; `run` until `stop` is set."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        config: BusConfig,
+        stage: Stage,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.stage = stage
+        self.stream = stage.input_stream(config)
+        self.consumer = unique_consumer_name(stage.group)
+        self.stop = stop if stop is not None else threading.Event()
+        self._next_claim = 0.0
+        self.processed = 0
+        self.dead_lettered = 0
+
+    def run(self) -> None:
+        logger.info("%s: consumer %s on %s", self.stage.group, self.consumer, self.stream)
+        failures = 0
+        while not self.stop.is_set():
+            try:
+                if failures or self._next_claim == 0.0:
+                    ensure_group(self.client, self.stream, self.stage.group)
+                self.run_once()
+                failures = 0
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                delay = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
+                failures += 1
+                logger.warning("%s: Redis unreachable (%s); retrying in %.1f s",
+                               self.stage.group, exc, delay)  # fmt: skip
+                self.stop.wait(delay)
+
+    def run_once(self) -> int:
+        """One read-handle-commit turn (plus a claim of stale entries when due)."""
+        entries = self._claim_stale() if time.monotonic() >= self._next_claim else []
+        if not entries:
+            response = self.client.xreadgroup(
+                self.stage.group,
+                self.consumer,
+                {self.stream: ">"},
+                count=self.config.read_count,
+                block=self.config.block_ms,
+            )
+            entries = response[0][1] if response else []
+        if entries:
+            self.process(entries)
+        return len(entries)
+
+    def process(self, entries: Sequence[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
+        good: list[Inbound] = []
+        dead: list[dict[str, Any]] = []
+        for entry_id, fields in entries:
+            if fields is None:  # deleted (trimmed) while pending: nothing to do but ack it
+                continue
+            payload = fields.get(ENTRY_FIELD)
+            try:
+                good.append(Inbound(entry_id, decode(payload, *self.stage.accepts)))
+            except ProtocolError as exc:
+                dead.append(dead_letter_fields(self.stream, entry_id, str(exc), payload))
+        outputs = self._handle(good, dead)
+        self._commit([entry_id for entry_id, _ in entries], outputs, dead)
+        self.processed += len(entries)
+
+    def _handle(self, good: list[Inbound], dead: list[dict[str, Any]]) -> list[Output]:
+        if not good:
+            return []
+        try:
+            return self.stage.handle(good)
+        except Exception:
+            logger.exception("%s: a batch of %d failed; retrying one by one",
+                             self.stage.group, len(good))  # fmt: skip
+        outputs: list[Output] = []
+        for inbound in good:  # find the entries that fail on their own
+            try:
+                outputs.extend(self.stage.handle([inbound]))
+            except Exception as exc:
+                reason = f"{self.stage.group} failed on it: {type(exc).__name__}: {exc}"
+                logger.exception("%s: dead-lettering %s", self.stage.group, inbound.entry_id)
+                payload = encode(inbound.message)
+                dead.append(dead_letter_fields(self.stream, inbound.entry_id, reason, payload))
+                reply = error_reply_for(inbound.message, 500, reason, "internal_error")
+                if reply is not None:
+                    outputs.append(reply)
+        return outputs
+
+    def _commit(
+        self, entry_ids: list[bytes], outputs: list[Output], dead: list[dict[str, Any]]
+    ) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        write_outputs(pipe, self.config, outputs)
+        for fields in dead:
+            pipe.xadd(self.config.dead_letter_stream(), fields,
+                      maxlen=self.config.stream_maxlen, approximate=True)  # fmt: skip
+        if entry_ids:
+            pipe.xack(self.stream, self.stage.group, *entry_ids)
+        pipe.execute()
+        self.dead_lettered += len(dead)
+        if dead:
+            logger.warning("%s: dead-lettered %d entries: %s", self.stage.group, len(dead),
+                           "; ".join(str(d["reason"]) for d in dead[:3]))  # fmt: skip
+
+    def _claim_stale(self) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
+        """Take over entries idle past claim_idle_ms; dead-letter the over-delivered ones."""
+        self._next_claim = time.monotonic() + self.config.claim_idle_ms / 2000
+        _, claimed, _ = self.client.xautoclaim(
+            self.stream, self.stage.group, self.consumer,
+            min_idle_time=self.config.claim_idle_ms, start_id="0-0",
+            count=self.config.read_count,
+        )  # fmt: skip
+        if not claimed:
+            return []
+        keep, dead = [], []
+        for entry_id, fields in claimed:
+            info = self.client.xpending_range(
+                self.stream, self.stage.group, min=entry_id, max=entry_id, count=1
+            )
+            deliveries = info[0]["times_delivered"] if info else 1
+            if deliveries > self.config.max_deliveries:
+                payload = (fields or {}).get(ENTRY_FIELD)
+                reason = f"delivered {deliveries} times without being handled"
+                dead.append((entry_id, dead_letter_fields(self.stream, entry_id, reason, payload)))
+            else:
+                keep.append((entry_id, fields))
+        if dead:
+            self._commit([entry_id for entry_id, _ in dead], [], [d for _, d in dead])
+        logger.info("%s: claimed %d stale entries", self.stage.group, len(keep))
+        return keep
+
+
+def write_outputs(pipe: Any, config: BusConfig, outputs: Sequence[Output]) -> None:
+    """Queue the commands of `outputs` on a pipeline (one MULTI with the acks)."""
+    for out in outputs:
+        out.apply(pipe, config)
+
+
+def stop_on_signals(stop: threading.Event) -> None:
+    """SIGTERM and SIGINT end the loop after the batch in hand (main thread only)."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        logger.info("signal %d: stopping after the current batch", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
