@@ -23,11 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from bus.protocol import PROMPT_CONTEXT_TOKENS
 from bus.stop_strings import find_stop, stop_prefix_len
 
 REPLACEMENT_CHAR = "\ufffd"
-# Prompt tokens decoded as context for the first output token (vLLM and SGLang use 5).
-PROMPT_CONTEXT_TOKENS = 5
 
 
 class TextStream:

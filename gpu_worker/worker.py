@@ -1,0 +1,355 @@
+"""The worker stage: the engine loop with the bus around it.
+
+    python -m gpu_worker.worker --redis-url unix:///tmp/redis.sock --model smollm2-135m-instruct
+
+The loop is the engine's (receive, schedule, forward, sample, process results) with Redis
+at its two ends. Jobs arrive on this worker's own stream ``<p>:worker:<id>``, where the
+scheduler stage routes them; every step publishes one TokenBatch with every request's new
+tokens to ``<p>:tokens``. While there is work, one MULTI per step carries the step's
+tokens, the acknowledgements of jobs admitted, the heartbeat when due, and a non-blocking
+read of new jobs, so the bus costs one round trip per step; idle, the worker blocks on its
+stream. Forming batches stays here: a round trip to Redis per decode step is all the bus may
+cost.
+
+The worker does not detokenize: requests with stop strings keep a TextStream to find them,
+the rest leave text to the detokenizer stage. Each item carries the token window the
+detokenizer needs (stages/detokenize.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from bus.actor import (
+    RECONNECT_BACKOFF_S,
+    Outbound,
+    Output,
+    dead_letter_fields,
+    ensure_group,
+    stop_on_signals,
+    unique_consumer_name,
+    write_outputs,
+)
+from bus.config import BusConfig
+from bus.protocol import (
+    ENTRY_FIELD,
+    Abort,
+    ErrorReply,
+    Finish,
+    Heartbeat,
+    ProtocolError,
+    TokenBatch,
+    TokenItem,
+    TokenizedRequest,
+    decode,
+    encode,
+    token_context,
+)
+from bus.sampling_params import SamplingParams
+from bus.stop_strings import stop_window_tokens
+from gpu_worker.engine import Engine
+from gpu_worker.scheduling.req import Req
+
+logger = logging.getLogger(__name__)
+
+GROUP = "worker"
+# Output tokens of context per item beyond the longest stop string: covers a character
+# split over up to 4 byte tokens, and a window start that decodes differently.
+CONTEXT_TOKENS = 8
+
+
+@dataclass
+class Job:
+    req: Req
+    reply_to: str
+    window: int  # output tokens of context the detokenizer needs
+    reported: int = 0  # output tokens already published
+
+
+class Worker:
+    def __init__(
+        self, engine: Engine, client: redis.Redis, config: BusConfig, worker_id: str, model: str
+    ) -> None:
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self.client = client
+        self.config = config
+        self.worker_id = worker_id
+        self.model = model
+        self.stream = config.worker_stream(worker_id)
+        self.consumer = unique_consumer_name(f"worker-{worker_id}")
+        self.stop = threading.Event()
+        self.jobs: dict[str, Job] = {}
+        self.admitted = 0
+        self.steps = 0
+        self._outbox: list[Output] = []
+        self._acks: list[bytes] = []
+        self._dead: list[dict[str, Any]] = []
+        self._next_beat = 0.0
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        ensure_group(self.client, self.stream, GROUP)
+        self._commit(read=False)  # first heartbeat: the scheduler can route to us now
+        logger.info("worker %s: consumer %s on %s", self.worker_id, self.consumer, self.stream)
+        entries: list[Any] = []
+        failures = 0
+        try:
+            while not self.stop.is_set():
+                try:
+                    if entries:
+                        self._admit(entries)
+                        entries = []
+                    if self.scheduler.has_work():
+                        self._step()
+                        entries = self._commit(read=True)
+                    else:
+                        self._commit(read=False)
+                        entries = self._read_blocking()
+                    failures = 0
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    # Outputs not yet written stay in the outbox for the next commit.
+                    delay = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
+                    failures += 1
+                    logger.warning("worker %s: Redis unreachable (%s); retrying in %.1f s",
+                                   self.worker_id, exc, delay)  # fmt: skip
+                    self.stop.wait(delay)
+        finally:
+            self._shutdown()
+
+    def _read_blocking(self) -> list[Any]:
+        response = self.client.xreadgroup(
+            GROUP, self.consumer, {self.stream: ">"},
+            count=self.config.read_count, block=self.config.block_ms,
+        )  # fmt: skip
+        return response[0][1] if response else []
+
+    def _commit(self, read: bool) -> list[Any]:
+        """One MULTI: outputs, acks, dead letters, a due heartbeat, and (optionally) a
+        non-blocking read of new jobs."""
+        beat_due = time.monotonic() >= self._next_beat
+        if not (self._outbox or self._acks or self._dead or beat_due or read):
+            return []
+        pipe = self.client.pipeline(transaction=True)
+        write_outputs(pipe, self.config, self._outbox)
+        for fields in self._dead:
+            pipe.xadd(self.config.dead_letter_stream(), fields,
+                      maxlen=self.config.stream_maxlen, approximate=True)  # fmt: skip
+        if self._acks:
+            pipe.xack(self.stream, GROUP, *self._acks)
+        if beat_due:
+            self._queue_heartbeat(pipe)
+        if read:
+            pipe.xreadgroup(GROUP, self.consumer, {self.stream: ">"}, count=self.config.read_count)
+        results = pipe.execute()
+        self._outbox, self._acks, self._dead = [], [], []
+        if read and results[-1]:
+            return results[-1][0][1]
+        return []
+
+    def _queue_heartbeat(self, pipe: Any) -> None:
+        load = self.scheduler.load()
+        beat = Heartbeat(
+            self.worker_id, self.stream, self.model, load["running"], load["waiting"],
+            load["free_kv_tokens"], self.engine.runner.max_total_tokens, self.admitted,
+            time.time(),
+        )  # fmt: skip
+        pipe.set(self.config.heartbeat_key(self.worker_id), encode(beat),
+                 px=int(self.config.heartbeat_ttl_s * 1000))  # fmt: skip
+        pipe.sadd(self.config.workers_key(), self.worker_id)
+        self._next_beat = time.monotonic() + self.config.heartbeat_interval_s
+
+    # ---- jobs in -------------------------------------------------------------------------
+
+    def _admit(self, entries: list[Any]) -> None:
+        jobs: list[TokenizedRequest] = []
+        for entry_id, fields in entries:
+            self._acks.append(entry_id)
+            if fields is None:
+                continue
+            payload = fields.get(ENTRY_FIELD)
+            try:
+                message = decode(payload, TokenizedRequest, Abort)
+            except ProtocolError as exc:
+                self._dead.append(dead_letter_fields(self.stream, entry_id, str(exc), payload))
+                continue
+            if isinstance(message, Abort):
+                self._abort(message.rid)
+            else:
+                jobs.append(message)
+        self.admitted += len(jobs)
+        if not jobs:
+            return
+        # A job aborted while on its way here is dropped on arrival (see bus/aborts.py).
+        aborted = self.client.mget([self.config.abort_key(job.rid) for job in jobs])
+        for job, abort_flag in zip(jobs, aborted, strict=True):
+            if abort_flag is None:
+                self._start(job)
+
+    def _start(self, job: TokenizedRequest) -> None:
+        if job.rid in self.jobs:
+            logger.warning("worker %s: duplicate job %s ignored", self.worker_id, job.rid)
+            return
+        try:
+            sampling = dict(job.sampling)
+            if "max_new_tokens" not in sampling:
+                # OpenAI's missing max_tokens: as many as the context allows.
+                sampling["max_new_tokens"] = max(1, self.engine.token_budget(len(job.input_ids)))
+            params = SamplingParams.from_dict(sampling)
+            req = self.engine.build_request(job.rid, job.input_ids, params, detokenize=False)
+        except (ValueError, TypeError) as exc:
+            message = str(exc)
+            param = message.split(" ", 1)[0].rstrip(":") if message else None
+            code = "context_length_exceeded" if "context length" in message else None
+            self._outbox.append(Outbound(job.reply_to, ErrorReply(
+                job.rid, 400, message, "invalid_request_error", param, code)))  # fmt: skip
+            return
+        window = stop_window_tokens(params.stop, CONTEXT_TOKENS)
+        self.jobs[job.rid] = Job(req, job.reply_to, window)
+        self.scheduler.add_request(req)
+
+    def _abort(self, rid: str) -> None:
+        req = self.scheduler.abort_request(rid)
+        if req is not None and rid in self.jobs:
+            self._publish_items([self._item(self.jobs[rid])])
+
+    # ---- results out ---------------------------------------------------------------------
+
+    def _step(self) -> None:
+        sampled = self.scheduler.step()
+        if sampled is None:
+            # Admission checks that every request fits the pool alone; this is a bug.
+            raise RuntimeError(f"scheduler has nothing to run: {self.scheduler.load()}")
+        self.steps += 1
+        items = [self._item(self.jobs[req.rid]) for req in sampled if req.rid in self.jobs]
+        self._publish_items(items)
+
+    def _publish_items(self, items: list[TokenItem]) -> None:
+        if items:
+            batch = TokenBatch(self.worker_id, self.steps, items)
+            self._outbox.append(Outbound(self.config.tokens_stream(), batch))
+
+    def _item(self, job: Job) -> TokenItem:
+        req = job.req
+        start, end = job.reported, len(req.output_ids)
+        job.reported = end
+        context, prompt_context = token_context(
+            req.origin_input_ids, req.output_ids, start, job.window
+        )
+        item = TokenItem(
+            req.rid, job.reply_to, start, req.output_ids[start:end], context, prompt_context,
+            req.params.stop, req.params.skip_special_tokens,
+        )  # fmt: skip
+        if req.params.logprobs:
+            item.logprobs = req.logprobs[start:end]
+            if req.params.top_logprobs:
+                item.top_logprobs = [
+                    [[token, logprob] for token, logprob in top]
+                    for top in req.top_logprobs[start:end]
+                ]
+        if req.finished:
+            reason = req.finished_reason
+            item.finish = Finish(
+                reason.kind, reason.matched, len(req.origin_input_ids), len(req.output_ids),
+                req.prompt_cache_hit or 0,
+            )  # fmt: skip
+            del self.jobs[req.rid]
+        return item
+
+    def _shutdown(self) -> None:
+        """Tell every live request's client, and leave the worker set."""
+        for rid, job in list(self.jobs.items()):
+            self.scheduler.abort_request(rid)
+            self._outbox.append(Outbound(job.reply_to, ErrorReply(
+                rid, 503, "the worker shut down", "service_unavailable", None,
+                "worker_shutdown")))  # fmt: skip
+        self.jobs.clear()
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            write_outputs(pipe, self.config, self._outbox)
+            if self._acks:
+                pipe.xack(self.stream, GROUP, *self._acks)
+            pipe.delete(self.config.heartbeat_key(self.worker_id))
+            pipe.srem(self.config.workers_key(), self.worker_id)
+            pipe.execute()
+        except redis.RedisError as exc:
+            logger.warning("worker %s: could not say goodbye: %s", self.worker_id, exc)
+        logger.info("worker %s stopped after %d steps", self.worker_id, self.steps)
+
+
+# ---- command line --------------------------------------------------------------------------
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{secrets.token_hex(3)}".replace(":", "-")
+
+
+def _engine_option_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (forward_hooks as JSON), so the worker takes every
+    engine option without a second list to keep in step."""
+    import dataclasses
+    import json
+
+    from gpu_worker.config import EngineConfig
+
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type)
+        if kind == "bool":
+            parser.add_argument(flag, action="store_true", default=None)
+        elif f.name == "forward_hooks":
+            parser.add_argument(flag, type=json.loads, default=None, help="JSON list")
+        else:
+            convert = int if "int" in kind else float if "float" in kind else str
+            parser.add_argument(flag, type=convert, default=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m gpu_worker.worker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--worker-id", default=None, help="default: <host>-<random>")
+    parser.add_argument("--log-level", default="INFO")
+    _engine_option_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+    config = BusConfig.from_env(**({"redis_url": args.redis_url} if args.redis_url else {}))
+    if config.redis_url is None:
+        print("error: give --redis-url or set REDIS_URL", file=sys.stderr)
+        return 2
+    options = {
+        key: value
+        for key, value in vars(args).items()
+        if value is not None and key not in ("redis_url", "model", "worker_id", "log_level")
+    }
+    try:
+        engine = Engine(args.model, **options)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    client = redis.Redis.from_url(config.redis_url)
+    worker = Worker(engine, client, config, args.worker_id or default_worker_id(), args.model)
+    stop_on_signals(worker.stop)
+    worker.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

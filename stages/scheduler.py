@@ -1,0 +1,111 @@
+"""The scheduler stage: each token-id job goes to the least-loaded live worker.
+
+Stateless across replicas: the live workers and their load come from Redis on every batch
+(one pipelined read), and so do the jobs every scheduler replica has routed to each worker
+(``<p>:routed``), so jobs routed since a worker's last heartbeat count against it and a
+burst is spread instead of piling onto the worker that looked idlest a second ago. A job's
+worker is recorded under its route key, for aborts. With no live worker the batch is held
+(unacknowledged) until one appears, and failed with a 503 reply after
+``no_worker_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import redis
+
+from bus.actor import Inbound, IncrHash, Outbound, Output, SetKey
+from bus.config import BusConfig
+from bus.protocol import ErrorReply, Heartbeat, ProtocolError, TokenizedRequest, decode
+
+logger = logging.getLogger(__name__)
+
+NO_WORKER_POLL_S = 0.2
+
+
+@dataclass
+class WorkerLoad:
+    worker_id: str
+    stream: str
+    queued: int  # running + waiting + routed but not yet read by the worker
+    free_kv_tokens: int
+
+
+def live_workers(client: redis.Redis, config: BusConfig) -> list[WorkerLoad]:
+    """Workers whose heartbeat key is alive; ids whose key expired are pruned."""
+    ids = sorted(member.decode() for member in client.smembers(config.workers_key()))
+    if not ids:
+        return []
+    pipe = client.pipeline(transaction=False)
+    pipe.mget([config.heartbeat_key(worker_id) for worker_id in ids])
+    pipe.hgetall(config.routed_key())
+    beats, routed = pipe.execute()
+    loads, dead = [], []
+    for worker_id, raw in zip(ids, beats, strict=True):
+        if raw is None:
+            dead.append(worker_id)
+            continue
+        try:
+            beat = decode(raw, Heartbeat)
+        except ProtocolError as exc:
+            logger.warning("ignoring worker %s: malformed heartbeat (%s)", worker_id, exc)
+            continue
+        in_transit = max(0, int(routed.get(worker_id.encode(), 0)) - beat.admitted)
+        queued = beat.running + beat.waiting + in_transit
+        loads.append(WorkerLoad(worker_id, beat.stream, queued, beat.free_kv_tokens))
+    if dead:
+        client.srem(config.workers_key(), *dead)
+    return loads
+
+
+class SchedulerStage:
+    group = "scheduler"
+    accepts = (TokenizedRequest,)
+
+    def __init__(self, config: BusConfig, client: redis.Redis, stop: threading.Event) -> None:
+        self.config = config
+        self.client = client
+        self.stop = stop
+
+    def input_stream(self, config: BusConfig) -> str:
+        return config.tokenized_stream()
+
+    def handle(self, batch: list[Inbound]) -> list[Output]:
+        jobs = [inbound.message for inbound in batch]
+        workers = self._wait_for_workers()
+        if not workers:
+            return [
+                Outbound(job.reply_to, ErrorReply(
+                    job.rid, 503,
+                    f"no live worker for {self.config.no_worker_timeout_s:g} s; try again later",
+                    "service_unavailable", None, "no_worker",
+                ))
+                for job in jobs
+            ]  # fmt: skip
+        outputs: list[Output] = []
+        for job in jobs:
+            # Least queued first; of equals, the one with the most free KV.
+            worker = min(workers, key=lambda w: (w.queued, -w.free_kv_tokens))
+            worker.queued += 1
+            outputs.append(Outbound(worker.stream, job))
+            outputs.append(SetKey(self.config.route_key(job.rid), worker.worker_id,
+                                  self.config.reply_ttl_s))  # fmt: skip
+            outputs.append(IncrHash(self.config.routed_key(), worker.worker_id))
+        return outputs
+
+    def _wait_for_workers(self) -> list[WorkerLoad]:
+        deadline = time.monotonic() + self.config.no_worker_timeout_s
+        warned = False
+        while True:
+            workers = live_workers(self.client, self.config)
+            if workers or time.monotonic() >= deadline or self.stop.is_set():
+                return workers
+            if not warned:
+                logger.warning("no live worker: holding jobs for up to %g s",
+                               self.config.no_worker_timeout_s)  # fmt: skip
+                warned = True
+            self.stop.wait(NO_WORKER_POLL_S)

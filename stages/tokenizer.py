@@ -1,0 +1,71 @@
+"""The tokenizer stage: text and chat jobs become token-id jobs.
+
+Reads GenerateRequest from ``<p>:requests``, applies the chat template or encodes the
+prompt (a batch of prompts in one call into the Rust tokenizer), and writes a
+TokenizedRequest to ``<p>:tokenized``. Token-id jobs pass through; their ids are checked
+against the model's vocabulary by the worker, which knows it. A job this stage cannot
+tokenize gets an error reply and is acknowledged: it is the client's mistake, not a reason
+to retry.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from bus.actor import Inbound, Outbound, Output
+from bus.config import BusConfig
+from bus.protocol import ErrorReply, GenerateRequest, TokenizedRequest
+
+logger = logging.getLogger(__name__)
+
+
+class TokenizerStage:
+    group = "tokenizer"
+    accepts = (GenerateRequest,)
+
+    def __init__(self, config: BusConfig, tokenizer: Any | None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer  # None: a random: model, which takes token ids only
+
+    def input_stream(self, config: BusConfig) -> str:
+        return config.requests_stream()
+
+    def handle(self, batch: list[Inbound]) -> list[Output]:
+        jobs = [inbound.message for inbound in batch]
+        texts = [job.prompt for job in jobs if job.prompt is not None and self.tokenizer]
+        encoded = iter(self.tokenizer.encode_batch(texts) if texts else [])
+        outputs: list[Output] = []
+        for job in jobs:
+            try:
+                ids = self._token_ids(job, encoded)
+            except ValueError as exc:
+                outputs.append(Outbound(job.reply_to, _bad_request(job, exc)))
+                continue
+            tokenized = TokenizedRequest(job.rid, job.reply_to, ids, job.sampling, job.created)
+            outputs.append(Outbound(self.config.tokenized_stream(), tokenized))
+        return outputs
+
+    def _token_ids(self, job: GenerateRequest, encoded) -> list[int]:
+        if job.input_ids is not None:
+            ids = job.input_ids
+            field = "input_ids"
+        elif self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (a random: model): send input_ids")
+        elif job.prompt is not None:
+            ids = next(encoded)
+            field = "prompt"
+        else:
+            ids = self.tokenizer.apply_chat_template(job.messages)
+            field = "messages"
+        if not ids:
+            raise ValueError(f"{field}: the prompt is empty")
+        if min(ids) < 0:
+            raise ValueError(f"{field}: token ids must be >= 0")
+        return ids
+
+
+def _bad_request(job: GenerateRequest, exc: ValueError) -> ErrorReply:
+    message = str(exc)
+    param = message.split(":", 1)[0] if ":" in message else None
+    return ErrorReply(job.rid, 400, message, "invalid_request_error", param)
