@@ -6,8 +6,9 @@ them, let the stage turn the good ones into output messages, then ``XADD`` the o
 consumer claims them), a crash after it has handed them on. Entries that are not messages
 the stage accepts, or that make the stage raise, go to the dead-letter stream with the
 reason, and the stage keeps running. Entries left pending by a dead consumer are taken over
-with ``XAUTOCLAIM`` once idle for ``claim_idle_ms``; one delivered ``max_deliveries`` times is
-dead-lettered (it may be what killed its consumers).
+with ``XAUTOCLAIM`` once idle for ``claim_idle_ms``; one delivered more than
+``max_deliveries`` times is dead-lettered (it may be what killed its consumers). A stage
+that cannot handle a batch yet raises `HoldBatch`: nothing is written or acknowledged.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ from bus.protocol import ENTRY_FIELD, ErrorReply, Message, ProtocolError, decode
 logger = logging.getLogger(__name__)
 
 RECONNECT_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
+REDIS_TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
+
+
+class HoldBatch(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised by a stage to leave its batch pending (unacknowledged) for later or another
+    replica, e.g. when the stage is stopping while it waits."""
 
 
 @dataclass
@@ -115,12 +122,20 @@ def dead_letter_fields(
     }
 
 
-def error_reply_for(message: Message, status: int, text: str, kind: str) -> Outbound | None:
+def reply(config: BusConfig, reply_to: str, message: Message) -> Outbound:
+    """A message to a request's reply stream, which expires reply_ttl_s after its last write
+    (its reader may be long gone)."""
+    return Outbound(reply_to, message, expire_s=config.reply_ttl_s)
+
+
+def error_reply_for(
+    config: BusConfig, message: Message, status: int, text: str, kind: str
+) -> Outbound | None:
     """An error reply to the message's requester, when the message says who that is."""
     rid, reply_to = getattr(message, "rid", None), getattr(message, "reply_to", None)
     if not isinstance(rid, str) or not isinstance(reply_to, str):
         return None
-    return Outbound(reply_to, ErrorReply(rid, status, text, kind))
+    return reply(config, reply_to, ErrorReply(rid, status, text, kind))
 
 
 class Actor:
@@ -139,7 +154,11 @@ class Actor:
         self.stream = stage.input_stream(config)
         self.consumer = unique_consumer_name(stage.group)
         self.stop = stop if stop is not None else threading.Event()
+        if hasattr(stage, "keep_alive"):
+            # A stage that may hold a batch a while keeps it from being claimed with this.
+            stage.keep_alive = self.touch
         self._next_claim = 0.0
+        self._claim_cursor: bytes | str = "0-0"  # XAUTOCLAIM resumes where it left off
         self.processed = 0
         self.dead_lettered = 0
 
@@ -152,7 +171,7 @@ class Actor:
                     ensure_group(self.client, self.stream, self.stage.group)
                 self.run_once()
                 failures = 0
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except REDIS_TRANSIENT as exc:
                 delay = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
                 failures += 1
                 logger.warning("%s: Redis unreachable (%s); retrying in %.1f s",
@@ -172,7 +191,10 @@ class Actor:
             )
             entries = response[0][1] if response else []
         if entries:
-            self.process(entries)
+            try:
+                self.process(entries)
+            except HoldBatch:
+                logger.info("%s: holding %d entries", self.stage.group, len(entries))
         return len(entries)
 
     def process(self, entries: Sequence[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
@@ -195,6 +217,8 @@ class Actor:
             return []
         try:
             return self.stage.handle(good)
+        except (HoldBatch, *REDIS_TRANSIENT):
+            raise  # not the entries' fault: leave them pending
         except Exception:
             logger.exception("%s: a batch of %d failed; retrying one by one",
                              self.stage.group, len(good))  # fmt: skip
@@ -202,14 +226,19 @@ class Actor:
         for inbound in good:  # find the entries that fail on their own
             try:
                 outputs.extend(self.stage.handle([inbound]))
+            except (HoldBatch, *REDIS_TRANSIENT):
+                raise
             except Exception as exc:
                 reason = f"{self.stage.group} failed on it: {type(exc).__name__}: {exc}"
                 logger.exception("%s: dead-lettering %s", self.stage.group, inbound.entry_id)
                 payload = encode(inbound.message)
                 dead.append(dead_letter_fields(self.stream, inbound.entry_id, reason, payload))
-                reply = error_reply_for(inbound.message, 500, reason, "internal_error")
-                if reply is not None:
-                    outputs.append(reply)
+                # The requester learns that it failed, not the internals of why.
+                answer = error_reply_for(self.config, inbound.message, 500,
+                                         f"{self.stage.group} could not handle this request",
+                                         "internal_error")  # fmt: skip
+                if answer is not None:
+                    outputs.append(answer)
         return outputs
 
     def _commit(
@@ -222,18 +251,21 @@ class Actor:
                       maxlen=self.config.stream_maxlen, approximate=True)  # fmt: skip
         if entry_ids:
             pipe.xack(self.stream, self.stage.group, *entry_ids)
-        pipe.execute()
+        execute_logging_errors(pipe, self.stage.group)
         self.dead_lettered += len(dead)
         if dead:
             logger.warning("%s: dead-lettered %d entries: %s", self.stage.group, len(dead),
                            "; ".join(str(d["reason"]) for d in dead[:3]))  # fmt: skip
 
+    def touch(self, entry_ids: list[bytes]) -> None:
+        touch(self.client, self.stream, self.stage.group, self.consumer, entry_ids)
+
     def _claim_stale(self) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
         """Take over entries idle past claim_idle_ms; dead-letter the over-delivered ones."""
         self._next_claim = time.monotonic() + self.config.claim_idle_ms / 2000
-        _, claimed, _ = self.client.xautoclaim(
+        self._claim_cursor, claimed, _ = self.client.xautoclaim(
             self.stream, self.stage.group, self.consumer,
-            min_idle_time=self.config.claim_idle_ms, start_id="0-0",
+            min_idle_time=self.config.claim_idle_ms, start_id=self._claim_cursor,
             count=self.config.read_count,
         )  # fmt: skip
         if not claimed:
@@ -254,6 +286,23 @@ class Actor:
             self._commit([entry_id for entry_id, _ in dead], [], [d for _, d in dead])
         logger.info("%s: claimed %d stale entries", self.stage.group, len(keep))
         return keep
+
+
+def execute_logging_errors(pipe: Any, who: str) -> list[Any]:
+    """EXEC without raising on a failed command: one output to a key of the wrong type (a
+    client naming a hash as its reply stream) must not undo the rest or kill the stage. The
+    other commands of a MULTI are applied either way."""
+    results = pipe.execute(raise_on_error=False)
+    for result in results:
+        if isinstance(result, redis.ResponseError):
+            logger.warning("%s: a write failed and was dropped: %s", who, result)
+    return results
+
+
+def touch(client: redis.Redis, stream: str, group: str, consumer: str, ids: list[bytes]) -> None:
+    """Reset the idle time of entries this consumer holds, so no replica claims them."""
+    if ids:
+        client.xclaim(stream, group, consumer, min_idle_time=0, message_ids=ids, justid=True)
 
 
 def write_outputs(pipe: Any, config: BusConfig, outputs: Sequence[Output]) -> None:

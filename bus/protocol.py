@@ -317,6 +317,13 @@ class TextDelta(Message):
     top_logprobs: list[list[list[float]]] | None = None
     token_texts: list[str] | None = None  # each token's own text, when logprobs are asked
 
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> TextDelta:
+        delta = super().from_wire(data)
+        if delta.finish is not None:
+            Finish.from_wire(delta.finish)  # checked here, not where a reader trips on it
+        return delta
+
     def finish_info(self) -> Finish | None:
         return None if self.finish is None else Finish.from_wire(self.finish)
 

@@ -36,6 +36,8 @@ from bus.actor import (
     Output,
     dead_letter_fields,
     ensure_group,
+    execute_logging_errors,
+    reply,
     stop_on_signals,
     unique_consumer_name,
     write_outputs,
@@ -101,6 +103,9 @@ class Worker:
 
     def run(self) -> None:
         ensure_group(self.client, self.stream, GROUP)
+        # `admitted` counts from 0 again: so must the jobs routed to this id, or a restarted
+        # worker would look busy with its previous life's jobs.
+        self.client.hdel(self.config.routed_key(), self.worker_id)
         self._commit(read=False)  # first heartbeat: the scheduler can route to us now
         logger.info("worker %s: consumer %s on %s", self.worker_id, self.consumer, self.stream)
         entries: list[Any] = []
@@ -152,9 +157,9 @@ class Worker:
             self._queue_heartbeat(pipe)
         if read:
             pipe.xreadgroup(GROUP, self.consumer, {self.stream: ">"}, count=self.config.read_count)
-        results = pipe.execute()
+        results = execute_logging_errors(pipe, f"worker {self.worker_id}")
         self._outbox, self._acks, self._dead = [], [], []
-        if read and results[-1]:
+        if read and results[-1] and not isinstance(results[-1], redis.ResponseError):
             return results[-1][0][1]
         return []
 
@@ -212,7 +217,7 @@ class Worker:
             message = str(exc)
             param = message.split(" ", 1)[0].rstrip(":") if message else None
             code = "context_length_exceeded" if "context length" in message else None
-            self._outbox.append(Outbound(job.reply_to, ErrorReply(
+            self._outbox.append(reply(self.config, job.reply_to, ErrorReply(
                 job.rid, 400, message, "invalid_request_error", param, code)))  # fmt: skip
             return
         window = stop_window_tokens(params.stop, CONTEXT_TOKENS)
@@ -271,7 +276,7 @@ class Worker:
         """Tell every live request's client, and leave the worker set."""
         for rid, job in list(self.jobs.items()):
             self.scheduler.abort_request(rid)
-            self._outbox.append(Outbound(job.reply_to, ErrorReply(
+            self._outbox.append(reply(self.config, job.reply_to, ErrorReply(
                 rid, 503, "the worker shut down", "service_unavailable", None,
                 "worker_shutdown")))  # fmt: skip
         self.jobs.clear()
@@ -282,7 +287,7 @@ class Worker:
                 pipe.xack(self.stream, GROUP, *self._acks)
             pipe.delete(self.config.heartbeat_key(self.worker_id))
             pipe.srem(self.config.workers_key(), self.worker_id)
-            pipe.execute()
+            execute_logging_errors(pipe, f"worker {self.worker_id}")
         except redis.RedisError as exc:
             logger.warning("worker %s: could not say goodbye: %s", self.worker_id, exc)
         logger.info("worker %s stopped after %d steps", self.worker_id, self.steps)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
 
-from bus.actor import Inbound, IncrHash, Outbound, Output, SetKey
+from bus.actor import HoldBatch, Inbound, IncrHash, Outbound, Output, SetKey, reply
 from bus.config import BusConfig
 from bus.protocol import ErrorReply, Heartbeat, ProtocolError, TokenizedRequest, decode
 
@@ -70,16 +71,18 @@ class SchedulerStage:
         self.config = config
         self.client = client
         self.stop = stop
+        # Set by the Actor to its touch(): while this holds a batch, no replica may claim it.
+        self.keep_alive: Callable[[list[bytes]], None] = lambda entry_ids: None
 
     def input_stream(self, config: BusConfig) -> str:
         return config.tokenized_stream()
 
     def handle(self, batch: list[Inbound]) -> list[Output]:
         jobs = [inbound.message for inbound in batch]
-        workers = self._wait_for_workers()
+        workers = self._wait_for_workers([inbound.entry_id for inbound in batch])
         if not workers:
             return [
-                Outbound(job.reply_to, ErrorReply(
+                reply(self.config, job.reply_to, ErrorReply(
                     job.rid, 503,
                     f"no live worker for {self.config.no_worker_timeout_s:g} s; try again later",
                     "service_unavailable", None, "no_worker",
@@ -97,13 +100,20 @@ class SchedulerStage:
             outputs.append(IncrHash(self.config.routed_key(), worker.worker_id))
         return outputs
 
-    def _wait_for_workers(self) -> list[WorkerLoad]:
+    def _wait_for_workers(self, entry_ids: list[bytes]) -> list[WorkerLoad]:
         deadline = time.monotonic() + self.config.no_worker_timeout_s
+        touch_every = self.config.claim_idle_ms / 2000
+        next_touch = time.monotonic() + touch_every
         warned = False
         while True:
             workers = live_workers(self.client, self.config)
-            if workers or time.monotonic() >= deadline or self.stop.is_set():
+            if workers or time.monotonic() >= deadline:
                 return workers
+            if self.stop.is_set():
+                raise HoldBatch  # another replica (or this one, restarted) routes them
+            if time.monotonic() >= next_touch:
+                self.keep_alive(entry_ids)
+                next_touch = time.monotonic() + touch_every
             if not warned:
                 logger.warning("no live worker: holding jobs for up to %g s",
                                self.config.no_worker_timeout_s)  # fmt: skip

@@ -11,9 +11,10 @@ to retry.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
-from bus.actor import Inbound, Outbound, Output
+from bus.actor import Inbound, Outbound, Output, reply
 from bus.config import BusConfig
 from bus.protocol import ErrorReply, GenerateRequest, TokenizedRequest
 
@@ -40,7 +41,7 @@ class TokenizerStage:
             try:
                 ids = self._token_ids(job, encoded)
             except ValueError as exc:
-                outputs.append(Outbound(job.reply_to, _bad_request(job, exc)))
+                outputs.append(reply(self.config, job.reply_to, _bad_request(job, exc)))
                 continue
             tokenized = TokenizedRequest(job.rid, job.reply_to, ids, job.sampling, job.created)
             outputs.append(Outbound(self.config.tokenized_stream(), tokenized))
@@ -51,7 +52,9 @@ class TokenizerStage:
             ids = job.input_ids
             field = "input_ids"
         elif self.tokenizer is None:
-            raise ValueError("this model has no tokenizer (a random: model): send input_ids")
+            field = "prompt" if job.prompt is not None else "messages"
+            raise ValueError(f"{field}: this model has no tokenizer (a random model); "
+                             "send input_ids")  # fmt: skip
         elif job.prompt is not None:
             ids = next(encoded)
             field = "prompt"
@@ -67,5 +70,7 @@ class TokenizerStage:
 
 def _bad_request(job: GenerateRequest, exc: ValueError) -> ErrorReply:
     message = str(exc)
-    param = message.split(":", 1)[0] if ":" in message else None
+    # Messages start with the field they are about ("messages: ..."), as SamplingParams' do.
+    head = message.split(":", 1)[0]
+    param = head if ":" in message and re.fullmatch(r"[A-Za-z_][\w.\[\]]*", head) else None
     return ErrorReply(job.rid, 400, message, "invalid_request_error", param)
