@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.workloads import WORKLOADS, Workload, make_workload  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
+from stages.workloads import WORKLOADS, Workload, make_workload  # noqa: E402
 
 
 def _percentile(values: list[float], q: float) -> float | None:

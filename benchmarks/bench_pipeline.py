@@ -1,0 +1,128 @@
+"""What the bus costs: a workload through the whole pipeline and through the in-process
+engine, in one run.
+
+    python benchmarks/bench_pipeline.py [--workloads mixed-64] [--via http,redis] [--out f.jsonl]
+
+`engine` is gpu_worker's Engine in this process. `pipeline-http` and `pipeline-redis` are
+`streamserve up` (its own embedded Redis-protocol server, every stage its own process)
+driven by `streamserve bench` over HTTP streaming and over direct Redis jobs. The engine
+runs first and is freed before the pipeline starts: with two cores, both at once would
+measure contention, not the bus. Targets (shared/BENCHMARKS.md): pipeline >= 0.9x engine
+output tok/s, and <= 2 ms added p50 inter-token latency. One JSON line per (workload,
+system) on stdout, with the ratios on the pipeline lines; a table on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_engine import print_table, run_engine  # noqa: E402
+
+from bus.embedded_server import EmbeddedRedis  # noqa: E402
+from gpu_worker import Engine  # noqa: E402
+from stages import bench  # noqa: E402
+from stages.workloads import make_workload  # noqa: E402
+
+READY_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(url: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError("streamserve up exited before it was healthy")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError("the pipeline was not healthy in time")
+
+
+def measure_pipeline(args: argparse.Namespace, names: list[str]) -> list[dict]:
+    rows = []
+    with EmbeddedRedis() as server:
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        command = [sys.executable, "-m", "stages.cli", "up", "--model", args.model,
+                   "--redis-url", server.url, "--port", str(port), "--log-level", "WARNING",
+                   f"--worker-arg=--dtype={args.dtype}"]  # fmt: skip
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        try:
+            _wait_healthy(url, process)
+            for via in args.via.split(","):
+                options = bench.build_parser().parse_args(
+                    ["--url", url, "--workloads", "single"]
+                    + (["--redis-url", server.url] if via == "redis" else [])
+                )
+                asyncio.run(bench.run(options))  # warm-up: first-request costs are not the bus
+                options.workloads = ",".join(names)
+                rows += asyncio.run(bench.run(options))
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=60)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--workloads", default="mixed-64")
+    parser.add_argument("--via", default="http,redis", help="pipeline entry points to measure")
+    parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
+    args = parser.parse_args()
+    names = args.workloads.split(",")
+
+    engine_rows = {}
+    engine = Engine(args.model, dtype=args.dtype)
+    engine.generate(input_ids=[[100] * 64] * 4,
+                    sampling_params={"max_new_tokens": 8, "ignore_eos": True})  # fmt: skip
+    for name in names:
+        engine.flush_cache()
+        figures = run_engine(engine, make_workload(name))
+        engine_rows[name] = {"workload": name, "system": "engine", **figures}
+    del engine
+    gc.collect()
+
+    pipeline_rows = measure_pipeline(args, names)
+    rows = list(engine_rows.values())
+    for row in pipeline_rows:
+        base = engine_rows[row["workload"]]
+        row["vs_engine"] = round(row["output_tok_s"] / base["output_tok_s"], 3)
+        if row.get("itl_ms_p50") is not None and base.get("itl_ms_p50") is not None:
+            row["added_itl_ms_p50"] = round(row["itl_ms_p50"] - base["itl_ms_p50"], 2)
+        rows.append(row)
+    for row in rows:
+        row.update(model=args.model, dtype=args.dtype, cpus=os.cpu_count())
+        line = json.dumps(row)
+        print(line, flush=True)
+        if args.out:
+            with args.out.open("a") as handle:
+                handle.write(line + "\n")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

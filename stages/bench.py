@@ -1,0 +1,181 @@
+"""`streamserve bench`: the shared workloads against a running system, over HTTP or Redis.
+
+    streamserve bench --url http://127.0.0.1:8000 --workloads mixed-64
+    streamserve bench --redis-url unix:///tmp/redis.sock --workloads single,mixed-64
+
+Every request of a workload is sent at once (token-id prompts, greedy, end-of-sequence
+ignored, exactly the workload's output length), each streamed back; a progress bar counts
+finished requests. One JSON line per workload goes to stdout: output tokens per second over
+the wall time, TTFT and inter-token latency percentiles (a gap is the time between two
+streamed chunks of a request, divided by the tokens the later chunk carries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from stages.workloads import WORKLOADS, Workload, make_workload
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+@dataclass
+class Timing:
+    sent: float
+    tokens: int = 0
+    first: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    last: float | None = None
+
+    def chunk(self, now: float, num_tokens: int) -> None:
+        if num_tokens == 0:
+            return
+        if self.first is None:
+            self.first = now
+        elif self.last is not None:
+            self.gaps.extend([(now - self.last) / num_tokens] * num_tokens)
+        self.last = now
+        self.tokens += num_tokens
+
+
+# A source streams (number of new tokens) per chunk for one token-id job.
+Source = Callable[[list[int], dict[str, Any]], AsyncIterator[int]]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def sampling_for(output_len: int) -> dict[str, Any]:
+    return {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
+
+
+async def run_workload(source: Source, workload: Workload, progress: bool = True) -> dict:
+    bar = tqdm(total=len(workload.prompts), desc=workload.name, disable=not progress,
+               file=sys.stderr, unit="req")  # fmt: skip
+    timings: list[Timing] = []
+
+    async def one(prompt: list[int], output_len: int) -> None:
+        timing = Timing(time.perf_counter())
+        timings.append(timing)
+        async for num_tokens in source(prompt, sampling_for(output_len)):
+            timing.chunk(time.perf_counter(), num_tokens)
+        bar.update()
+
+    start = time.perf_counter()
+    await asyncio.gather(
+        *(one(p, n) for p, n in zip(workload.prompts, workload.output_lens, strict=True))
+    )
+    wall = time.perf_counter() - start
+    bar.close()
+    produced = sum(t.tokens for t in timings)
+    if produced != workload.output_tokens:
+        raise RuntimeError(f"{workload.name}: got {produced} tokens, expected "
+                           f"{workload.output_tokens}")  # fmt: skip
+    ttfts = [t.first - t.sent for t in timings if t.first is not None]
+    gaps = [g for t in timings for g in t.gaps]
+    return {
+        "workload": workload.name,
+        "requests": len(workload.prompts),
+        "output_tokens": produced,
+        "wall_s": round(wall, 3),
+        "output_tok_s": round(produced / wall, 1),
+        "ttft_ms_p50": _ms(percentile(ttfts, 0.5)),
+        "ttft_ms_p99": _ms(percentile(ttfts, 0.99)),
+        "itl_ms_p50": _ms(percentile(gaps, 0.5)),
+        "itl_ms_p99": _ms(percentile(gaps, 0.99)),
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 2)
+
+
+def http_source(session: Any, base_url: str) -> Source:
+    """Native /generate with token ids, streamed as server-sent events."""
+
+    async def stream(prompt: list[int], sampling: dict[str, Any]) -> AsyncIterator[int]:
+        body = {"input_ids": prompt, "sampling_params": sampling, "stream": True}
+        async with session.post(base_url + "/generate", json=body) as reply:
+            if reply.status != 200:
+                raise RuntimeError(f"/generate answered {reply.status}: {await reply.text()}")
+            async for line in reply.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                yield len(json.loads(line[6:])["output_ids"])
+
+    return stream
+
+
+def redis_source(client: Any) -> Source:
+    """Direct Redis jobs through bus.client.AsyncClient."""
+
+    async def stream(prompt: list[int], sampling: dict[str, Any]) -> AsyncIterator[int]:
+        rid = await client.submit(input_ids=prompt, sampling=sampling)
+        async for chunk in client.stream(rid):
+            yield len(chunk["output_ids"])
+
+    return stream
+
+
+async def run(args: argparse.Namespace) -> list[dict]:
+    names = [name for name in args.workloads.split(",") if name]
+    results = []
+    if args.redis_url:
+        from bus.client import AsyncClient
+
+        client = AsyncClient(args.redis_url)
+        try:
+            for name in names:
+                figures = await run_workload(redis_source(client), make_workload(name))
+                results.append({**figures, "system": "pipeline-redis"})
+                print(json.dumps(results[-1]), flush=True)
+        finally:
+            await client.close()
+        return results
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=args.timeout)
+    connector = aiohttp.TCPConnector(limit=0)  # every request of a workload at once
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        for name in names:
+            figures = await run_workload(http_source(session, args.url), make_workload(name))
+            results.append({**figures, "system": "pipeline-http"})
+            print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamserve bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--url", default=DEFAULT_URL, help=f"ingress (default {DEFAULT_URL})")
+    parser.add_argument("--redis-url", default=None, help="send direct Redis jobs instead")
+    parser.add_argument("--workloads", default="mixed-64", help=f"comma list of {WORKLOADS}")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds without a byte")
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)  # from the CLI
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in args.workloads.split(","):
+        if name and name not in WORKLOADS:
+            print(f"error: unknown workload {name!r}; known: {WORKLOADS}", file=sys.stderr)
+            return 2
+    asyncio.run(run(args))
+    return 0

@@ -1,0 +1,128 @@
+"""The `streamserve` command.
+
+  streamserve up                     every stage on this machine (embedded Redis by default)
+  streamserve stage <name>           one replica of ingress, tokenizer, scheduler, detokenizer
+  streamserve worker [engine flags]  one GPU worker (python -m gpu_worker.worker)
+  streamserve bench                  the shared workloads against a running system
+
+Every command takes the Redis URL from --redis-url or $REDIS_URL, and the model from
+--model or $STREAMSERVE_MODEL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from bus.config import BusConfig
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_PORT = 8000
+WORKER_MODULE = "gpu_worker.worker"  # started by name: stages never import gpu_worker
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+    parser.add_argument(
+        "--model",
+        default=os.environ.get("STREAMSERVE_MODEL") or DEFAULT_MODEL,
+        help=f"default: $STREAMSERVE_MODEL or {DEFAULT_MODEL}",
+    )
+    parser.add_argument("--log-level", default=os.environ.get("STREAMSERVE_LOG_LEVEL", "INFO"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamserve", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser("up", help="start every stage on this machine")
+    _common(up)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=DEFAULT_PORT)
+    for flag, what in (
+        ("--ingress", "ingress"),
+        ("--tokenizers", "tokenizer"),
+        ("--schedulers", "scheduler"),
+        ("--detokenizers", "detokenizer"),
+        ("--workers", "worker"),
+    ):
+        up.add_argument(flag, type=int, default=1, help=f"replicas of the {what} (default 1)")
+    up.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a flag for every worker, e.g. --worker-arg=--max-running-requests=64",
+    )
+    up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait")
+
+    stage = commands.add_parser("stage", help="run one replica of a CPU stage")
+    stage.add_argument("name", choices=("ingress", "tokenizer", "scheduler", "detokenizer"))
+    _common(stage)
+    stage.add_argument("--host", default="0.0.0.0", help="ingress only")
+    stage.add_argument("--port", type=int, default=DEFAULT_PORT, help="ingress only")
+
+    worker = commands.add_parser(
+        "worker", help="run one GPU worker; other flags go to the engine (see --help-engine)"
+    )
+    _common(worker)
+    worker.add_argument("--help-engine", action="store_true", help="list the engine flags")
+
+    bench = commands.add_parser("bench", help="run the shared workloads against a running system")
+    _common(bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command not in ("worker", "bench"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+    if args.command == "worker":
+        return _exec_worker(args, extra)
+    if args.command == "bench":
+        from stages.bench import main as bench_main
+
+        return bench_main([*(["--redis-url", args.redis_url] if args.redis_url else []),
+                           "--model", args.model, *extra])  # fmt: skip
+    try:
+        config = BusConfig.from_env(**({"redis_url": args.redis_url} if args.redis_url else {}))
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.command == "up":
+        from stages.launcher import Launcher
+
+        return Launcher(args, config).run()
+    from stages.run_stage import run_stage
+
+    try:
+        run_stage(args.name, config, model=args.model, host=args.host, port=args.port)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def worker_command(redis_url: str | None, model: str, extra: list[str]) -> list[str]:
+    command = [sys.executable, "-m", WORKER_MODULE, "--model", model]
+    if redis_url:
+        command += ["--redis-url", redis_url]
+    return command + extra
+
+
+def _exec_worker(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.help_engine:
+        extra = ["--help"]
+    command = worker_command(args.redis_url, args.model, [*extra, "--log-level", args.log_level])
+    sys.stdout.flush()
+    os.execv(sys.executable, command)  # the worker replaces this process: signals reach it
+
+
+if __name__ == "__main__":
+    sys.exit(main())

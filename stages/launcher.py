@@ -1,0 +1,154 @@
+"""`streamserve up`: the whole system on one machine, each stage replica its own process.
+
+With no Redis URL it starts the embedded server (bus/embedded_server.py) first. It waits
+until ``/health`` answers (a worker has loaded its model and beats), prints where the API
+listens, and on Ctrl-C or SIGTERM stops the stages (ingress first, so no new request comes
+in, the workers last) and then the server. If any replica dies, it stops everything and
+exits non-zero: a half-running system that looks healthy is worse than none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from bus.config import BusConfig
+from bus.embedded_server import EmbeddedRedis
+from stages.cli import worker_command
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 15.0
+POLL_S = 0.25
+
+
+class Launcher:
+    def __init__(self, args: argparse.Namespace, config: BusConfig) -> None:
+        self.args = args
+        self.config = config
+        self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.stop = threading.Event()
+        self.server: EmbeddedRedis | None = None
+
+    def run(self) -> int:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: self.stop.set())
+        try:
+            url = self.config.redis_url or self._start_embedded_server()
+            self._start_stages(url)
+            if not self._wait_until_healthy():
+                return 1
+            self._announce(url)
+            return self._supervise()
+        finally:
+            self._stop_all()
+
+    def _start_embedded_server(self) -> str:
+        self.server = EmbeddedRedis()
+        url = self.server.start()
+        logger.info("embedded Redis-protocol server at %s", url)
+        return url
+
+    def _start_stages(self, url: str) -> None:
+        a = self.args
+        env = {**os.environ, "REDIS_URL": url}
+        common = ["--model", a.model, "--log-level", a.log_level]
+        # Workers first: loading the model is the slow part.
+        for i in range(a.workers):
+            command = worker_command(url, a.model, [*a.worker_arg, "--log-level", a.log_level])
+            self._spawn(f"worker-{i}", command, env)
+        stages = (
+            ("tokenizer", a.tokenizers),
+            ("scheduler", a.schedulers),
+            ("detokenizer", a.detokenizers),
+            ("ingress", a.ingress),
+        )
+        for name, count in stages:
+            for i in range(count):
+                command = [sys.executable, "-m", "stages.cli", "stage", name, *common]
+                if name == "ingress":
+                    command += ["--host", a.host, "--port", str(a.port)]
+                self._spawn(f"{name}-{i}", command, env)
+
+    def _spawn(self, label: str, command: list[str], env: dict[str, str]) -> None:
+        process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+        self.processes.append((label, process))
+        logger.info("started %s (pid %d)", label, process.pid)
+
+    def _health_url(self) -> str:
+        host = "127.0.0.1" if self.args.host in ("0.0.0.0", "::", "") else self.args.host
+        return f"http://{host}:{self.args.port}"
+
+    def _wait_until_healthy(self) -> bool:
+        deadline = time.monotonic() + self.args.ready_timeout
+        while not self.stop.is_set():
+            if self._first_dead() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(self._health_url() + "/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return True
+            except (urllib.error.URLError, OSError):
+                pass  # not listening yet, or no worker yet (503)
+            if time.monotonic() > deadline:
+                logger.error("not healthy after %g s; stopping", self.args.ready_timeout)
+                return False
+            self.stop.wait(POLL_S)
+        return False
+
+    def _announce(self, url: str) -> None:
+        base = self._health_url()
+        print(
+            f"\nstreamserve is up: {base}/v1  (model {self.args.model}, Redis {url})\n"
+            f"try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"""-d '{{"model": "{self.args.model}", "messages": """
+            f"""[{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'\n"""
+            "Ctrl-C stops everything.\n",
+            flush=True,
+        )
+
+    def _supervise(self) -> int:
+        while not self.stop.is_set():
+            dead = self._first_dead()
+            if dead is not None:
+                return 1
+            self.stop.wait(POLL_S)
+        return 0
+
+    def _first_dead(self) -> str | None:
+        for label, process in self.processes:
+            code = process.poll()
+            if code is not None:
+                logger.error("%s exited with code %d; stopping everything", label, code)
+                return label
+        return None
+
+    def _stop_all(self) -> None:
+        # Ingress first (no new requests), workers last (they tell live requests they end).
+        order = sorted(
+            self.processes,
+            key=lambda lp: (not lp[0].startswith("ingress"), lp[0].startswith("worker")),
+        )
+        for _, process in order:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for label, process in order:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in time; killing it", label)
+                process.kill()
+                process.wait()
+        self.processes.clear()
+        if self.server is not None:
+            self.server.stop()
+            self.server = None

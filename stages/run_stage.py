@@ -1,0 +1,50 @@
+"""Start one replica of a CPU stage against a Redis URL (what `streamserve stage` runs)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+from bus.actor import Actor, stop_on_signals
+from bus.config import BusConfig
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("ingress", "tokenizer", "scheduler", "detokenizer")
+
+
+def run_stage(name: str, config: BusConfig, *, model: str, host: str, port: int) -> None:
+    """Block until SIGTERM or SIGINT."""
+    if name not in STAGES:
+        raise ValueError(f"unknown stage {name!r}; the stages are {', '.join(STAGES)}")
+    if config.redis_url is None:
+        raise ValueError("a stage needs a Redis URL: give --redis-url or set REDIS_URL")
+    if name == "ingress":
+        from stages.ingress.server import run
+
+        run(config, host=host, port=port, model=model)
+        return
+    client = redis.Redis.from_url(config.redis_url)
+    stop = threading.Event()
+    stop_on_signals(stop)
+    if name == "scheduler":
+        from stages.scheduler import SchedulerStage
+
+        stage = SchedulerStage(config, client, stop)
+    else:
+        from stages.tokenizer_loading import load_stage_tokenizer
+
+        tokenizer = load_stage_tokenizer(model)
+        if name == "tokenizer":
+            from stages.tokenizer import TokenizerStage
+
+            stage = TokenizerStage(config, tokenizer)
+        else:
+            from stages.detokenizer import DetokenizerStage
+
+            stage = DetokenizerStage(config, tokenizer)
+    actor = Actor(client, config, stage, stop)
+    actor.run()
+    logger.info("%s stopped after %d entries", name, actor.processed)
