@@ -305,8 +305,11 @@ class TextDelta(Message):
     FIELDS = {
         "rid": _STR, "seq": _INT, "ids": _IDS, "text": _STR, "finish": _LIST,
         "logprobs": _LIST, "top_logprobs": _LIST, "token_texts": _LIST,
+        "top_token_texts": _LIST,
     }  # fmt: skip
-    OPTIONAL = frozenset({"text", "finish", "logprobs", "top_logprobs", "token_texts"})
+    OPTIONAL = frozenset(
+        {"text", "finish", "logprobs", "top_logprobs", "token_texts", "top_token_texts"}
+    )
 
     rid: str
     seq: int
@@ -316,6 +319,7 @@ class TextDelta(Message):
     logprobs: list[float] | None = None
     top_logprobs: list[list[list[float]]] | None = None
     token_texts: list[str] | None = None  # each token's own text, when logprobs are asked
+    top_token_texts: list[list[str]] | None = None  # the texts of top_logprobs' ids
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> TextDelta:

@@ -43,4 +43,9 @@ class DetokenizerStage:
             delta.top_logprobs = item.top_logprobs
             if self.tokenizer is not None:
                 delta.token_texts = self.tokenizer.token_texts(item.ids)
+                if item.top_logprobs:
+                    delta.top_token_texts = [
+                        self.tokenizer.token_texts([int(token) for token, _ in top])
+                        for top in item.top_logprobs
+                    ]
         return delta

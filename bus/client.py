@@ -1,0 +1,383 @@
+"""Direct Redis jobs, without HTTP: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    with Client("redis://localhost:6379") as client:
+        print(client.generate("Once upon a time", sampling={"max_new_tokens": 16})["text"])
+        rids = client.submit_many([{"input_ids": [1, 2, 3]}] * 1000)
+        for chunk in client.stream(rids[0]):
+            ...
+
+On the wire (bus/protocol.py has it all): ``submit`` XADDs one entry ``{m: msgpack map}`` to
+``<p>:requests``, a GenerateRequest ``{kind: "generate", rid, reply_to, prompt | messages |
+input_ids (packed little-endian int32 bytes), sampling: {SamplingParams fields}, created}``.
+The pipeline answers on the client's own ``<p>:reply:client-<uuid>`` stream with TextDelta
+entries ``{kind: "delta", rid, seq, ids, text, finish?}`` (``finish`` on the last one:
+``[reason, matched_stop, prompt_tokens, completion_tokens, cached_tokens]``) or one ErrorReply
+``{kind: "error", rid, status, message, type, param, code}``.
+
+A submitted job's replies are kept for its `stream` until the request ends or is aborted;
+stream (or abort) every job you submit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+
+from bus.aborts import publish_abort, publish_abort_async
+from bus.config import REDIS_URL_ENV, BusConfig
+from bus.protocol import ENTRY_FIELD, MAX_TOKEN_ID, ErrorReply, GenerateRequest, encode
+from bus.replies import AsyncReplyReader, Reply, ReplyReader
+from bus.sampling_params import SamplingParams
+
+SUBMIT_PIPELINE_SIZE = 1_000  # XADDs per round trip in submit_many
+CONNECT_TIMEOUT_S = 5.0
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class RequestError(Exception):
+    """The pipeline rejected or failed a request (its ErrorReply)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    @classmethod
+    def from_reply(cls, reply: ErrorReply) -> RequestError:
+        return cls(reply.status, reply.message, reply.type, reply.param, reply.code)
+
+
+def wire_sampling(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`sampling` checked as SamplingParams (ValueError naming the field), ready for msgpack.
+
+    Only the fields given are sent, so the worker's defaults apply to the rest; a missing
+    ``max_new_tokens`` means "up to the context length". Checks that need the model's
+    vocabulary are left to the worker.
+    """
+    given = dict(sampling or {})
+    params = SamplingParams.from_dict(given)
+    for name, value in given.items():
+        # SamplingParams bounds few integers above; msgpack carries only 64 bits.
+        if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError(f"{name} is out of range: {value}")
+    if "max_new_tokens" not in given:
+        params.max_new_tokens = MAX_TOKEN_ID  # the context length bounds it downstream
+    params.validate(vocab_size=MAX_TOKEN_ID)
+    if "logit_bias" in given:
+        # msgpack map keys must be strings for the readers (strict_map_key).
+        given["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
+    if "stop" in given:
+        given["stop"] = params.stop
+    return given
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
+
+
+def new_request(
+    reply_to: str,
+    prompt: str | None = None,
+    *,
+    messages: list[dict[str, Any]] | None = None,
+    input_ids: list[int] | None = None,
+    sampling: Mapping[str, Any] | None = None,
+    rid: str | None = None,
+) -> GenerateRequest:
+    """A checked GenerateRequest (ValueError for a bad one)."""
+    if input_ids is not None:
+        input_ids = list(input_ids)
+        bad = next((t for t in input_ids if not _is_token_id(t)), None)
+        if bad is not None:
+            raise ValueError(f"input_ids: {bad!r} is not a token id")
+    return GenerateRequest(
+        rid=rid or uuid.uuid4().hex,
+        reply_to=reply_to,
+        prompt=prompt,
+        messages=messages,
+        input_ids=input_ids,
+        sampling=wire_sampling(sampling),
+        created=time.time(),
+    )
+
+
+def request_entry(request: GenerateRequest) -> dict[bytes, bytes]:
+    return {ENTRY_FIELD: encode(request)}
+
+
+def resolve_config(redis_url: str | None, config: BusConfig | None) -> BusConfig:
+    """The config to use, with its URL from the argument, else the config, else $REDIS_URL."""
+    config = config if config is not None else BusConfig.from_env()
+    url = redis_url or config.redis_url or os.environ.get(REDIS_URL_ENV, "").strip()
+    if not url:
+        raise ValueError(
+            f"no Redis URL: pass redis_url, a BusConfig with one, or set {REDIS_URL_ENV}"
+        )
+    return dataclasses.replace(config, redis_url=url)
+
+
+def chunk_of(rid: str, message: Reply | None) -> dict[str, Any]:
+    """One reply as a chunk dict; None (aborted here) ends with finish_reason "abort"."""
+    if message is None:
+        return {"rid": rid, "text": "", "output_ids": [], "finish_reason": "abort"}
+    if isinstance(message, ErrorReply):
+        raise RequestError.from_reply(message)
+    chunk: dict[str, Any] = {
+        "rid": rid,
+        "text": message.text or "",
+        "output_ids": message.ids,
+        "finish_reason": None,
+    }
+    if message.logprobs is not None:
+        chunk["logprobs"] = message.logprobs
+        chunk["top_logprobs"] = message.top_logprobs
+    finish = message.finish_info()
+    if finish is not None:
+        chunk.update(finish_reason=finish.reason, matched_stop=finish.matched, usage=finish.usage())
+    return chunk
+
+
+def is_last(message: Reply | None) -> bool:
+    return message is None or isinstance(message, ErrorReply) or message.finish is not None
+
+
+class _Result:
+    """The chunks of one request summed into `generate`'s result."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.text: list[str] = []
+        self.output_ids: list[int] = []
+        self.last: dict[str, Any] = {}
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        self.text.append(chunk["text"])
+        self.output_ids.extend(chunk["output_ids"])
+        self.last = chunk
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "rid": self.rid,
+            "text": "".join(self.text),
+            "output_ids": self.output_ids,
+            "finish_reason": self.last.get("finish_reason"),
+            "matched_stop": self.last.get("matched_stop"),
+            "usage": self.last.get("usage"),
+        }
+
+
+class Client:
+    """Submit jobs to the pipeline and read their replies; thread-safe."""
+
+    def __init__(self, redis_url: str | None = None, config: BusConfig | None = None) -> None:
+        self.config = resolve_config(redis_url, config)
+        self.redis = redis.Redis.from_url(
+            self.config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S
+        )
+        self.reply_stream = self.config.reply_stream(f"client-{uuid.uuid4().hex}")
+        self.replies = ReplyReader(self.redis, self.reply_stream)
+
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        input_ids: list[int] | None = None,
+        sampling: Mapping[str, Any] | None = None,
+        rid: str | None = None,
+    ) -> str:
+        """Queue one job; returns its rid. ValueError for a malformed job."""
+        return self.submit_many(
+            [
+                {
+                    "prompt": prompt,
+                    "messages": messages,
+                    "input_ids": input_ids,
+                    "sampling": sampling,
+                    "rid": rid,
+                }
+            ]
+        )[0]
+
+    def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
+        """Queue many jobs (each a dict of `submit`'s arguments), pipelined; returns their rids.
+
+        Every job is checked before any is sent, so a ValueError leaves nothing queued.
+        """
+        requests = [new_request(self.reply_stream, **job) for job in jobs]
+        for request in requests:
+            self.replies.register(request.rid)
+        for start in range(0, len(requests), SUBMIT_PIPELINE_SIZE):
+            pipe = self.redis.pipeline(transaction=False)
+            for request in requests[start : start + SUBMIT_PIPELINE_SIZE]:
+                pipe.xadd(
+                    self.config.requests_stream(),
+                    request_entry(request),
+                    maxlen=self.config.stream_maxlen,
+                    approximate=True,
+                )
+            pipe.execute()
+        return [request.rid for request in requests]
+
+    def stream(self, rid: str, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """Chunk dicts ``{rid, text, output_ids, finish_reason, matched_stop?, usage?}``.
+
+        Raises RequestError on an error reply, TimeoutError when no reply comes for
+        `timeout` seconds, KeyError for a rid this client is not waiting for.
+        """
+        while True:
+            message = self.replies.get(rid, timeout)
+            yield chunk_of(rid, message)
+            if is_last(message):
+                return
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        input_ids: list[int] | None = None,
+        sampling: Mapping[str, Any] | None = None,
+        rid: str | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Submit and wait: ``{rid, text, output_ids, finish_reason, matched_stop, usage}``."""
+        rid = self.submit(
+            prompt, messages=messages, input_ids=input_ids, sampling=sampling, rid=rid
+        )
+        result = _Result(rid)
+        for chunk in self.stream(rid, timeout):
+            result.add(chunk)
+        return result.result()
+
+    def abort(self, rid: str) -> None:
+        """Stop `rid` wherever it is; its stream ends next, with finish_reason "abort"."""
+        self.replies.cancel(rid)
+        publish_abort(self.redis, self.config, rid)
+
+    def close(self) -> None:
+        self.replies.close()
+        self.redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """`Client` for asyncio: the same methods, awaited; `stream` is an async iterator."""
+
+    def __init__(self, redis_url: str | None = None, config: BusConfig | None = None) -> None:
+        self.config = resolve_config(redis_url, config)
+        self.redis = aredis.Redis.from_url(
+            self.config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S
+        )
+        self.reply_stream = self.config.reply_stream(f"client-{uuid.uuid4().hex}")
+        self.replies = AsyncReplyReader(self.redis, self.reply_stream)
+        self._queues: dict[str, asyncio.Queue[Reply | None]] = {}
+
+    async def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        input_ids: list[int] | None = None,
+        sampling: Mapping[str, Any] | None = None,
+        rid: str | None = None,
+    ) -> str:
+        jobs = [
+            {
+                "prompt": prompt,
+                "messages": messages,
+                "input_ids": input_ids,
+                "sampling": sampling,
+                "rid": rid,
+            }
+        ]
+        return (await self.submit_many(jobs))[0]
+
+    async def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
+        requests = [new_request(self.reply_stream, **job) for job in jobs]
+        self.replies.start()
+        for request in requests:
+            self._queues[request.rid] = self.replies.register(request.rid)
+        for start in range(0, len(requests), SUBMIT_PIPELINE_SIZE):
+            pipe = self.redis.pipeline(transaction=False)
+            for request in requests[start : start + SUBMIT_PIPELINE_SIZE]:
+                pipe.xadd(
+                    self.config.requests_stream(),
+                    request_entry(request),
+                    maxlen=self.config.stream_maxlen,
+                    approximate=True,
+                )
+            await pipe.execute()
+        return [request.rid for request in requests]
+
+    async def stream(self, rid: str, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+        queue = self._queues.get(rid)
+        if queue is None:
+            raise KeyError(f"unknown or finished request {rid!r}")
+        while True:
+            message = await asyncio.wait_for(queue.get(), timeout)
+            if is_last(message):
+                self._queues.pop(rid, None)
+            yield chunk_of(rid, message)
+            if is_last(message):
+                return
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        input_ids: list[int] | None = None,
+        sampling: Mapping[str, Any] | None = None,
+        rid: str | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        rid = await self.submit(
+            prompt, messages=messages, input_ids=input_ids, sampling=sampling, rid=rid
+        )
+        result = _Result(rid)
+        async for chunk in self.stream(rid, timeout):
+            result.add(chunk)
+        return result.result()
+
+    async def abort(self, rid: str) -> None:
+        queue = self._queues.get(rid)
+        if queue is not None:  # its stream ends next; unread replies are dropped
+            self.replies.unregister(rid)
+            while not queue.empty():
+                queue.get_nowait()
+            queue.put_nowait(None)
+        await publish_abort_async(self.redis, self.config, rid)
+
+    async def close(self) -> None:
+        await self.replies.close()
+        await self.redis.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

@@ -1,0 +1,349 @@
+"""Reading a reply stream: each request's TextDelta / ErrorReply messages, in order.
+
+A frontend (an ingress replica, a direct client) owns one reply stream, named in the
+``reply_to`` of every job it submits. Detokenizer replicas race, so the deltas of one request
+can land out of order or twice: `ReplyOrderer` puts them back in output order by
+``TextDelta.seq`` (the output index of the delta's first token) and drops copies. One task
+(`AsyncReplyReader`) or one thread at a time (`ReplyReader`) reads the stream and hands each
+registered request its messages; rids nobody registered are replies to requests that were
+aborted or given up on, and are dropped.
+
+The reply stream's name is unique to its reader, so everything on it is the reader's: the
+reader starts from the stream's beginning rather than from ``$``, which would miss a reply
+landing between a submit and the first XREAD.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+
+from bus.protocol import ENTRY_FIELD, ErrorReply, Message, ProtocolError, TextDelta, decode
+
+logger = logging.getLogger(__name__)
+
+READ_COUNT = 1024  # one XREAD drains a busy stream; entries are small
+# XREAD returns as soon as a reply lands, so this bounds only how long a stop can take.
+BLOCK_MS = 250
+TRIM_INTERVAL_S = 1.0
+RECONNECT_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
+START_ID = "0-0"
+
+Reply = TextDelta | ErrorReply
+
+
+def is_terminal(message: Message) -> bool:
+    return isinstance(message, ErrorReply) or (
+        isinstance(message, TextDelta) and message.finish is not None
+    )
+
+
+def lost_bus_reply(rid: str, exc: Exception) -> ErrorReply:
+    """What a waiting request gets when its replies can no longer be read."""
+    return ErrorReply(
+        rid,
+        503,
+        f"lost the connection to Redis: {exc}",
+        "service_unavailable",
+        None,
+        "redis_unavailable",
+    )
+
+
+class ReplyOrderer:
+    """One request's replies, released in output order.
+
+    A delta is released once every token before its ``seq`` has been; one with ``seq`` below
+    the next expected index is a copy and is dropped. A finish delta without ids carries the
+    expected index as its ``seq``, so it waits for the tokens before it like any other. An
+    ErrorReply ends the request at once, whatever is still missing.
+    """
+
+    def __init__(self) -> None:
+        self.next_seq = 0
+        self.done = False
+        self._held: dict[int, TextDelta] = {}
+
+    def push(self, message: Reply) -> list[Reply]:
+        if self.done:
+            return []
+        if isinstance(message, ErrorReply):
+            self.done = True
+            self._held.clear()
+            return [message]
+        if message.seq < self.next_seq or (not message.ids and message.finish is None):
+            return []  # a copy, or a delta that carries nothing
+        self._held.setdefault(message.seq, message)
+        released: list[Reply] = []
+        while self.next_seq in self._held:
+            delta = self._held.pop(self.next_seq)
+            released.append(delta)
+            if delta.finish is not None:
+                self.done = True
+                self._held.clear()
+                break
+            self.next_seq += len(delta.ids)
+        return released
+
+
+class ReplyRouter:
+    """Per-rid orderers for the requests a reader serves; the shared core of both readers."""
+
+    def __init__(self, stream: str) -> None:
+        self.stream = stream
+        self.last_id: bytes | str = START_ID
+        self._next_trim = 0.0
+        self._orderers: dict[str, ReplyOrderer] = {}
+
+    def register(self, rid: str) -> None:
+        self._orderers[rid] = ReplyOrderer()
+
+    def unregister(self, rid: str) -> None:
+        self._orderers.pop(rid, None)
+
+    def rids(self) -> list[str]:
+        return list(self._orderers)
+
+    def trim_point(self) -> bytes | str | None:
+        """The id to trim the stream to, at most once per TRIM_INTERVAL_S.
+
+        Entries already routed are dead weight; trimming keeps a busy frontend's stream small.
+        """
+        now = time.monotonic()
+        if now < self._next_trim or self.last_id == START_ID:
+            return None
+        self._next_trim = now + TRIM_INTERVAL_S
+        return self.last_id
+
+    def route(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[tuple[str, Reply]]:
+        """(rid, message) for every message now released, in order; finished rids forgotten."""
+        out: list[tuple[str, Reply]] = []
+        for entry_id, fields in entries:
+            self.last_id = entry_id
+            try:
+                message = decode((fields or {}).get(ENTRY_FIELD), TextDelta, ErrorReply)
+            except ProtocolError as exc:
+                logger.warning("%s: dropping malformed reply %s: %s", self.stream, entry_id, exc)
+                continue
+            orderer = self._orderers.get(message.rid)
+            if orderer is None:
+                continue  # a late reply to a request nobody waits for any more
+            out.extend((message.rid, released) for released in orderer.push(message))
+            if orderer.done:
+                del self._orderers[message.rid]
+        return out
+
+
+def stream_entries(response: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """The entries of a one-stream XREAD reply (RESP2 gives a list, RESP3 a dict)."""
+    if not response:
+        return []
+    if isinstance(response, dict):
+        return next(iter(response.values()))[0] if response else []
+    return response[0][1]
+
+
+class AsyncReplyReader:
+    """One task reading the reply stream; each rid's in-order messages go to its queue.
+
+    Register a rid (with the queue to fill; several rids may share one) before submitting its
+    job. A rid is forgotten after its terminal message. If Redis cannot be read, every waiting
+    rid gets a 503 ErrorReply rather than waiting forever, and the reader keeps retrying.
+    """
+
+    def __init__(
+        self,
+        client: aredis.Redis,
+        stream: str,
+        *,
+        block_ms: int = BLOCK_MS,
+        count: int = READ_COUNT,
+    ) -> None:
+        self.client = client
+        self.stream = stream
+        self.block_ms = block_ms
+        self.count = count
+        self._router = ReplyRouter(stream)
+        self._queues: dict[str, asyncio.Queue[Reply]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    def register(self, rid: str, queue: asyncio.Queue[Reply] | None = None) -> asyncio.Queue[Reply]:
+        queue = queue if queue is not None else asyncio.Queue()
+        self._router.register(rid)
+        self._queues[rid] = queue
+        return queue
+
+    def unregister(self, rid: str) -> None:
+        self._router.unregister(rid)
+        self._queues.pop(rid, None)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=self.stream)
+
+    async def close(self, delete_stream: bool = True) -> None:
+        """Stop reading and (by default) delete the reply stream."""
+        task, self._task = self._task, None
+        self._closing = True
+        if task is not None:
+            task.cancel()
+            # redis-py can swallow a cancellation that lands while it connects
+            # (redis/redis-py#2028); the loop then stops when its XREAD returns.
+            await asyncio.wait([task], timeout=self.block_ms / 1000 + 1)
+        if delete_stream:
+            try:
+                await self.client.delete(self.stream)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                logger.warning("%s: could not delete the reply stream: %s", self.stream, exc)
+
+    async def _run(self) -> None:
+        failures = 0
+        while not self._closing:
+            try:
+                response = await self.client.xread(
+                    {self.stream: self._router.last_id}, count=self.count, block=self.block_ms
+                )
+                failures = 0
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                delay = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
+                failures += 1
+                logger.warning(
+                    "%s: Redis unreachable (%s); retrying in %.1f s", self.stream, exc, delay
+                )
+                self._fail_all(exc)
+                await asyncio.sleep(delay)
+                continue
+            except Exception as exc:  # a dead reader would leave every request hanging
+                logger.exception("%s: reading replies failed", self.stream)
+                self._fail_all(exc)
+                await asyncio.sleep(RECONNECT_BACKOFF_S[-1])
+                continue
+            for rid, message in self._router.route(stream_entries(response)):
+                queue = self._queues.get(rid)
+                if queue is not None:
+                    queue.put_nowait(message)
+                if is_terminal(message):
+                    self._queues.pop(rid, None)
+            await self._trim()
+
+    def _fail_all(self, exc: Exception) -> None:
+        for rid in self._router.rids():
+            queue = self._queues.pop(rid, None)
+            self._router.unregister(rid)
+            if queue is not None:
+                queue.put_nowait(lost_bus_reply(rid, exc))
+
+    async def _trim(self) -> None:
+        trim_to = self._router.trim_point()
+        if trim_to is None:
+            return
+        try:
+            await self.client.xtrim(self.stream, minid=trim_to, approximate=True)
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass  # the next read reports it
+
+
+class ReplyReader:
+    """The blocking counterpart of `AsyncReplyReader`, for the sync client.
+
+    No thread of its own: whichever caller of `get` finds nobody reading does one XREAD
+    (outside the lock) and files what it read; the others wait on the condition. So several
+    threads may wait on different rids of one reader.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        *,
+        block_ms: int = BLOCK_MS,
+        count: int = READ_COUNT,
+    ) -> None:
+        self.client = client
+        self.stream = stream
+        self.block_ms = block_ms
+        self.count = count
+        self._router = ReplyRouter(stream)
+        self._buffers: dict[str, collections.deque[Reply | None]] = {}
+        self._cond = threading.Condition()
+        self._reading = False
+
+    def register(self, rid: str) -> None:
+        with self._cond:
+            self._router.register(rid)
+            self._buffers[rid] = collections.deque()
+
+    def cancel(self, rid: str) -> None:
+        """Stop routing `rid`'s replies; its reader gets None next (unread replies dropped)."""
+        with self._cond:
+            self._router.unregister(rid)
+            buffer = self._buffers.get(rid)
+            if buffer is not None:
+                buffer.clear()
+                buffer.append(None)
+            self._cond.notify_all()
+
+    def get(self, rid: str, timeout: float | None = None) -> Reply | None:
+        """The next in-order message of `rid`; None once it is cancelled.
+
+        Raises KeyError for an unknown rid and TimeoutError after `timeout` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                buffer = self._buffers.get(rid)
+                if buffer is None:
+                    raise KeyError(f"unknown or finished request {rid!r}")
+                if buffer:
+                    message = buffer.popleft()
+                    if message is None or is_terminal(message):
+                        self._buffers.pop(rid, None)
+                    return message
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"no reply for {rid!r} within {timeout} s")
+                if self._reading:
+                    self._cond.wait(remaining)
+                    continue
+                self._reading = True
+            self._read_once(remaining)
+
+    def _read_once(self, remaining: float | None) -> None:
+        block = self.block_ms
+        if remaining is not None:
+            block = max(1, min(block, int(remaining * 1000)))
+        try:
+            response = self.client.xread(
+                {self.stream: self._router.last_id}, count=self.count, block=block
+            )
+        except BaseException:
+            with self._cond:
+                self._reading = False
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            # Filed before another thread may read, so no entry is read twice.
+            for rid, message in self._router.route(stream_entries(response)):
+                buffer = self._buffers.get(rid)
+                if buffer is not None:
+                    buffer.append(message)
+            self._reading = False
+            self._cond.notify_all()
+            trim_to = self._router.trim_point()
+        if trim_to is not None:
+            self.client.xtrim(self.stream, minid=trim_to, approximate=True)
+
+    def close(self, delete_stream: bool = True) -> None:
+        if delete_stream:
+            try:
+                self.client.delete(self.stream)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                logger.warning("%s: could not delete the reply stream: %s", self.stream, exc)

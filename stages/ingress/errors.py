@@ -1,0 +1,112 @@
+"""Every failure is an OpenAI-style error body: ``{"error": {message, type, param, code}}``.
+
+Handlers raise `ApiError`; the middleware also turns aiohttp's own HTTP exceptions (unknown
+path, wrong method, body over ``client_max_size``) and an unreachable Redis into that body,
+and anything else into a logged 500, so a client never sees an HTML page or a dropped
+connection.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+
+import redis
+from aiohttp import web
+
+from bus.protocol import ErrorReply
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    @classmethod
+    def from_reply(cls, reply: ErrorReply) -> ApiError:
+        return cls(reply.status, reply.message, reply.type, reply.param, reply.code)
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status,
+            text=json.dumps(self.body()),
+            content_type="application/json",
+            headers=self.headers,
+        )
+
+
+def redis_unavailable(exc: Exception) -> ApiError:
+    return ApiError(
+        503,
+        f"the request bus (Redis) is unreachable: {exc}",
+        "service_unavailable",
+        None,
+        "redis_unavailable",
+    )
+
+
+def _from_http_exception(request: web.Request, exc: web.HTTPException) -> ApiError:
+    if exc.status == 404:
+        return ApiError(404, f"no such path: {request.path}", code="not_found")
+    if exc.status == 405:
+        allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ()) or ()))
+        return ApiError(
+            405,
+            f"method {request.method} is not allowed on {request.path}"
+            + (f" (allowed: {allowed})" if allowed else ""),
+            code="method_not_allowed",
+            headers={"Allow": allowed} if allowed else None,
+        )
+    if exc.status == 413:
+        return ApiError(
+            413,
+            f"the request body is too large: {exc.text or exc.reason}",
+            code="request_too_large",
+        )
+    return ApiError(exc.status, exc.text or exc.reason, code=None)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _from_http_exception(request, exc).response()
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        logger.warning("%s %s: Redis unreachable: %s", request.method, request.path, exc)
+        return redis_unavailable(exc).response()
+    except Exception:
+        logger.exception("%s %s failed", request.method, request.path)
+        return ApiError(500, "internal error", "internal_error", None, "internal_error").response()

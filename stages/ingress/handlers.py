@@ -1,0 +1,271 @@
+"""The HTTP endpoints.
+
+A generation request is checked (params.py), admitted (a live worker, room in the queue),
+submitted, and answered only once every sub-request has replied once: a rejection found
+downstream (a prompt past the context, a token id outside the vocabulary) is then still a
+4xx. Once a stream has begun, a later error is sent as an SSE ``data: {"error": ...}`` event,
+which the OpenAI clients raise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import redis
+from aiohttp import web
+
+from bus.protocol import ErrorReply, TextDelta
+from stages.ingress.body import read_object
+from stages.ingress.errors import ApiError, redis_unavailable
+from stages.ingress.openai_format import ChatFormat, Choice, CompletionFormat, OpenAIFormat, usage
+from stages.ingress.params import Job, check_model, parse_chat, parse_completion, parse_generate
+from stages.ingress.state import STATE, IngressState
+from stages.ingress.submission import Submission
+
+logger = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _json(data: Any) -> bytes:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+async def _start_sse(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",  # proxies must not hold events back
+        }
+    )
+    await response.prepare(request)
+    return response
+
+
+async def _send(response: web.StreamResponse, data: Any) -> None:
+    await response.write(b"data: " + _json(data) + b"\n\n")
+
+
+def _error_event(reply: ErrorReply | ApiError) -> dict[str, Any]:
+    return ApiError(reply.status, reply.message, reply.type, reply.param, reply.code).body()
+
+
+async def _submit(state: IngressState, job: Job, request_id: str) -> Submission:
+    await state.admit(len(job.prompts) * job.n)
+    return Submission(state, job.requests(request_id, state.reply_stream))
+
+
+# ---- OpenAI endpoints --------------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    job = parse_chat(await read_object(request), state.model)
+    return await _openai(request, state, job, ChatFormat())
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    job = parse_completion(await read_object(request), state.model)
+    return await _openai(request, state, job, CompletionFormat())
+
+
+async def _openai(
+    request: web.Request, state: IngressState, job: Job, fmt: OpenAIFormat
+) -> web.StreamResponse:
+    request_id = fmt.id_prefix + uuid.uuid4().hex
+    created = int(time.time())
+    head = {"id": request_id, "object": fmt.whole_object, "created": created, "model": state.model}
+    choices = [Choice(i) for i in range(len(job.prompts) * job.n)]
+    async with await _submit(state, job, request_id) as sub:
+        await sub.first_replies()
+        if job.stream:
+            return await _stream_openai(request, sub, job, fmt, head, choices)
+        async for reply in sub.replies():
+            if isinstance(reply, ErrorReply):
+                raise ApiError.from_reply(reply)
+            choice = choices[sub.index[reply.rid]]
+            choice.add(reply)
+            if job.logprobs:
+                fmt.logprobs(choice, reply)
+    return web.json_response(
+        {
+            **head,
+            "choices": [fmt.whole_choice(c) for c in choices],
+            "usage": usage(choices, job.n),
+        },
+        dumps=lambda d: _json(d).decode(),
+    )
+
+
+async def _stream_openai(
+    request: web.Request,
+    sub: Submission,
+    job: Job,
+    fmt: OpenAIFormat,
+    head: dict[str, Any],
+    choices: list[Choice],
+) -> web.StreamResponse:
+    response = await _start_sse(request)
+    head = {**head, "object": fmt.chunk_object}
+    extra = {"usage": None} if job.include_usage else {}  # as OpenAI: null until the last
+    for first in fmt.first_chunk_choices(choices):
+        await _send(response, {**head, "choices": [first], **extra})
+    try:
+        async for reply in sub.replies():
+            if isinstance(reply, ErrorReply):
+                await _send(response, _error_event(reply))
+                break
+            choice = choices[sub.index[reply.rid]]
+            choice.add(reply)
+            text = reply.text or ""
+            logprobs = fmt.logprobs(choice, reply) if job.logprobs and reply.ids else None
+            finish = choice.finish_reason if reply.finish is not None else None
+            if not text and finish is None and logprobs is None:
+                continue  # tokens whose text is held back (a partial character, a stop prefix)
+            chunk_choice = fmt.chunk_choice(choice, text, logprobs, finish)
+            await _send(response, {**head, "choices": [chunk_choice], **extra})
+        else:
+            if job.include_usage:
+                await _send(response, {**head, "choices": [], "usage": usage(choices, job.n)})
+    except (ConnectionError, OSError):
+        raise  # the client left: nothing more to send (the submission aborts the rest)
+    except Exception as exc:
+        logger.exception("stream %s failed", head["id"])
+        await _send(response, _error_event(_internal(exc)))
+    await response.write(DONE)
+    await response.write_eof()
+    return response
+
+
+def _internal(exc: Exception) -> ApiError:
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return redis_unavailable(exc)
+    return ApiError(500, "internal error", "internal_error", None, "internal_error")
+
+
+# ---- native /generate --------------------------------------------------------------------------
+
+
+def _meta(delta: TextDelta | None, rid: str) -> dict[str, Any]:
+    finish = None if delta is None else delta.finish_info()
+    meta: dict[str, Any] = {"id": rid, "finish_reason": None if finish is None else finish.reason}
+    if finish is not None:
+        meta.update(
+            matched_stop=finish.matched,
+            prompt_tokens=finish.prompt_tokens,
+            completion_tokens=finish.completion_tokens,
+            cached_tokens=finish.cached_tokens,
+        )
+    return meta
+
+
+def _native_logprobs(delta: TextDelta) -> dict[str, list]:
+    texts = delta.token_texts or [None] * len(delta.ids)
+    return {
+        "output_token_logprobs": [
+            [lp, token, text]
+            for lp, token, text in zip(delta.logprobs or [], delta.ids, texts, strict=False)
+        ],
+        "output_top_logprobs": [
+            [[lp, int(token), None] for token, lp in row] for row in delta.top_logprobs or []
+        ],
+    }
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    job = parse_generate(await read_object(request), state.model)
+    request_id = uuid.uuid4().hex
+    async with await _submit(state, job, request_id) as sub:
+        rid = sub.requests[0].rid
+        await sub.first_replies()
+        if job.stream:
+            return await _stream_generate(request, sub, job, rid)
+        text, ids, last = [], [], None
+        logprobs: dict[str, list] = {"output_token_logprobs": [], "output_top_logprobs": []}
+        async for reply in sub.replies():
+            if isinstance(reply, ErrorReply):
+                raise ApiError.from_reply(reply)
+            text.append(reply.text or "")
+            ids.extend(reply.ids)
+            last = reply
+            if job.logprobs:
+                for key, values in _native_logprobs(reply).items():
+                    logprobs[key].extend(values)
+    meta = _meta(last, rid)
+    if job.logprobs:
+        meta.update(logprobs)
+    return web.json_response({"text": "".join(text), "output_ids": ids, "meta_info": meta})
+
+
+async def _stream_generate(
+    request: web.Request, sub: Submission, job: Job, rid: str
+) -> web.StreamResponse:
+    response = await _start_sse(request)
+    try:
+        async for reply in sub.replies():
+            if isinstance(reply, ErrorReply):
+                await _send(response, _error_event(reply))
+                break
+            meta = _meta(reply, rid)
+            if job.logprobs:
+                meta.update(_native_logprobs(reply))
+            await _send(
+                response, {"text": reply.text or "", "output_ids": reply.ids, "meta_info": meta}
+            )
+    except (ConnectionError, OSError):
+        raise
+    except Exception as exc:
+        logger.exception("stream %s failed", rid)
+        await _send(response, _error_event(_internal(exc)))
+    await response.write(DONE)
+    await response.write_eof()
+    return response
+
+
+# ---- the rest ----------------------------------------------------------------------------------
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"object": "list", "data": [state.model_card()]})
+
+
+async def model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    check_model({"model": request.match_info["model"]}, state.model)
+    return web.json_response(state.model_card())
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    await state.redis.ping()  # an unreachable Redis is a 503 from the middleware
+    live = await state.health.live_workers(fresh=True)
+    state.metrics.live_workers = live
+    if not live:
+        raise ApiError(
+            503,
+            "no live worker (no worker heartbeat in Redis)",
+            "service_unavailable",
+            None,
+            "no_worker",
+        )
+    return web.json_response({"status": "ok", "workers": live})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        state.metrics.live_workers = await state.health.live_workers()
+    except (redis.ConnectionError, redis.TimeoutError):
+        pass  # the figures still render; the worker count is the last one known
+    return web.Response(
+        body=state.metrics.render().encode(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE}
+    )

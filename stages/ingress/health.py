@@ -1,0 +1,75 @@
+"""What admission and /health ask of Redis: how many workers are alive, how long the queue is.
+
+A worker is alive while its heartbeat key exists (it expires ``heartbeat_ttl_s`` after the
+last beat). Admission reads the count at most once per ``ttl_s``: every request asking
+would cost a round trip for a figure that changes once a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis.asyncio as aredis
+
+from bus.config import BusConfig
+
+WORKERS_CHECK_INTERVAL_S = 1.0
+
+
+async def count_live_workers(client: aredis.Redis, config: BusConfig) -> int:
+    ids = [member.decode() for member in await client.smembers(config.workers_key())]
+    if not ids:
+        return 0
+    pipe = client.pipeline(transaction=False)
+    for worker_id in ids:
+        pipe.exists(config.heartbeat_key(worker_id))
+    return sum(await pipe.execute())
+
+
+async def queue_depth(client: aredis.Redis, config: BusConfig) -> int:
+    """Jobs waiting for (or held by) the tokenizer and scheduler stages.
+
+    A stream keeps entries after they are acknowledged (until MAXLEN trims them), so its
+    XLEN is not its backlog once a group reads it: the group's ``lag`` (never delivered) plus
+    ``pending`` (delivered, not yet acknowledged) is. Before any group exists, XLEN is.
+    """
+    streams = (config.requests_stream(), config.tokenized_stream())
+    pipe = client.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xinfo_groups(stream)
+        pipe.xlen(stream)
+    results = await pipe.execute(raise_on_error=False)
+    depth = 0
+    for groups, length in zip(results[::2], results[1::2], strict=True):
+        if isinstance(groups, Exception) or isinstance(length, Exception):
+            continue  # no such stream yet: nothing queued
+        if not groups:
+            depth += length
+        else:
+            depth += max(g["pending"] + (g.get("lag") or 0) for g in groups)
+    return depth
+
+
+class WorkerHealth:
+    """The live-worker count, refreshed at most once per `interval_s` (shared by callers)."""
+
+    def __init__(
+        self,
+        client: aredis.Redis,
+        config: BusConfig,
+        interval_s: float = WORKERS_CHECK_INTERVAL_S,
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.interval_s = interval_s
+        self.live = 0
+        self._checked_at = -float("inf")
+        self._lock = asyncio.Lock()
+
+    async def live_workers(self, fresh: bool = False) -> int:
+        async with self._lock:  # one check at a time; the others get its answer
+            if fresh or time.monotonic() - self._checked_at >= self.interval_s:
+                self.live = await count_live_workers(self.client, self.config)
+                self._checked_at = time.monotonic()
+            return self.live

@@ -1,0 +1,181 @@
+"""OpenAI's response shapes: whole bodies, stream chunks, usage and logprobs.
+
+`ChatFormat` and `CompletionFormat` share one interface, so the handler that relays replies
+is the same for both endpoints. A `Choice` accumulates what one sub-request produced.
+
+Top logprobs come as token ids; their texts come from the delta's ``top_token_texts`` when
+the detokenizer sends it, else the chosen token's text where the id is the chosen one, else
+``"<id>"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from bus.protocol import Finish, TextDelta
+
+
+@dataclass
+class Choice:
+    index: int
+    text: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    finish: Finish | None = None
+    text_offset: int = 0  # characters so far, for completions' text_offset
+    logprobs: dict[str, list] | None = None  # the whole response's logprobs, accumulated
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self.finish is None else self.finish.reason
+
+    def add(self, delta: TextDelta) -> None:
+        self.text.append(delta.text or "")
+        self.ids.extend(delta.ids)
+        if delta.finish is not None:
+            self.finish = delta.finish_info()
+
+
+def token_texts(delta: TextDelta) -> list[str]:
+    if delta.token_texts is not None and len(delta.token_texts) == len(delta.ids):
+        return delta.token_texts
+    return [f"<{token}>" for token in delta.ids]
+
+
+def top_entries(delta: TextDelta) -> list[list[tuple[str, float]]]:
+    """Per token, its top alternatives as (text, logprob)."""
+    tops = delta.top_logprobs or [[] for _ in delta.ids]
+    texts = token_texts(delta)
+    explicit = getattr(delta, "top_token_texts", None)  # a field the detokenizer may add
+    out = []
+    for i, alternatives in enumerate(tops):
+        row = []
+        for j, (token, logprob) in enumerate(alternatives):
+            if explicit is not None:
+                text = explicit[i][j]
+            elif i < len(delta.ids) and int(token) == delta.ids[i]:
+                text = texts[i]
+            else:
+                text = f"<{int(token)}>"
+            row.append((text, float(logprob)))
+        out.append(row)
+    return out
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def usage(choices: list[Choice], n: int) -> dict[str, Any]:
+    """Prompt tokens once per prompt (the first of its n choices), completion tokens of all."""
+    finishes = [c.finish for c in choices if c.finish is not None]
+    firsts = [c.finish for c in choices if c.finish is not None and c.index % n == 0]
+    prompt = sum(f.prompt_tokens for f in firsts)
+    completion = sum(f.completion_tokens for f in finishes)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)},
+    }
+
+
+class ChatFormat:
+    id_prefix = "chatcmpl-"
+    chunk_object = "chat.completion.chunk"
+    whole_object = "chat.completion"
+
+    def first_chunk_choices(self, choices: list[Choice]) -> list[dict[str, Any]]:
+        return [
+            {
+                "index": c.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for c in choices
+        ]
+
+    def logprobs(self, choice: Choice, delta: TextDelta) -> dict[str, Any]:
+        """This delta's part; also appended to the choice's whole."""
+        content = [
+            {
+                "token": text,
+                "logprob": float(logprob),
+                "bytes": _bytes(text),
+                "top_logprobs": [{"token": t, "logprob": lp, "bytes": _bytes(t)} for t, lp in top],
+            }
+            for text, logprob, top in zip(
+                token_texts(delta), delta.logprobs or [], top_entries(delta), strict=False
+            )
+        ]
+        if choice.logprobs is None:
+            choice.logprobs = {"content": []}
+        choice.logprobs["content"].extend(content)
+        return {"content": content}
+
+    def chunk_choice(
+        self, choice: Choice, text: str, logprobs: dict | None, finish_reason: str | None
+    ) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "delta": {"content": text} if text else {},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+
+    def whole_choice(self, choice: Choice) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": "".join(choice.text)},
+            "logprobs": choice.logprobs,
+            "finish_reason": choice.finish_reason,
+        }
+
+
+class CompletionFormat:
+    id_prefix = "cmpl-"
+    chunk_object = "text_completion"
+    whole_object = "text_completion"
+
+    def first_chunk_choices(self, choices: list[Choice]) -> list[dict[str, Any]]:
+        return []
+
+    def logprobs(self, choice: Choice, delta: TextDelta) -> dict[str, Any]:
+        texts = token_texts(delta)
+        offsets = []
+        for text in texts:
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(text)
+        part = {
+            "tokens": texts,
+            "token_logprobs": [float(lp) for lp in delta.logprobs or []],
+            "top_logprobs": [dict(row) for row in top_entries(delta)],
+            "text_offset": offsets,
+        }
+        if choice.logprobs is None:
+            choice.logprobs = {key: [] for key in part}
+        for key, values in part.items():
+            choice.logprobs[key].extend(values)
+        return part
+
+    def chunk_choice(
+        self, choice: Choice, text: str, logprobs: dict | None, finish_reason: str | None
+    ) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+
+    def whole_choice(self, choice: Choice) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "text": "".join(choice.text),
+            "logprobs": choice.logprobs,
+            "finish_reason": choice.finish_reason,
+        }
+
+
+OpenAIFormat = ChatFormat | CompletionFormat

@@ -1,0 +1,149 @@
+"""The ingress app and `run`, what ``streamserve stage ingress`` calls.
+
+Each replica has a unique frontend id and its own reply stream ``<p>:reply:<frontend id>``,
+named in the ``reply_to`` of every job it submits; one task reads it for every open request.
+Replicas on one host share the port (SO_REUSEPORT), and the kernel spreads connections.
+Handlers are cancelled when their client disconnects (``handler_cancellation``), which is
+what aborts the client's requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aredis
+from aiohttp import web
+
+from bus.actor import unique_consumer_name
+from bus.config import BusConfig
+from bus.replies import AsyncReplyReader
+from stages.ingress import handlers
+from stages.ingress.errors import Handler, error_middleware
+from stages.ingress.health import WorkerHealth
+from stages.ingress.state import STATE, IngressState
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+DEFAULT_MAX_QUEUE = 10_000
+# In-flight requests get this long to finish on SIGTERM (the launcher waits 15 s in all).
+SHUTDOWN_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 2.0
+# Above the reply reader's blocking XREAD (1 s), so only a hung server times out.
+SOCKET_TIMEOUT_S = 10.0
+
+
+def create_app(
+    config: BusConfig,
+    *,
+    model: str,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    frontend_id: str | None = None,
+) -> web.Application:
+    """The app; serve it with ``web.AppRunner(app, handler_cancellation=True)``."""
+    if config.redis_url is None:
+        raise ValueError("the ingress needs a Redis URL: give --redis-url or set REDIS_URL")
+    frontend_id = frontend_id or unique_consumer_name("ingress")
+    client = aredis.Redis.from_url(
+        config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=SOCKET_TIMEOUT_S
+    )
+    state = IngressState(
+        config=config,
+        model=model,
+        frontend_id=frontend_id,
+        max_queue=max_queue,
+        redis=client,
+        replies=AsyncReplyReader(client, config.reply_stream(frontend_id)),
+        health=WorkerHealth(client, config),
+    )
+    app = web.Application(
+        client_max_size=max_body_bytes, middlewares=[metrics_middleware, error_middleware]
+    )
+    app[STATE] = state
+    app.cleanup_ctx.append(_bus_lifetime)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/v1/models/{model}", handlers.model)
+    app.router.add_post("/generate", handlers.generate)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/metrics", handlers.metrics)
+    return app
+
+
+async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    state.replies.start()
+    logger.info("ingress %s: replies on %s", state.frontend_id, state.reply_stream)
+    yield
+    # Handlers cancelled at shutdown have queued their aborts: let them reach Redis.
+    if state.background:
+        await asyncio.wait(list(state.background), timeout=CONNECT_TIMEOUT_S)
+    await state.replies.close()
+    await state.redis.aclose()
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    metrics = request.app[STATE].metrics
+    resource = request.match_info.route.resource
+    endpoint = resource.canonical if resource is not None else "unmatched"
+    metrics.in_flight += 1
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except asyncio.CancelledError:
+        status = 499  # the client went away
+        raise
+    finally:
+        metrics.in_flight -= 1
+        metrics.count_request(endpoint, status)
+
+
+async def serve(
+    app: web.Application,
+    *,
+    host: str,
+    port: int,
+    stop: asyncio.Event,
+    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
+) -> None:
+    """Serve `app` until `stop` is set, then drain and clean up."""
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout_s)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, reuse_port=True).start()
+        for address in runner.addresses:
+            logger.info("ingress listening on http://%s:%d", *address[:2])
+        await stop.wait()
+        logger.info("ingress stopping")
+    finally:
+        await runner.cleanup()
+
+
+def run(
+    config: BusConfig,
+    *,
+    host: str,
+    port: int,
+    model: str,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+) -> None:
+    """Serve until SIGTERM or SIGINT."""
+    app = create_app(config, model=model, max_body_bytes=max_body_bytes, max_queue=max_queue)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await serve(app, host=host, port=port, stop=stop)
+
+    asyncio.run(main())

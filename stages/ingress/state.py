@@ -1,0 +1,101 @@
+"""What the handlers of one ingress replica share: its Redis client, reply reader, figures."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+from aiohttp import web
+
+from bus.aborts import publish_aborts_async
+from bus.client import request_entry
+from bus.config import BusConfig
+from bus.protocol import GenerateRequest
+from bus.replies import AsyncReplyReader
+from stages.ingress.errors import ApiError
+from stages.ingress.health import WorkerHealth, queue_depth
+from stages.ingress.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+QUEUE_FULL_RETRY_AFTER_S = 1
+
+
+@dataclass
+class IngressState:
+    config: BusConfig
+    model: str
+    frontend_id: str
+    max_queue: int
+    redis: aredis.Redis
+    replies: AsyncReplyReader
+    health: WorkerHealth
+    metrics: Metrics = field(default_factory=Metrics)
+    started: int = field(default_factory=lambda: int(time.time()))
+    background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    @property
+    def reply_stream(self) -> str:
+        return self.replies.stream
+
+    async def admit(self, count: int) -> None:
+        """Refuse new work with 503 while no worker is alive, 429 while the queue is full."""
+        if not await self.health.live_workers():
+            raise ApiError(
+                503,
+                "no live worker to serve the request; try again later",
+                "service_unavailable",
+                None,
+                "no_worker",
+            )
+        depth = await queue_depth(self.redis, self.config)
+        if depth >= self.max_queue:
+            raise ApiError(
+                429,
+                f"the queue is full ({depth} jobs waiting); retry later",
+                "rate_limit_exceeded",
+                None,
+                "queue_full",
+                headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
+            )
+
+    async def submit(self, requests: Sequence[GenerateRequest]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for request in requests:
+            pipe.xadd(
+                self.config.requests_stream(),
+                request_entry(request),
+                maxlen=self.config.stream_maxlen,
+                approximate=True,
+            )
+        await pipe.execute()
+
+    def abort_soon(self, rids: list[str]) -> None:
+        """Publish aborts from a task of its own: the handler asking may be being cancelled."""
+        task = asyncio.get_running_loop().create_task(self._abort(rids))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _abort(self, rids: list[str]) -> None:
+        try:
+            await publish_aborts_async(self.redis, self.config, rids)
+            logger.debug("aborted %s", rids)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            logger.warning("could not abort %d requests: %s", len(rids), exc)
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "streamserve",
+        }
+
+
+STATE = web.AppKey("streamserve_ingress", IngressState)

@@ -1,0 +1,101 @@
+"""One HTTP request's sub-requests, from their XADD to their last reply.
+
+    async with Submission(state, requests) as sub:
+        await sub.first_replies()      # an ErrorReply here becomes the HTTP status
+        async for reply in sub.replies():
+            ...
+
+Every sub-request's replies go to one queue, each rid's in order (the reply reader orders
+them). On exit, however it happens (done, an error, the client gone and the handler
+cancelled), the sub-requests without a final reply are aborted, so a worker never keeps
+generating for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from bus.protocol import ErrorReply, GenerateRequest, TextDelta
+from bus.replies import Reply, is_terminal
+from stages.ingress.errors import ApiError
+
+if TYPE_CHECKING:
+    from stages.ingress.server import IngressState
+
+
+class Submission:
+    def __init__(self, state: IngressState, requests: list[GenerateRequest]) -> None:
+        self.state = state
+        self.requests = requests
+        self.index = {request.rid: i for i, request in enumerate(requests)}
+        self.queue: asyncio.Queue[Reply] = asyncio.Queue()
+        self.finished: set[str] = set()
+        self._early: collections.deque[Reply] = collections.deque()
+        self._arrived = time.monotonic()
+        self._last_token_at: dict[str, float] = {}
+
+    async def __aenter__(self) -> Submission:
+        for request in self.requests:
+            self.state.replies.register(request.rid, self.queue)
+        try:
+            await self.state.submit(self.requests)
+        except BaseException as exc:
+            self._unregister()
+            if isinstance(exc, asyncio.CancelledError):  # the jobs may be queued already
+                self.state.abort_soon(list(self.index))
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._unregister()
+        unfinished = [r.rid for r in self.requests if r.rid not in self.finished]
+        if unfinished:
+            self.state.abort_soon(unfinished)
+
+    def _unregister(self) -> None:
+        for request in self.requests:
+            self.state.replies.unregister(request.rid)
+
+    async def first_replies(self) -> None:
+        """Wait until every sub-request has replied once; raise an ErrorReply as an ApiError."""
+        waiting = set(self.index)
+        while waiting:
+            reply = await self.queue.get()
+            self._early.append(reply)
+            waiting.discard(reply.rid)
+            if isinstance(reply, ErrorReply):
+                self._note(reply)
+                raise ApiError.from_reply(reply)
+
+    async def replies(self) -> AsyncIterator[Reply]:
+        """Every reply (the early ones first) until each sub-request has its last one."""
+        while self._early or len(self.finished) < len(self.requests):
+            reply = self._early.popleft() if self._early else await self.queue.get()
+            self._note(reply)
+            yield reply
+
+    def _note(self, reply: Reply) -> None:
+        if is_terminal(reply):
+            self.finished.add(reply.rid)
+        if isinstance(reply, TextDelta):
+            self._time_tokens(reply)
+
+    def _time_tokens(self, delta: TextDelta) -> None:
+        metrics = self.state.metrics
+        if delta.ids:
+            now = time.monotonic()
+            last = self._last_token_at.get(delta.rid)
+            if last is None:
+                metrics.ttft.observe(now - self._arrived)
+            else:
+                # A delta may hold several tokens (speculative decoding): spread the gap.
+                metrics.itl.observe((now - last) / len(delta.ids), times=len(delta.ids))
+            self._last_token_at[delta.rid] = now
+            metrics.generated_tokens += len(delta.ids)
+        finish = delta.finish_info()
+        if finish is not None:
+            metrics.prompt_tokens += finish.prompt_tokens

@@ -1,0 +1,167 @@
+"""The real ingress and a scripted upstream, for tests of the HTTP side and the direct client.
+
+`RunningIngress` serves `create_app` on a free port from a thread of its own. `Upstream`
+plays tokenizer, scheduler, worker and detokenizer at once: it reads each GenerateRequest
+from the real requests stream and writes the replies a test's script returns (in whatever
+order, duplicated or failing) to the request's real reply stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import redis
+
+from bus.config import BusConfig
+from bus.protocol import (
+    ENTRY_FIELD,
+    Finish,
+    GenerateRequest,
+    Heartbeat,
+    Message,
+    ProtocolError,
+    TextDelta,
+    decode,
+    encode,
+)
+from stages.ingress.server import create_app, serve
+
+MODEL = "test-model"
+START_TIMEOUT_S = 5.0
+
+Script = Callable[[GenerateRequest], Iterable[Message]]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def add_worker(client: redis.Redis, config: BusConfig, worker_id: str = "w0") -> None:
+    """A live worker as the scheduler and the ingress see one: listed, with a heartbeat key."""
+    beat = Heartbeat(worker_id, config.worker_stream(worker_id), MODEL, 0, 0, 1000, 1000, 0,
+                     time.time())  # fmt: skip
+    client.sadd(config.workers_key(), worker_id)
+    client.set(config.heartbeat_key(worker_id), encode(beat), ex=60)
+
+
+def deltas(
+    rid: str,
+    pieces: list[tuple[str, list[int]]],
+    reason: str = "stop",
+    matched: str | int | None = None,
+    prompt_tokens: int = 7,
+    cached_tokens: int = 0,
+) -> list[TextDelta]:
+    """In-order deltas of (text, ids) pieces; the last carries the finish."""
+    out, seq = [], 0
+    for text, ids in pieces:
+        out.append(TextDelta(rid, seq, ids, text))
+        seq += len(ids)
+    finish = Finish(reason, matched, prompt_tokens, seq, cached_tokens)
+    out[-1].finish = finish.to_wire()
+    return out
+
+
+class Upstream:
+    """Answers every job on the requests stream with what `script` returns for it."""
+
+    def __init__(self, redis_url: str, config: BusConfig, script: Script) -> None:
+        self.client = redis.Redis.from_url(redis_url)
+        self.config = config
+        self.script = script
+        self.requests: list[GenerateRequest] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        last = "0-0"
+        while not self._stop.is_set():
+            response = self.client.xread({self.config.requests_stream(): last}, block=50)
+            pipe = self.client.pipeline(transaction=False)
+            for entry_id, fields in response[0][1] if response else []:
+                last = entry_id
+                try:
+                    request = decode(fields.get(ENTRY_FIELD), GenerateRequest)
+                except ProtocolError:
+                    continue  # filler a test put on the stream
+                self.requests.append(request)
+                for message in self.script(request):
+                    pipe.xadd(request.reply_to, {ENTRY_FIELD: encode(message)})
+            pipe.execute()
+
+    def __enter__(self) -> Upstream:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.client.close()
+
+
+class RunningIngress:
+    def __init__(self, redis_url: str, **options: Any) -> None:
+        self.config = BusConfig(redis_url=redis_url)
+        self.options = {"model": MODEL, **options}
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=asyncio.run, args=(self._main(),), daemon=True)
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self.app = create_app(self.config, **self.options)
+        await serve(self.app, host="127.0.0.1", port=self.port, stop=self._stop,
+                    shutdown_timeout_s=0.5)  # fmt: skip
+
+    def __enter__(self) -> RunningIngress:
+        self._thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return self
+            except OSError:
+                if time.monotonic() > deadline or not self._thread.is_alive():
+                    raise RuntimeError("the ingress did not start") from None
+                time.sleep(0.01)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=5)
+
+    @property
+    def state(self):
+        from stages.ingress.state import STATE
+
+        return self.app[STATE]
+
+    def request(
+        self, method: str, path: str, body: Any = None, raw: bytes | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=5) as reply:
+                return reply.status, dict(reply.headers), reply.read()
+        except urllib.error.HTTPError as error:
+            return error.code, dict(error.headers), error.read()
+
+    def post(self, path: str, body: Any) -> tuple[int, Any]:
+        status, _, data = self.request("POST", path, body)
+        return status, json.loads(data)

@@ -1,0 +1,127 @@
+"""Health, metrics and what happens when a client leaves: the ingress on the real Redis."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import time
+
+import pytest
+
+from bus.protocol import ENTRY_FIELD, Abort, GenerateRequest, decode
+from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
+
+SAMPLE = re.compile(
+    r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*)?\})? (\S+)$'
+)
+
+
+@pytest.fixture
+def ingress(redis_client, redis_url):
+    with RunningIngress(redis_url) as server:
+        yield server
+
+
+def test_health_is_503_without_a_worker_heartbeat_and_200_with_one(ingress, redis_client):
+    status, _, data = ingress.request("GET", "/health")
+    assert status == 503 and json.loads(data)["error"]["code"] == "no_worker"
+    redis_client.sadd(ingress.config.workers_key(), "gone")  # listed, but its beat expired
+    status, _, _ = ingress.request("GET", "/health")
+    assert status == 503
+    add_worker(redis_client, ingress.config, "w1")
+    status, _, data = ingress.request("GET", "/health")
+    assert status == 200 and json.loads(data) == {"status": "ok", "workers": 1}
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sample name with labels -> value; fails on any line that is not exposition format."""
+    samples, types = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert kind in ("counter", "gauge", "histogram"), line
+            types[name] = kind
+            continue
+        match = SAMPLE.match(line)
+        assert match, f"not a sample line: {line!r}"
+        family = re.sub(r"_(bucket|sum|count)$", "", match.group(1))
+        assert match.group(1) in types or family in types, f"sample before its TYPE: {line!r}"
+        samples[match.group(1) + (match.group(2) or "")] = float(match.group(5))
+    return samples
+
+
+def test_metrics_count_requests_tokens_and_latencies(ingress, redis_client):
+    add_worker(redis_client, ingress.config)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    script = lambda r: deltas(r.rid, [("a", [1]), ("b", [2, 3])], prompt_tokens=4)  # noqa: E731
+    with Upstream(ingress.config.redis_url, ingress.config, script):
+        assert ingress.post("/v1/chat/completions", body)[0] == 200
+        assert ingress.request("POST", "/v1/chat/completions", {**body, "stream": True})[0] == 200
+    assert ingress.post("/v1/chat/completions", {**body, "n": 0})[0] == 400
+    status, headers, data = ingress.request("GET", "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    samples = parse_prometheus(data.decode())
+    p = "streamserve_ingress_"
+    chat = 'endpoint="/v1/chat/completions"'
+    assert samples[f'{p}requests_total{{{chat},status="200"}}'] == 2
+    assert samples[f'{p}requests_total{{{chat},status="400"}}'] == 1
+    assert samples[f"{p}requests_in_flight"] == 1  # this very /metrics request
+    assert samples[f"{p}prompt_tokens_total"] == 8
+    assert samples[f"{p}generation_tokens_total"] == 6
+    assert samples[f"{p}live_workers"] == 1
+    assert samples[f"{p}time_to_first_token_seconds_count"] == 2
+    assert samples[f'{p}time_to_first_token_seconds_bucket{{le="+Inf"}}'] == 2
+    assert samples[f"{p}inter_token_latency_seconds_count"] == 4  # 2 tokens after the first, x2
+    buckets = [v for k, v in samples.items() if k.startswith(f"{p}inter_token_latency_seconds_b")]
+    assert buckets == sorted(buckets)
+
+
+def test_a_client_that_disconnects_gets_its_request_aborted(ingress, redis_client):
+    add_worker(redis_client, ingress.config)
+    config = ingress.config
+
+    def routed_then_slow(request: GenerateRequest):
+        # As the scheduler would: the job went to worker w1, which has produced one token.
+        redis_client.set(config.route_key(request.rid), "w1")
+        return [deltas(request.rid, [("Once", [1]), (" upon", [2])])[0]]
+
+    with Upstream(config.redis_url, config, routed_then_slow) as up:
+        connection = http.client.HTTPConnection("127.0.0.1", ingress.port, timeout=5)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+        connection.request("POST", "/v1/chat/completions", json.dumps(body),
+                           {"Content-Type": "application/json"})  # fmt: skip
+        response = connection.getresponse()
+        assert response.status == 200
+        assert b"Once" in response.read1() + response.read1()
+        connection.close()
+        deadline = time.monotonic() + 2
+        [request] = up.requests
+        while not redis_client.exists(config.abort_key(request.rid)):
+            assert time.monotonic() < deadline, "no abort after the client left"
+            time.sleep(0.02)
+    entries = redis_client.xrange(config.worker_stream("w1"))
+    assert [decode(fields[ENTRY_FIELD], Abort).rid for _, fields in entries] == [request.rid]
+    assert 0 < redis_client.ttl(config.abort_key(request.rid)) <= config.reply_ttl_s
+
+
+def test_a_finished_request_is_not_aborted(ingress, redis_client):
+    add_worker(redis_client, ingress.config)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 2}
+    with Upstream(ingress.config.redis_url, ingress.config, lambda r: deltas(r.rid, [("a", [1])])):
+        assert ingress.post("/v1/chat/completions", body)[0] == 200
+    time.sleep(0.05)  # an abort would be published from a task right after the reply
+    assert not redis_client.keys(ingress.config.abort_key("*"))
+
+
+def test_the_reply_stream_is_deleted_on_shutdown(redis_client, redis_url):
+    with RunningIngress(redis_url) as ingress:
+        add_worker(redis_client, ingress.config)
+        stream = ingress.state.reply_stream
+        script = lambda r: deltas(r.rid, [("a", [1])])  # noqa: E731
+        with Upstream(redis_url, ingress.config, script):
+            ingress.post("/generate", {"text": "x"})
+        assert redis_client.exists(stream)
+    assert not redis_client.exists(stream)
