@@ -33,6 +33,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=os.environ.get("STREAMSERVE_LOG_LEVEL", "INFO"))
 
 
+def _ingress_limits(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
+                        help="largest request body (413 beyond; default 8 MiB)")  # fmt: skip
+    parser.add_argument("--max-queue", type=int, default=10_000,
+                        help="jobs waiting before ingress answers 429 (default 10000)")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamserve", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -59,12 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a flag for every worker, e.g. --worker-arg=--max-running-requests=64",
     )
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait")
+    _ingress_limits(up)
 
     stage = commands.add_parser("stage", help="run one replica of a CPU stage")
     stage.add_argument("name", choices=("ingress", "tokenizer", "scheduler", "detokenizer"))
     _common(stage)
     stage.add_argument("--host", default="0.0.0.0", help="ingress only")
     stage.add_argument("--port", type=int, default=DEFAULT_PORT, help="ingress only")
+    _ingress_limits(stage)
 
     worker = commands.add_parser(
         "worker", help="run one GPU worker; other flags go to the engine (see --help-engine)"
@@ -102,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     from stages.run_stage import run_stage
 
     try:
-        run_stage(args.name, config, model=args.model, host=args.host, port=args.port)
+        run_stage(args.name, config, model=args.model, host=args.host, port=args.port,
+                  max_body_bytes=args.max_body_bytes, max_queue=args.max_queue)  # fmt: skip
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -75,7 +75,9 @@ class Launcher:
             for i in range(count):
                 command = [sys.executable, "-m", "stages.cli", "stage", name, *common]
                 if name == "ingress":
-                    command += ["--host", a.host, "--port", str(a.port)]
+                    command += ["--host", a.host, "--port", str(a.port),
+                                "--max-body-bytes", str(a.max_body_bytes),
+                                "--max-queue", str(a.max_queue)]  # fmt: skip
                 self._spawn(f"{name}-{i}", command, env)
 
     def _spawn(self, label: str, command: list[str], env: dict[str, str]) -> None:

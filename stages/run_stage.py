@@ -15,7 +15,16 @@ logger = logging.getLogger(__name__)
 STAGES = ("ingress", "tokenizer", "scheduler", "detokenizer")
 
 
-def run_stage(name: str, config: BusConfig, *, model: str, host: str, port: int) -> None:
+def run_stage(
+    name: str,
+    config: BusConfig,
+    *,
+    model: str,
+    host: str,
+    port: int,
+    max_body_bytes: int,
+    max_queue: int,
+) -> None:
     """Block until SIGTERM or SIGINT."""
     if name not in STAGES:
         raise ValueError(f"unknown stage {name!r}; the stages are {', '.join(STAGES)}")
@@ -24,7 +33,8 @@ def run_stage(name: str, config: BusConfig, *, model: str, host: str, port: int)
     if name == "ingress":
         from stages.ingress.server import run
 
-        run(config, host=host, port=port, model=model)
+        run(config, host=host, port=port, model=model, max_body_bytes=max_body_bytes,
+            max_queue=max_queue)  # fmt: skip
         return
     client = redis.Redis.from_url(config.redis_url)
     stop = threading.Event()

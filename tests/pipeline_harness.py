@@ -1,0 +1,111 @@
+"""A whole running system for end-to-end tests: `streamserve up` as a child process.
+
+Each harness has its own embedded Redis-protocol server (tests that flush the shared one
+must not wipe a running pipeline) and its own free port; `streamserve up` is pointed at
+them, so the launcher, every stage and the worker are the real processes users run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from bus.config import BusConfig
+from bus.embedded_server import EmbeddedRedis
+
+READY_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Pipeline:
+    def __init__(self, model: str = "smollm2-135m-instruct", **replicas: Any) -> None:
+        self.model = model
+        self.replicas = replicas  # e.g. tokenizers=2, workers=2, worker_arg=[...]
+        self.server = EmbeddedRedis()
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def redis_url(self) -> str:
+        return self.server.url
+
+    @property
+    def config(self) -> BusConfig:
+        return BusConfig(redis_url=self.redis_url)
+
+    def start(self) -> Pipeline:
+        self.server.start()
+        command = [
+            sys.executable, "-m", "stages.cli", "up", "--model", self.model,
+            "--redis-url", self.redis_url, "--port", str(self.port),
+            "--log-level", "WARNING",
+        ]  # fmt: skip
+        for name, value in self.replicas.items():
+            if name == "worker_arg":
+                command += [f"--worker-arg={arg}" for arg in value]
+            else:
+                command += [f"--{name}", str(value)]
+        # Short claim and heartbeat times keep the tests quick to notice a dead replica.
+        env = {**os.environ, "STREAMSERVE_HEARTBEAT_INTERVAL_S": "0.5"}
+        self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+        self._wait_until_healthy()
+        return self
+
+    def _wait_until_healthy(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"streamserve up exited with {self.process.returncode}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"the pipeline was not healthy within {READY_TIMEOUT_S} s")
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, Any]:
+        request = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read() or b"null")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+        self.server.stop()
+
+    def __enter__(self) -> Pipeline:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
