@@ -66,7 +66,7 @@ def measure_pipeline(args: argparse.Namespace, names: list[str]) -> list[dict]:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "stages.cli", "up", "--model", args.model,
-                   "--redis-url", server.url, "--port", str(port), "--log-level", "WARNING",
+                   "--redis-url", server.url, "--port", str(port), "--log-level", "INFO",
                    f"--worker-arg=--dtype={args.dtype}"]  # fmt: skip
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
         try:

@@ -94,6 +94,7 @@ class Worker:
         self.jobs: dict[str, Job] = {}
         self.admitted = 0
         self.steps = 0
+        self.bus_seconds = 0.0  # time spent on Redis while there was work: the bus's cost
         self._outbox: list[Output] = []
         self._acks: list[bytes] = []
         self._dead: list[dict[str, Any]] = []
@@ -118,7 +119,9 @@ class Worker:
                         entries = []
                     if self.scheduler.has_work():
                         self._step()
+                        started = time.perf_counter()
                         entries = self._commit(read=True)
+                        self.bus_seconds += time.perf_counter() - started
                     else:
                         self._commit(read=False)
                         entries = self._read_blocking()
@@ -290,7 +293,9 @@ class Worker:
             execute_logging_errors(pipe, f"worker {self.worker_id}")
         except redis.RedisError as exc:
             logger.warning("worker %s: could not say goodbye: %s", self.worker_id, exc)
-        logger.info("worker %s stopped after %d steps", self.worker_id, self.steps)
+        per_step_ms = 1000 * self.bus_seconds / max(self.steps, 1)
+        logger.info("worker %s stopped after %d steps (%.3f ms of Redis per step)",
+                    self.worker_id, self.steps, per_step_ms)  # fmt: skip
 
 
 # ---- command line --------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """`streamserve up`: the whole system on one machine, each stage replica its own process.
 
 With no Redis URL it starts the embedded server (bus/embedded_server.py) first. It waits
-until ``/health`` answers (a worker has loaded its model and beats), prints where the API
+until ``/health`` answers and every worker has loaded its model and beats, prints where the API
 listens, and on Ctrl-C or SIGTERM stops the stages (ingress first, so no new request comes
 in, the workers last) and then the server. If any replica dies, it stops everything and
 exits non-zero: a half-running system that looks healthy is worse than none.
@@ -20,9 +20,12 @@ import time
 import urllib.error
 import urllib.request
 
+import redis
+
 from bus.config import BusConfig
 from bus.embedded_server import EmbeddedRedis
 from stages.cli import worker_command
+from stages.scheduler import live_workers
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ class Launcher:
         try:
             url = self.config.redis_url or self._start_embedded_server()
             self._start_stages(url)
-            if not self._wait_until_healthy():
+            if not self._wait_until_healthy() or not self._wait_for_workers(url):
                 return 1
             self._announce(url)
             return self._supervise()
@@ -105,6 +108,25 @@ class Launcher:
                 return False
             self.stop.wait(POLL_S)
         return False
+
+    def _wait_for_workers(self, url: str) -> bool:
+        """/health is 200 with one live worker; "up" means every worker started is live."""
+        client = redis.Redis.from_url(url)
+        deadline = time.monotonic() + self.args.ready_timeout
+        try:
+            while not self.stop.is_set():
+                if self._first_dead() is not None:
+                    return False
+                if len(live_workers(client, self.config)) >= self.args.workers:
+                    return True
+                if time.monotonic() > deadline:
+                    logger.error("fewer than %d workers live after %g s; stopping",
+                                 self.args.workers, self.args.ready_timeout)  # fmt: skip
+                    return False
+                self.stop.wait(POLL_S)
+            return False
+        finally:
+            client.close()
 
     def _announce(self, url: str) -> None:
         base = self._health_url()

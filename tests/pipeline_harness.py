@@ -18,8 +18,11 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import redis
+
 from bus.config import BusConfig
 from bus.embedded_server import EmbeddedRedis
+from stages.scheduler import live_workers
 
 READY_TIMEOUT_S = 300.0
 
@@ -66,6 +69,9 @@ class Pipeline:
         return self
 
     def _wait_until_healthy(self) -> None:
+        """/health answers 200 with one live worker; wait for all of them."""
+        client = redis.Redis.from_url(self.redis_url)
+        workers = int(self.replicas.get("workers", 1))
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             assert self.process is not None
@@ -73,7 +79,7 @@ class Pipeline:
                 raise RuntimeError(f"streamserve up exited with {self.process.returncode}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
-                    if reply.status == 200:
+                    if reply.status == 200 and len(live_workers(client, self.config)) >= workers:
                         return
             except (urllib.error.URLError, OSError):
                 pass
