@@ -118,4 +118,6 @@ class SchedulerStage:
                 logger.warning("no live worker: holding jobs for up to %g s",
                                self.config.no_worker_timeout_s)  # fmt: skip
                 warned = True
-            self.stop.wait(NO_WORKER_POLL_S)
+            # Wake for the next touch too: sleeping a whole poll past it with a short
+            # claim_idle_ms would let another replica claim the batch and route it twice.
+            self.stop.wait(max(0.0, min(NO_WORKER_POLL_S, next_touch - time.monotonic())))

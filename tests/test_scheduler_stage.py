@@ -229,18 +229,18 @@ def test_a_worker_that_appears_during_the_wait_gets_the_jobs(redis_client, redis
 
 
 def test_a_job_held_while_no_worker_is_live_is_routed_once_across_replicas(redis_client, redis_url):
-    config = BusConfig(redis_url=redis_url, block_ms=20, claim_idle_ms=100, no_worker_timeout_s=2.0)
+    config = BusConfig(redis_url=redis_url, block_ms=20, claim_idle_ms=600, no_worker_timeout_s=4.0)
     stop = threading.Event()
     replicas = [_scheduler(redis_client, config, stop), _scheduler(redis_client, config, stop)]
     _job(redis_client, config, "r1")
     threads = [threading.Thread(target=replica.run_once, daemon=True) for replica in replicas]
     threads[0].start()
-    time.sleep(0.3)  # the first replica holds the job, now idle past claim_idle_ms
+    time.sleep(1.0)  # the first replica holds the job longer than claim_idle_ms, touching it
     threads[1].start()
-    time.sleep(0.3)
+    time.sleep(0.5)
     _beat(redis_client, config, "w1")
     for thread in threads:
-        thread.join(timeout=3)
+        thread.join(timeout=5)
     stop.set()
     assert _routed(redis_client, config, "w1") == ["r1"]
 
