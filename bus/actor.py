@@ -83,7 +83,29 @@ class IncrHash:
         pipe.hincrby(self.key, self.field, self.by)
 
 
-Output = Outbound | SetKey | IncrHash
+@dataclass
+class AppendKey:
+    """Bytes appended to a string key (a request's progress); the TTL is set when asked."""
+
+    key: str
+    data: bytes
+    ttl_s: int | None = None
+
+    def apply(self, pipe: Any, config: BusConfig) -> None:
+        pipe.append(self.key, self.data)
+        if self.ttl_s is not None:
+            pipe.expire(self.key, self.ttl_s)
+
+
+@dataclass
+class DeleteKey:
+    key: str
+
+    def apply(self, pipe: Any, config: BusConfig) -> None:
+        pipe.delete(self.key)
+
+
+Output = Outbound | SetKey | IncrHash | AppendKey | DeleteKey
 
 
 class Stage(Protocol):
@@ -270,7 +292,7 @@ class Actor:
         )  # fmt: skip
         if not claimed:
             return []
-        keep, dead = [], []
+        keep, dead, answers = [], [], []
         for entry_id, fields in claimed:
             info = self.client.xpending_range(
                 self.stream, self.stage.group, min=entry_id, max=entry_id, count=1
@@ -280,12 +302,24 @@ class Actor:
                 payload = (fields or {}).get(ENTRY_FIELD)
                 reason = f"delivered {deliveries} times without being handled"
                 dead.append((entry_id, dead_letter_fields(self.stream, entry_id, reason, payload)))
+                answers.append(self._poison_reply(payload))
             else:
                 keep.append((entry_id, fields))
         if dead:
-            self._commit([entry_id for entry_id, _ in dead], [], [d for _, d in dead])
+            outputs = [answer for answer in answers if answer is not None]
+            self._commit([entry_id for entry_id, _ in dead], outputs, [d for _, d in dead])
         logger.info("%s: claimed %d stale entries", self.stage.group, len(keep))
         return keep
+
+    def _poison_reply(self, payload: bytes | None) -> Outbound | None:
+        """The error reply for a request whose entry kept its consumers from finishing it."""
+        try:
+            message = decode(payload, *self.stage.accepts)
+        except ProtocolError:
+            return None
+        return error_reply_for(self.config, message, 500,
+                               f"{self.stage.group} failed on this request repeatedly",
+                               "internal_error")  # fmt: skip
 
 
 def execute_logging_errors(pipe: Any, who: str) -> list[Any]:

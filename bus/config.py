@@ -15,6 +15,8 @@ Environment variables read by ``BusConfig.from_env``:
 - ``STREAMSERVE_HEARTBEAT_INTERVAL_S``: seconds between a worker's heartbeats.
 - ``STREAMSERVE_HEARTBEAT_TTL_S``: seconds a heartbeat key lives; a worker silent for
   longer is taken as dead.
+- ``STREAMSERVE_WORKER_STALL_S``: seconds a worker's engine loop may go without turning
+  (one step, or a wait for Redis) before the worker takes itself for hung and exits.
 - ``STREAMSERVE_REPLY_TTL_S``: seconds a reply stream lives after its last write (a reader
   that died leaves nothing behind for longer).
 - ``STREAMSERVE_NO_WORKER_TIMEOUT_S``: how long the scheduler holds a job while no worker is
@@ -46,6 +48,7 @@ class BusConfig:
     max_deliveries: int = 5
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0
+    worker_stall_s: float = 300.0
     reply_ttl_s: int = 3_600
     no_worker_timeout_s: float = 30.0
 
@@ -69,7 +72,12 @@ class BusConfig:
             _require_int(name, getattr(self, name), minimum=1)
         # 0 would mean "block forever" to XREADGROUP, and a stage must stay responsive.
         _require_int("block_ms", self.block_ms, minimum=1)
-        for name in ("heartbeat_interval_s", "heartbeat_ttl_s", "no_worker_timeout_s"):
+        for name in (
+            "heartbeat_interval_s",
+            "heartbeat_ttl_s",
+            "worker_stall_s",
+            "no_worker_timeout_s",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"{name} must be a positive number; got {value!r}")
@@ -132,8 +140,19 @@ class BusConfig:
         return f"{self.stream_prefix}:heartbeat:{_require_id('worker_id', worker_id)}"
 
     def workers_key(self) -> str:
-        """A set of every worker id that ever beat; ids whose heartbeat expired are pruned."""
+        """A set of the worker ids that beat; an id whose heartbeat expired stays until the
+        reaper (stages/worker_reaper.py) has moved its jobs to live workers."""
         return f"{self.stream_prefix}:workers"
+
+    def progress_key(self, rid: str) -> str:
+        """Request `rid`'s output token ids so far (packed int32), appended in the same MULTI
+        that publishes them and deleted when it finishes: where a worker that is handed the
+        request again (moved off a dead worker, or delivered twice) resumes it."""
+        return f"{self.stream_prefix}:progress:{rid}"
+
+    def reaping_key(self, worker_id: str) -> str:
+        """A lock: the scheduler replica moving a dead worker's jobs holds it."""
+        return f"{self.stream_prefix}:reaping:{_require_id('worker_id', worker_id)}"
 
     def routed_key(self) -> str:
         """A hash worker id -> jobs routed to it, so schedulers see each other's routing."""

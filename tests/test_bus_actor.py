@@ -289,7 +289,8 @@ def test_an_entry_delivered_more_than_max_deliveries_times_is_dead_lettered(redi
     time.sleep(config.claim_idle_ms / 1000 + 0.05)
     actor.run_once()  # the third delivery, past max_deliveries=2
     assert stage.calls == []
-    assert _replies(redis_client) == []
+    (answer,) = _replies(redis_client)  # its requester is told, not left waiting
+    assert (answer.rid, answer.status, answer.type) == ("poison", 500, "internal_error")
     assert _pending(redis_client, config) == 0
     (dead,) = _dead_letters(redis_client, config)
     assert dead["entry_id"] == entry_id
