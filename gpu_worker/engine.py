@@ -92,17 +92,33 @@ class Engine:
             self._abort_unfinished(reqs)
 
     def build_request(
-        self, rid: str, input_ids: list[int], params: SamplingParams, detokenize: bool = True
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: SamplingParams,
+        detokenize: bool = True,
+        output_ids: list[int] | None = None,
     ) -> Req:
         """A checked request, ready for `scheduler.add_request`; ValueError names the field.
 
         With `detokenize` False the request gets a text stream only if it has stop strings
         (the worker stage leaves text to the detokenizer and only needs to find stops).
+        `output_ids` resumes a request another worker began: those tokens count as output
+        already generated (as after a retraction), and generation continues after them.
         """
         checked_ids([input_ids], self.vocab_size, "input_ids")
         params.validate(self.vocab_size)
         self._check_fits(input_ids, params)
-        return self._make_req(input_ids, params, rid, detokenize or bool(params.stop))
+        req = self._make_req(input_ids, params, rid, detokenize or bool(params.stop))
+        if output_ids:
+            checked_ids([output_ids], self.vocab_size, "output_ids")
+            req.output_ids = list(output_ids)
+            # Their logprobs were published by the worker that produced them.
+            req.logprobs = [0.0] * len(output_ids)
+            req.top_logprobs = [[] for _ in output_ids]
+            if req.text_stream is not None:
+                req.text_stream.push(req.output_ids)  # a stop string may span the resume
+        return req
 
     def token_budget(self, num_prompt_tokens: int) -> int:
         """The most new tokens a prompt of this length can get (context and KV pool bound)."""
