@@ -6,14 +6,25 @@ The loop is the engine's (receive, schedule, forward, sample, process results) w
 at its two ends. Jobs arrive on this worker's own stream ``<p>:worker:<id>``, where the
 scheduler stage routes them; every step publishes one TokenBatch with every request's new
 tokens to ``<p>:tokens``. While there is work, one MULTI per step carries the step's
-tokens, the acknowledgements of jobs admitted, the heartbeat when due, and a non-blocking
-read of new jobs, so the bus costs one round trip per step; idle, the worker blocks on its
-stream. Forming batches stays here: a round trip to Redis per decode step is all the bus may
-cost.
+tokens, the acknowledgements of jobs admitted and a non-blocking read of new jobs, so the
+bus costs one round trip per step; idle, the worker blocks on its stream. The heartbeat
+has a thread of its own (gpu_worker/heartbeat.py), so a long step never makes a live
+worker look dead. Forming batches stays here: a round trip to Redis per decode step is all
+the bus may cost.
 
 The worker does not detokenize: requests with stop strings keep a TextStream to find them,
 the rest leave text to the detokenizer stage. Each item carries the token window the
 detokenizer needs (stages/detokenize.py).
+
+Nothing is lost when a worker dies. A job stays pending on the worker's stream until it
+finishes (its acknowledgement goes in the MULTI with its last tokens), and each request's
+published tokens are appended to its progress key in the MULTI that publishes them. When
+the heartbeat lapses, the scheduler's reaper (stages/worker_reaper.py) moves the pending
+jobs to the scheduler again, and the worker that gets one continues after its progress: no
+token is repeated or missing. A worker stopped with SIGTERM finishes its step, publishes it,
+and leaves its jobs to the reaper the same way. A worker that finds it was reaped while
+alive (Redis out of reach for longer than the heartbeat TTL) drops its jobs, which live on
+elsewhere.
 """
 
 from __future__ import annotations
@@ -32,6 +43,8 @@ import redis
 
 from bus.actor import (
     RECONNECT_BACKOFF_S,
+    AppendKey,
+    DeleteKey,
     Outbound,
     Output,
     dead_letter_fields,
@@ -48,18 +61,19 @@ from bus.protocol import (
     Abort,
     ErrorReply,
     Finish,
-    Heartbeat,
     ProtocolError,
     TokenBatch,
     TokenItem,
     TokenizedRequest,
     decode,
-    encode,
+    pack_ids,
     token_context,
+    unpack_ids,
 )
 from bus.sampling_params import SamplingParams
 from bus.stop_strings import stop_window_tokens
 from gpu_worker.engine import Engine
+from gpu_worker.heartbeat import HeartbeatThread, Load
 from gpu_worker.scheduling.req import Req
 
 logger = logging.getLogger(__name__)
@@ -74,8 +88,10 @@ CONTEXT_TOKENS = 8
 class Job:
     req: Req
     reply_to: str
+    entry_id: bytes  # acknowledged when the request finishes, not before
     window: int  # output tokens of context the detokenizer needs
     reported: int = 0  # output tokens already published
+    progress_ttl_set: bool = False
 
 
 class Worker:
@@ -98,7 +114,9 @@ class Worker:
         self._outbox: list[Output] = []
         self._acks: list[bytes] = []
         self._dead: list[dict[str, Any]] = []
-        self._next_beat = 0.0
+        self.heartbeat = HeartbeatThread(
+            client, config, worker_id, self.stream, model, engine.runner.max_total_tokens
+        )
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -107,13 +125,19 @@ class Worker:
         # `admitted` counts from 0 again: so must the jobs routed to this id, or a restarted
         # worker would look busy with its previous life's jobs.
         self.client.hdel(self.config.routed_key(), self.worker_id)
-        self._commit(read=False)  # first heartbeat: the scheduler can route to us now
+        # Jobs a previous life under this id left pending: resumed here, from their progress.
+        entries = self._claim_pending()
+        self._report_load()
+        self.heartbeat.beat()  # the scheduler can route to us now
+        self.heartbeat.start()
         logger.info("worker %s: consumer %s on %s", self.worker_id, self.consumer, self.stream)
-        entries: list[Any] = []
         failures = 0
         try:
             while not self.stop.is_set():
                 try:
+                    if self.heartbeat.reaped.is_set():
+                        self._drop_reaped_jobs()
+                        entries = []
                     if entries:
                         self._admit(entries)
                         entries = []
@@ -126,6 +150,7 @@ class Worker:
                         self._commit(read=False)
                         entries = self._read_blocking()
                     failures = 0
+                    self._report_load()
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     # Outputs not yet written stay in the outbox for the next commit.
                     delay = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
@@ -133,8 +158,19 @@ class Worker:
                     logger.warning("worker %s: Redis unreachable (%s); retrying in %.1f s",
                                    self.worker_id, exc, delay)  # fmt: skip
                     self.stop.wait(delay)
+                    self._report_load()
         finally:
             self._shutdown()
+
+    def _claim_pending(self) -> list[Any]:
+        entries, cursor = [], "0-0"
+        while True:
+            cursor, claimed, _ = self.client.xautoclaim(
+                self.stream, GROUP, self.consumer, min_idle_time=0, start_id=cursor, count=1000
+            )
+            entries += claimed
+            if cursor in (b"0-0", "0-0") or not claimed:
+                return entries
 
     def _read_blocking(self) -> list[Any]:
         response = self.client.xreadgroup(
@@ -144,10 +180,9 @@ class Worker:
         return response[0][1] if response else []
 
     def _commit(self, read: bool) -> list[Any]:
-        """One MULTI: outputs, acks, dead letters, a due heartbeat, and (optionally) a
-        non-blocking read of new jobs."""
-        beat_due = time.monotonic() >= self._next_beat
-        if not (self._outbox or self._acks or self._dead or beat_due or read):
+        """One MULTI: outputs, acks, dead letters, and (optionally) a non-blocking read of new
+        jobs."""
+        if not (self._outbox or self._acks or self._dead or read):
             return []
         pipe = self.client.pipeline(transaction=True)
         write_outputs(pipe, self.config, self._outbox)
@@ -156,8 +191,6 @@ class Worker:
                       maxlen=self.config.stream_maxlen, approximate=True)  # fmt: skip
         if self._acks:
             pipe.xack(self.stream, GROUP, *self._acks)
-        if beat_due:
-            self._queue_heartbeat(pipe)
         if read:
             pipe.xreadgroup(GROUP, self.consumer, {self.stream: ">"}, count=self.config.read_count)
         results = execute_logging_errors(pipe, f"worker {self.worker_id}")
@@ -166,57 +199,76 @@ class Worker:
             return results[-1][0][1]
         return []
 
-    def _queue_heartbeat(self, pipe: Any) -> None:
+    def _drop_reaped_jobs(self) -> None:
+        """The reaper took us for dead and moved our jobs on: they are served elsewhere now.
+        Drop them (and what was not yet published of them) and carry on as a new worker."""
+        self.heartbeat.reaped.clear()
+        logger.warning("worker %s: %d jobs moved to other workers are dropped here",
+                       self.worker_id, len(self.jobs))  # fmt: skip
+        for rid in list(self.jobs):
+            self.scheduler.abort_request(rid)
+        self.jobs.clear()
+        self._outbox, self._acks, self._dead = [], [], []
+        ensure_group(self.client, self.stream, GROUP)
+
+    def _report_load(self) -> None:
         load = self.scheduler.load()
-        beat = Heartbeat(
-            self.worker_id, self.stream, self.model, load["running"], load["waiting"],
-            load["free_kv_tokens"], self.engine.runner.max_total_tokens, self.admitted,
-            time.time(),
-        )  # fmt: skip
-        pipe.set(self.config.heartbeat_key(self.worker_id), encode(beat),
-                 px=int(self.config.heartbeat_ttl_s * 1000))  # fmt: skip
-        pipe.sadd(self.config.workers_key(), self.worker_id)
-        self._next_beat = time.monotonic() + self.config.heartbeat_interval_s
+        self.heartbeat.report(
+            Load(load["running"], load["waiting"], load["free_kv_tokens"], self.admitted)
+        )
 
     # ---- jobs in -------------------------------------------------------------------------
 
     def _admit(self, entries: list[Any]) -> None:
-        jobs: list[TokenizedRequest] = []
+        jobs: list[tuple[bytes, TokenizedRequest]] = []
         for entry_id, fields in entries:
-            self._acks.append(entry_id)
             if fields is None:
+                self._acks.append(entry_id)
                 continue
             payload = fields.get(ENTRY_FIELD)
             try:
                 message = decode(payload, TokenizedRequest, Abort)
             except ProtocolError as exc:
+                self._acks.append(entry_id)
                 self._dead.append(dead_letter_fields(self.stream, entry_id, str(exc), payload))
                 continue
             if isinstance(message, Abort):
+                self._acks.append(entry_id)
                 self._abort(message.rid)
             else:
-                jobs.append(message)
+                jobs.append((entry_id, message))
         self.admitted += len(jobs)
         if not jobs:
             return
-        # A job aborted while on its way here is dropped on arrival (see bus/aborts.py).
-        aborted = self.client.mget([self.config.abort_key(job.rid) for job in jobs])
-        for job, abort_flag in zip(jobs, aborted, strict=True):
-            if abort_flag is None:
-                self._start(job)
+        # A job aborted while on its way here is dropped on arrival (see bus/aborts.py); one
+        # with progress was begun by a worker that died, and continues after it.
+        pipe = self.client.pipeline(transaction=False)
+        pipe.mget([self.config.abort_key(job.rid) for _, job in jobs])
+        pipe.mget([self.config.progress_key(job.rid) for _, job in jobs])
+        aborted, progress = pipe.execute()
+        for (entry_id, job), abort_flag, done in zip(jobs, aborted, progress, strict=True):
+            if abort_flag is not None:
+                self._acks.append(entry_id)
+            else:
+                self._start(entry_id, job, done)
 
-    def _start(self, job: TokenizedRequest) -> None:
+    def _start(self, entry_id: bytes, job: TokenizedRequest, progress: bytes | None) -> None:
         if job.rid in self.jobs:
             logger.warning("worker %s: duplicate job %s ignored", self.worker_id, job.rid)
+            self._acks.append(entry_id)
             return
         try:
+            generated = unpack_ids(progress) if progress else []
             sampling = dict(job.sampling)
             if "max_new_tokens" not in sampling:
                 # OpenAI's missing max_tokens: as many as the context allows.
                 sampling["max_new_tokens"] = max(1, self.engine.token_budget(len(job.input_ids)))
             params = SamplingParams.from_dict(sampling)
-            req = self.engine.build_request(job.rid, job.input_ids, params, detokenize=False)
-        except (ValueError, TypeError) as exc:
+            req = self.engine.build_request(
+                job.rid, job.input_ids, params, detokenize=False, output_ids=generated
+            )
+        except (ValueError, TypeError, ProtocolError) as exc:
+            self._acks.append(entry_id)
             message = str(exc)
             param = message.split(" ", 1)[0].rstrip(":") if message else None
             code = "context_length_exceeded" if "context length" in message else None
@@ -224,7 +276,10 @@ class Worker:
                 job.rid, 400, message, "invalid_request_error", param, code)))  # fmt: skip
             return
         window = stop_window_tokens(params.stop, CONTEXT_TOKENS)
-        self.jobs[job.rid] = Job(req, job.reply_to, window)
+        self.jobs[job.rid] = Job(req, job.reply_to, entry_id, window, reported=len(generated))
+        if generated:
+            logger.info("worker %s: resuming %s after %d tokens", self.worker_id, job.rid,
+                        len(generated))  # fmt: skip
         self.scheduler.add_request(req)
 
     def _abort(self, rid: str) -> None:
@@ -252,6 +307,12 @@ class Worker:
         req = job.req
         start, end = job.reported, len(req.output_ids)
         job.reported = end
+        if end > start and not req.finished:
+            # Durable progress, written in the MULTI that publishes these tokens.
+            ttl = None if job.progress_ttl_set else self.config.reply_ttl_s
+            job.progress_ttl_set = True
+            key = self.config.progress_key(req.rid)
+            self._outbox.append(AppendKey(key, pack_ids(req.output_ids[start:end]), ttl))
         context, prompt_context = token_context(
             req.origin_input_ids, req.output_ids, start, job.window
         )
@@ -272,25 +333,24 @@ class Worker:
                 reason.kind, reason.matched, len(req.origin_input_ids), len(req.output_ids),
                 req.prompt_cache_hit or 0,
             )  # fmt: skip
+            self._outbox.append(DeleteKey(self.config.progress_key(req.rid)))
+            self._acks.append(job.entry_id)
             del self.jobs[req.rid]
         return item
 
     def _shutdown(self) -> None:
-        """Tell every live request's client, and leave the worker set."""
-        for rid, job in list(self.jobs.items()):
-            self.scheduler.abort_request(rid)
-            self._outbox.append(reply(self.config, job.reply_to, ErrorReply(
-                rid, 503, "the worker shut down", "service_unavailable", None,
-                "worker_shutdown")))  # fmt: skip
+        """Publish what was generated and stop beating: the jobs still pending on our stream
+        are the reaper's to move to live workers, which continue them after their progress."""
+        for rid in list(self.jobs):
+            self.scheduler.abort_request(rid)  # frees the KV; no finish is published
         self.jobs.clear()
         try:
             pipe = self.client.pipeline(transaction=True)
             write_outputs(pipe, self.config, self._outbox)
             if self._acks:
                 pipe.xack(self.stream, GROUP, *self._acks)
-            pipe.delete(self.config.heartbeat_key(self.worker_id))
-            pipe.srem(self.config.workers_key(), self.worker_id)
             execute_logging_errors(pipe, f"worker {self.worker_id}")
+            self.heartbeat.goodbye()
         except redis.RedisError as exc:
             logger.warning("worker %s: could not say goodbye: %s", self.worker_id, exc)
         per_step_ms = 1000 * self.bus_seconds / max(self.steps, 1)

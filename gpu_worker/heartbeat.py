@@ -1,0 +1,117 @@
+"""The worker's heartbeat, beaten from its own thread.
+
+A heartbeat written only between engine steps lapses whenever one step outlasts the TTL (a
+long prefill on a CPU, a CUDA graph capture), and a live worker would be taken for dead and
+its jobs moved. So a thread beats every interval whatever the engine is doing, with the
+last load the main loop reported, for as long as that loop keeps turning. A loop that has
+not turned for ``stall_s`` is hung (a wedged GPU, a deadlock): the thread stops beating and
+ends the process, so the reaper moves its jobs to live workers and the launcher (or the
+container runtime) starts a fresh one. Nothing it held is lost: its jobs are still pending
+on its stream, with their progress in Redis.
+
+The beat also tells whether the reaper removed this worker from the workers set while it
+was alive (Redis was unreachable for longer than the TTL); ``reaped`` is then set for the
+main loop, which drops the jobs that now live elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+from bus.config import BusConfig
+from bus.protocol import Heartbeat, encode
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Load:
+    running: int
+    waiting: int
+    free_kv_tokens: int
+    admitted: int
+
+
+class HeartbeatThread(threading.Thread):
+    def __init__(
+        self,
+        client: redis.Redis,
+        config: BusConfig,
+        worker_id: str,
+        stream: str,
+        model: str,
+        max_total_tokens: int,
+        on_stall: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(name=f"heartbeat-{worker_id}", daemon=True)
+        self.client = client
+        self.config = config
+        self.worker_id = worker_id
+        self.stream = stream
+        self.model = model
+        self.max_total_tokens = max_total_tokens
+        self.on_stall = on_stall or _exit_hung
+        self.load = Load(0, 0, max_total_tokens, 0)
+        self.reaped = threading.Event()
+        self.stop = threading.Event()
+        self._turned_at = time.monotonic()
+        self._registered = False  # in the workers set since our first beat
+
+    def report(self, load: Load) -> None:
+        """Called by the main loop each turn: the load to announce, and proof of life."""
+        self.load = load
+        self._turned_at = time.monotonic()
+
+    def beat(self) -> None:
+        load = self.load
+        heartbeat = Heartbeat(
+            self.worker_id, self.stream, self.model, load.running, load.waiting,
+            load.free_kv_tokens, self.max_total_tokens, load.admitted, time.time(),
+        )  # fmt: skip
+        pipe = self.client.pipeline(transaction=True)
+        pipe.sismember(self.config.workers_key(), self.worker_id)
+        pipe.set(self.config.heartbeat_key(self.worker_id), encode(heartbeat),
+                 px=int(self.config.heartbeat_ttl_s * 1000))  # fmt: skip
+        pipe.sadd(self.config.workers_key(), self.worker_id)
+        was_member = pipe.execute()[0]
+        if self._registered and not was_member:
+            logger.warning("worker %s: was taken for dead (heartbeat lapsed)", self.worker_id)
+            self.reaped.set()
+        self._registered = True
+
+    def run(self) -> None:
+        while not self.stop.wait(self.config.heartbeat_interval_s):
+            stalled = time.monotonic() - self._turned_at
+            if stalled > self.config.worker_stall_s:
+                logger.error(
+                    "worker %s: the engine loop has not turned for %.0f s; stopping the "
+                    "heartbeat so its jobs move to live workers", self.worker_id, stalled,
+                )  # fmt: skip
+                self.on_stall()
+                return
+            try:
+                self.beat()
+            except redis.RedisError as exc:
+                # The main loop sees the same outage and backs off; keep trying to beat.
+                logger.warning("worker %s: heartbeat failed: %s", self.worker_id, exc)
+
+    def goodbye(self) -> None:
+        """Stop beating and delete the key: the reaper need not wait for the TTL."""
+        self.stop.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join()
+        self.client.delete(self.config.heartbeat_key(self.worker_id))
+
+
+def _exit_hung() -> None:
+    # The main thread is stuck in native code and cannot be interrupted; only ending the
+    # process frees the GPU for a replacement.
+    logging.shutdown()
+    os._exit(70)  # EX_SOFTWARE
