@@ -41,6 +41,7 @@ def run_stage(
     stop_on_signals(stop)
     if name == "scheduler":
         from stages.scheduler import SchedulerStage
+        from stages.worker_reaper import start_reaper_thread
 
         stage = SchedulerStage(config, client, stop)
     else:
@@ -56,5 +57,7 @@ def run_stage(
 
             stage = DetokenizerStage(config, tokenizer)
     actor = Actor(client, config, stage, stop)
+    if name == "scheduler":
+        start_reaper_thread(config, actor.consumer, stop)  # dead workers' jobs move on
     actor.run()
     logger.info("%s stopped after %d entries", name, actor.processed)

@@ -37,7 +37,8 @@ class WorkerLoad:
 
 
 def live_workers(client: redis.Redis, config: BusConfig) -> list[WorkerLoad]:
-    """Workers whose heartbeat key is alive; ids whose key expired are pruned."""
+    """Workers whose heartbeat key is alive (the reaper, stages/worker_reaper.py, moves the
+    jobs of the others and removes their ids)."""
     ids = sorted(member.decode() for member in client.smembers(config.workers_key()))
     if not ids:
         return []
@@ -45,10 +46,9 @@ def live_workers(client: redis.Redis, config: BusConfig) -> list[WorkerLoad]:
     pipe.mget([config.heartbeat_key(worker_id) for worker_id in ids])
     pipe.hgetall(config.routed_key())
     beats, routed = pipe.execute()
-    loads, dead = [], []
+    loads = []
     for worker_id, raw in zip(ids, beats, strict=True):
         if raw is None:
-            dead.append(worker_id)
             continue
         try:
             beat = decode(raw, Heartbeat)
@@ -58,8 +58,6 @@ def live_workers(client: redis.Redis, config: BusConfig) -> list[WorkerLoad]:
         in_transit = max(0, int(routed.get(worker_id.encode(), 0)) - beat.admitted)
         queued = beat.running + beat.waiting + in_transit
         loads.append(WorkerLoad(worker_id, beat.stream, queued, beat.free_kv_tokens))
-    if dead:
-        client.srem(config.workers_key(), *dead)
     return loads
 
 

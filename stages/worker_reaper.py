@@ -1,0 +1,177 @@
+"""The worker reaper: a dead worker's jobs go back to the scheduler, to continue elsewhere.
+
+A worker leaves every job it was handed pending on its stream (``<p>:worker:<id>``) until
+the job finishes, and appends each request's published tokens to its progress key in the
+MULTI that publishes them (gpu_worker/worker.py). So when its heartbeat lapses — it was
+killed, it crashed, or SIGTERM stopped it — its stream holds exactly the jobs it had not
+finished, and their progress keys hold exactly what their clients were sent.
+
+Each scheduler replica runs a reaper thread. For a worker whose heartbeat is gone on two
+looks a heartbeat interval apart (a scheduler that read the heartbeat just before it
+expired has routed its job by then), the replica that wins the worker's ``reaping`` lock
+takes every entry of its stream (pending ones with ``XAUTOCLAIM``, unread ones with
+``XREADGROUP``) and puts each job back on the tokenized stream, acknowledging it in the same
+MULTI. The scheduler routes it to a live worker (or holds it while none is alive, failing it
+after ``no_worker_timeout_s``), and that worker continues after the progress: no token is
+repeated or missing. Once the stream is empty, and the heartbeat still absent, the stream,
+the id and its routing count go in one MULTI guarded by WATCH.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import redis
+
+from bus.actor import REDIS_TRANSIENT, dead_letter_fields, execute_logging_errors
+from bus.config import BusConfig
+from bus.protocol import ENTRY_FIELD, Abort, ProtocolError, TokenizedRequest, decode, encode
+
+logger = logging.getLogger(__name__)
+
+WORKER_GROUP = "worker"  # the workers' consumer group (gpu_worker/worker.py)
+BATCH = 256
+LOCK_TTL_S = 30
+
+
+def dead_worker_ids(client: redis.Redis, config: BusConfig) -> set[str]:
+    """Ids in the workers set whose heartbeat key is gone."""
+    ids = sorted(member.decode() for member in client.smembers(config.workers_key()))
+    if not ids:
+        return set()
+    beats = client.mget([config.heartbeat_key(worker_id) for worker_id in ids])
+    return {worker_id for worker_id, beat in zip(ids, beats, strict=True) if beat is None}
+
+
+class WorkerReaper:
+    def __init__(
+        self, client: redis.Redis, config: BusConfig, consumer: str, stop: threading.Event
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.consumer = consumer
+        self.stop = stop
+        self._seen_dead: set[str] = set()
+        self.moved = 0  # jobs put back on the tokenized stream
+
+    def run(self) -> None:
+        """Look for dead workers every heartbeat interval until `stop` is set."""
+        while not self.stop.wait(self.config.heartbeat_interval_s):
+            try:
+                self.tick()
+            except REDIS_TRANSIENT as exc:
+                logger.warning("reaper: Redis unreachable (%s); retrying", exc)
+            except Exception:  # a reaper that dies would strand every later dead worker
+                logger.exception("reaper: a pass failed; retrying")
+
+    def tick(self) -> None:
+        dead = dead_worker_ids(self.client, self.config)
+        for worker_id in sorted(dead & self._seen_dead):
+            self.reap(worker_id)
+        self._seen_dead = dead
+
+    def reap(self, worker_id: str) -> bool:
+        """Move `worker_id`'s jobs back to the scheduler and forget it; False if another
+        replica holds its lock or the worker came back."""
+        lock = self.config.reaping_key(worker_id)
+        if not self.client.set(lock, self.consumer, nx=True, ex=LOCK_TTL_S):
+            return False
+        try:
+            stream = self.config.worker_stream(worker_id)
+            while not self.stop.is_set():
+                if self._move_entries(stream):
+                    continue
+                if self.client.exists(self.config.heartbeat_key(worker_id)):
+                    logger.info("reaper: worker %s is beating again; left alone", worker_id)
+                    return False
+                if self._forget(worker_id, stream):
+                    return True
+            return False
+        finally:
+            self.client.delete(lock)
+
+    def _move_entries(self, stream: str) -> int:
+        """Requeue one batch of the stream's pending and unread jobs; how many entries."""
+        if not self.client.exists(stream):
+            return 0
+        try:
+            _, entries, _ = self.client.xautoclaim(
+                stream, WORKER_GROUP, self.consumer, min_idle_time=0, start_id="0-0", count=BATCH
+            )
+            if not entries:
+                response = self.client.xreadgroup(
+                    WORKER_GROUP, self.consumer, {stream: ">"}, count=BATCH
+                )
+                entries = response[0][1] if response else []
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # Jobs routed before the worker ever made its group: read them from the start.
+            self.client.xgroup_create(stream, WORKER_GROUP, id="0", mkstream=True)
+            return self._move_entries(stream)
+        if not entries:
+            return 0
+        pipe = self.client.pipeline(transaction=True)
+        moved = 0
+        for entry_id, fields in entries:
+            payload = (fields or {}).get(ENTRY_FIELD)
+            if payload is None:
+                continue  # trimmed while pending
+            try:
+                message = decode(payload, TokenizedRequest, Abort)
+            except ProtocolError as exc:
+                pipe.xadd(self.config.dead_letter_stream(),
+                          dead_letter_fields(stream, entry_id, str(exc), payload),
+                          maxlen=self.config.stream_maxlen, approximate=True)  # fmt: skip
+                continue
+            if isinstance(message, Abort):
+                continue  # its job, if still here, is moved and meets the abort flag there
+            pipe.xadd(self.config.tokenized_stream(), {ENTRY_FIELD: encode(message)},
+                      maxlen=self.config.stream_maxlen, approximate=True)  # fmt: skip
+            moved += 1
+        pipe.xack(stream, WORKER_GROUP, *[entry_id for entry_id, _ in entries])
+        execute_logging_errors(pipe, "reaper")
+        self.moved += moved
+        if moved:
+            logger.warning("reaper: moved %d jobs off %s to live workers", moved, stream)
+        return len(entries)
+
+    def _forget(self, worker_id: str, stream: str) -> bool:
+        """Delete the empty stream and the worker's id, unless it beat or got a job meanwhile."""
+        heartbeat = self.config.heartbeat_key(worker_id)
+        with self.client.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(stream, heartbeat)
+                if pipe.exists(heartbeat) or self._has_entries(pipe, stream):
+                    pipe.unwatch()
+                    return False
+                pipe.multi()
+                pipe.delete(stream)
+                pipe.srem(self.config.workers_key(), worker_id)
+                pipe.hdel(self.config.routed_key(), worker_id)
+                pipe.execute()
+            except redis.WatchError:
+                return False
+        logger.info("reaper: worker %s is gone", worker_id)
+        return True
+
+    @staticmethod
+    def _has_entries(pipe: Any, stream: str) -> bool:
+        """Whether the worker group still has unread or pending entries on `stream`."""
+        if not pipe.exists(stream):
+            return False
+        last_id = pipe.xinfo_stream(stream)["last-generated-id"]
+        for group in pipe.xinfo_groups(stream):
+            if group["name"] in (WORKER_GROUP, WORKER_GROUP.encode()):
+                return bool(group["pending"]) or group["last-delivered-id"] != last_id
+        return pipe.xlen(stream) > 0
+
+
+def start_reaper_thread(config: BusConfig, consumer: str, stop: threading.Event) -> WorkerReaper:
+    """A reaper on its own connection, in a daemon thread."""
+    assert config.redis_url is not None
+    reaper = WorkerReaper(redis.Redis.from_url(config.redis_url), config, consumer, stop)
+    threading.Thread(target=reaper.run, name="worker-reaper", daemon=True).start()
+    return reaper

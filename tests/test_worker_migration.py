@@ -1,0 +1,96 @@
+"""A request moves off a stopped worker and finishes on another, with no token repeated or
+missing: real workers (a small random model), the reaper and the scheduler stage, on a real
+server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from bus.actor import Actor, ensure_group
+from bus.config import BusConfig
+from bus.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, encode, unpack_ids
+from gpu_worker import Engine
+from gpu_worker.worker import Worker
+from stages.scheduler import SchedulerStage
+from stages.worker_reaper import WorkerReaper
+
+MODEL = "random:tiny-llama"
+PROMPT = [5, 17, 99, 3, 250, 41, 7, 12]
+MAX_NEW = 48
+
+
+@pytest.fixture
+def config(redis_url) -> BusConfig:
+    return BusConfig(redis_url=redis_url, block_ms=20, heartbeat_interval_s=0.2)
+
+
+def _start(
+    client: redis.Redis, config: BusConfig, worker_id: str
+) -> tuple[Worker, threading.Thread]:
+    worker = Worker(Engine(MODEL, dtype="float32"), client, config, worker_id, MODEL)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    return worker, thread
+
+
+def _items(client: redis.Redis, config: BusConfig, rid: str):
+    for _, fields in client.xrange(config.tokens_stream()):
+        batch = decode(fields[ENTRY_FIELD], TokenBatch)
+        for item in batch.items:
+            if item.rid == rid:
+                yield batch.worker_id, item
+
+
+def _wait(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_request_continues_on_another_worker_after_its_worker_stops(redis_url, config):
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    sampling = {"max_new_tokens": MAX_NEW, "ignore_eos": True, "temperature": 0.0}
+    expected = Engine(MODEL, dtype="float32").generate(input_ids=PROMPT, sampling_params=sampling)
+
+    first, first_thread = _start(client, config, "first")
+    job = TokenizedRequest("r1", "t:reply", PROMPT, sampling)
+    client.xadd(config.worker_stream("first"), {ENTRY_FIELD: encode(job)})
+    # Stop it part-way, as SIGTERM does: it publishes its last step and leaves the job.
+    _wait(lambda: len(client.get(config.progress_key("r1")) or b"") >= 4 * 10)
+    first.stop.set()
+    first_thread.join(timeout=30)
+    produced = len(unpack_ids(client.get(config.progress_key("r1"))))
+    assert 10 <= produced < MAX_NEW
+    assert client.xpending(config.worker_stream("first"), "worker")["pending"] == 1
+
+    second, second_thread = _start(client, config, "second")
+    try:
+        reaper = WorkerReaper(client, config, "scheduler-test", threading.Event())
+        assert reaper.reap("first")
+        scheduler = SchedulerStage(config, client, threading.Event())
+        ensure_group(client, scheduler.input_stream(config), scheduler.group)
+        _wait(lambda: client.exists(config.heartbeat_key("second")))
+        assert Actor(client, config, scheduler).run_once() == 1
+        _wait(lambda: any(item.finish for _, item in _items(client, config, "r1")))
+    finally:
+        second.stop.set()
+        second_thread.join(timeout=30)
+
+    items = list(_items(client, config, "r1"))
+    ids, expected_start = [], 0
+    for _, item in items:
+        assert item.start == expected_start  # no gap, no repeat
+        ids += item.ids
+        expected_start += len(item.ids)
+    assert ids == expected["output_ids"]
+    assert {worker for worker, _ in items} == {"first", "second"}
+    assert items[-1][1].finish.completion_tokens == MAX_NEW
+    assert items[-1][1].finish.prompt_tokens == len(PROMPT)
+    assert not client.exists(config.progress_key("r1"))
+    assert client.xpending(config.worker_stream("second"), "worker")["pending"] == 0
