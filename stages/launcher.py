@@ -3,8 +3,11 @@
 With no Redis URL it starts the embedded server (bus/embedded_server.py) first. It waits
 until ``/health`` answers and every worker has loaded its model and beats, prints where the API
 listens, and on Ctrl-C or SIGTERM stops the stages (ingress first, so no new request comes
-in, the workers last) and then the server. If any replica dies, it stops everything and
-exits non-zero: a half-running system that looks healthy is worse than none.
+in, the workers last) and then the server. A replica that dies once the system is up is
+started again (its work was picked up by its peers meanwhile: a dead worker's jobs move to
+live workers, a dead CPU stage's pending entries are claimed); one that dies
+``RESTART_LIMIT`` times within ``RESTART_WINDOW_S``, or before the system is up, stops
+everything with a non-zero exit: a crash loop that looks healthy is worse than no system.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 
 import redis
 
@@ -31,13 +35,24 @@ logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 15.0
 POLL_S = 0.25
+RESTART_LIMIT = 5
+RESTART_WINDOW_S = 60.0
+
+
+@dataclass
+class Replica:
+    label: str
+    command: list[str]
+    env: dict[str, str]
+    process: subprocess.Popen[bytes]
+    restarts: list[float] = field(default_factory=list)  # monotonic times
 
 
 class Launcher:
     def __init__(self, args: argparse.Namespace, config: BusConfig) -> None:
         self.args = args
         self.config = config
-        self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.replicas: list[Replica] = []
         self.stop = threading.Event()
         self.server: EmbeddedRedis | None = None
 
@@ -65,9 +80,15 @@ class Launcher:
         env = {**os.environ, "REDIS_URL": url}
         common = ["--model", a.model, "--log-level", a.log_level]
         # Workers first: loading the model is the slow part.
+        worker_env = dict(env)
+        if a.workers > 1 and "OMP_NUM_THREADS" not in env:
+            # Workers on a CPU share its cores: each taking all of them (torch's default)
+            # oversubscribes the machine, and spinning threads then slow every step manyfold.
+            cores = len(os.sched_getaffinity(0))
+            worker_env["OMP_NUM_THREADS"] = str(max(1, cores // a.workers))
         for i in range(a.workers):
             command = worker_command(url, a.model, [*a.worker_arg, "--log-level", a.log_level])
-            self._spawn(f"worker-{i}", command, env)
+            self._spawn(f"worker-{i}", command, worker_env)
         stages = (
             ("tokenizer", a.tokenizers),
             ("scheduler", a.schedulers),
@@ -85,7 +106,7 @@ class Launcher:
 
     def _spawn(self, label: str, command: list[str], env: dict[str, str]) -> None:
         process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
-        self.processes.append((label, process))
+        self.replicas.append(Replica(label, command, env, process))
         logger.info("started %s (pid %d)", label, process.pid)
 
     def _health_url(self) -> str:
@@ -141,38 +162,52 @@ class Launcher:
 
     def _supervise(self) -> int:
         while not self.stop.is_set():
-            dead = self._first_dead()
-            if dead is not None:
-                return 1
+            for replica in self.replicas:
+                code = replica.process.poll()
+                if code is not None and not self._restart(replica, code):
+                    return 1
             self.stop.wait(POLL_S)
         return 0
 
+    def _restart(self, replica: Replica, code: int) -> bool:
+        now = time.monotonic()
+        replica.restarts = [t for t in replica.restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(replica.restarts) > RESTART_LIMIT:
+            logger.error("%s exited with code %d, %d times in %g s; stopping everything",
+                         replica.label, code, RESTART_LIMIT, RESTART_WINDOW_S)  # fmt: skip
+            return False
+        replica.process = subprocess.Popen(replica.command, env=replica.env,
+                                           stdin=subprocess.DEVNULL)  # fmt: skip
+        logger.warning("%s exited with code %d; started again (pid %d)",
+                       replica.label, code, replica.process.pid)  # fmt: skip
+        return True
+
     def _first_dead(self) -> str | None:
-        for label, process in self.processes:
-            code = process.poll()
+        for replica in self.replicas:
+            code = replica.process.poll()
             if code is not None:
-                logger.error("%s exited with code %d; stopping everything", label, code)
-                return label
+                logger.error("%s exited with code %d; stopping everything", replica.label, code)
+                return replica.label
         return None
 
     def _stop_all(self) -> None:
-        # Ingress first (no new requests), workers last (they tell live requests they end).
+        # Ingress first (no new requests), workers last.
         order = sorted(
-            self.processes,
-            key=lambda lp: (not lp[0].startswith("ingress"), lp[0].startswith("worker")),
+            self.replicas,
+            key=lambda r: (not r.label.startswith("ingress"), r.label.startswith("worker")),
         )
-        for _, process in order:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
+        for replica in order:
+            if replica.process.poll() is None:
+                replica.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        for label, process in order:
+        for replica in order:
             try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                replica.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in time; killing it", label)
-                process.kill()
-                process.wait()
-        self.processes.clear()
+                logger.warning("%s did not stop in time; killing it", replica.label)
+                replica.process.kill()
+                replica.process.wait()
+        self.replicas.clear()
         if self.server is not None:
             self.server.stop()
             self.server = None

@@ -63,7 +63,12 @@ class Pipeline:
             else:
                 command += [f"--{name}", str(value)]
         # Short claim and heartbeat times keep the tests quick to notice a dead replica.
-        env = {**os.environ, "STREAMSERVE_HEARTBEAT_INTERVAL_S": "0.5"}
+        env = {
+            **os.environ,
+            "STREAMSERVE_HEARTBEAT_INTERVAL_S": "0.5",
+            "STREAMSERVE_HEARTBEAT_TTL_S": "2",
+            "STREAMSERVE_CLAIM_IDLE_MS": "1000",
+        }
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
         self._wait_until_healthy()
         return self
@@ -86,6 +91,25 @@ class Pipeline:
             time.sleep(0.25)
         self.stop()
         raise RuntimeError(f"the pipeline was not healthy within {READY_TIMEOUT_S} s")
+
+    def replica_pids(self, needle: str) -> list[int]:
+        """Pids of the replicas `streamserve up` runs whose command line contains `needle`
+        (e.g. "gpu_worker.worker", "stage tokenizer")."""
+        assert self.process is not None
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    command = cmdline.read().replace(b"\0", b" ").decode()
+            except OSError:
+                continue  # gone meanwhile
+            if parent == self.process.pid and needle in command:
+                pids.append(int(entry))
+        return sorted(pids)
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, Any]:
         request = urllib.request.Request(

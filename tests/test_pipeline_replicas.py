@@ -23,6 +23,14 @@ def test_two_replicas_of_each_stage_and_two_workers_complete_every_request_once(
         client = openai.AsyncOpenAI(base_url=pipeline.url + "/v1", api_key="unused", max_retries=0)
 
         async def one(i: int) -> tuple[str, int, str | None]:
+            try:
+                return await complete(i)
+            except openai.APIStatusError as exc:  # say what the server said
+                pytest.fail(f"request {i}: HTTP {exc.status_code} {exc.body}")
+            except openai.APIConnectionError as exc:
+                pytest.fail(f"request {i}: {exc!r} caused by {exc.__cause__!r}")
+
+        async def complete(i: int) -> tuple[str, int, str | None]:
             stream = await client.completions.create(
                 model=pipeline.model, prompt=f"Request {i}: the story begins",
                 max_tokens=6 + i % 5, temperature=0, stream=True,

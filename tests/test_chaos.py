@@ -1,0 +1,95 @@
+"""Chaos: under a load of streaming requests, kill -9 one replica of each stage in turn; every
+request still completes exactly once, with its full token count and (greedy) the same text
+as without the kill.
+
+One `streamserve up` with two replicas of every stage and two workers (float32, so greedy
+outputs do not depend on batching). The launcher starts each killed replica again; the kill
+lands while requests are in flight, so the survivors' claims (CPU stages) and the reaper
+(workers) must pick up what the dead one held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from tests.pipeline_harness import Pipeline
+
+pytestmark = pytest.mark.slow
+
+REQUESTS = 12
+MAX_TOKENS = 40
+PROMPTS = [f"Story {i}: once upon a time, in a city of streams," for i in range(REQUESTS)]
+
+# (what to kill, the fraction of the load's tokens streamed before the kill)
+VICTIMS = [
+    ("gpu_worker.worker", 0.3),
+    ("stage tokenizer", 0.0),
+    ("stage scheduler", 0.0),
+    ("stage detokenizer", 0.3),
+]
+
+
+@pytest.fixture(scope="module")
+def pipeline():
+    replicas = {"ingress": 1, "tokenizers": 2, "schedulers": 2, "detokenizers": 2, "workers": 2}
+    with Pipeline(worker_arg=["--dtype=float32"], **replicas) as running:
+        yield running
+
+
+async def _load(pipeline: Pipeline, kill: str | None, after: float) -> list[tuple[str, int, str]]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=pipeline.url + "/v1", api_key="unused", max_retries=0)
+    streamed = 0
+    killed = asyncio.Event()
+
+    def maybe_kill() -> None:
+        if kill is not None and not killed.is_set() and streamed >= after * REQUESTS * MAX_TOKENS:
+            killed.set()
+            victim = pipeline.replica_pids(kill)[0]
+            os.kill(victim, signal.SIGKILL)
+
+    async def one(prompt: str) -> tuple[str, int, str]:
+        nonlocal streamed
+        stream = await client.completions.create(
+            model=pipeline.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            timeout=180,
+        )  # fmt: skip
+        text, tokens, finish = "", 0, ""
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+                streamed += 1
+                maybe_kill()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return text, tokens, finish
+
+    tasks = [asyncio.create_task(one(prompt)) for prompt in PROMPTS]
+    await asyncio.sleep(0.05)
+    maybe_kill()  # a kill at 0.0 lands while the jobs pass through the CPU stages
+    results = await asyncio.gather(*tasks)
+    assert kill is None or killed.is_set()
+    return results
+
+
+@pytest.fixture(scope="module")
+def undisturbed(pipeline):
+    return asyncio.run(_load(pipeline, None, 0.0))
+
+
+@pytest.mark.parametrize("victim, after", VICTIMS, ids=[v for v, _ in VICTIMS])
+def test_every_request_completes_once_with_the_same_text_when_a_replica_is_killed(
+    pipeline, undisturbed, victim, after
+):
+    assert all(tokens == MAX_TOKENS for _, tokens, _ in undisturbed)
+    results = asyncio.run(_load(pipeline, victim, after))
+    for (text, tokens, finish), (expected, _, _) in zip(results, undisturbed, strict=True):
+        assert (tokens, finish) == (MAX_TOKENS, "length")
+        assert text == expected
