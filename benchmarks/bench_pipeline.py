@@ -34,9 +34,10 @@ from bench_engine import print_table, run_engine  # noqa: E402
 from bus.embedded_server import EmbeddedRedis  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
 from stages import bench  # noqa: E402
-from stages.workloads import make_workload  # noqa: E402
+from stages.workloads import Workload, make_workload  # noqa: E402
 
 READY_TIMEOUT_S = 300
+WARM_UP = Workload("warm-up", [[40_100 + i for i in range(64)]] * 4, [8] * 4)
 
 
 def _free_port() -> int:
@@ -60,8 +61,10 @@ def _wait_healthy(url: str, process: subprocess.Popen) -> None:
     raise RuntimeError("the pipeline was not healthy in time")
 
 
-def measure_pipeline(args: argparse.Namespace, names: list[str]) -> list[dict]:
-    rows = []
+def measure_pipeline(args: argparse.Namespace, via: str, name: str) -> dict:
+    """One workload through a freshly started pipeline: like the engine's runs, each starts
+    from an empty prefix cache (a pipeline kept up would serve a repeated workload's prompts
+    from its cache)."""
     with EmbeddedRedis() as server:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
@@ -71,18 +74,16 @@ def measure_pipeline(args: argparse.Namespace, names: list[str]) -> list[dict]:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
         try:
             _wait_healthy(url, process)
-            for via in args.via.split(","):
-                options = bench.build_parser().parse_args(
-                    ["--url", url, "--workloads", "single"]
-                    + (["--redis-url", server.url] if via == "redis" else [])
-                )
-                asyncio.run(bench.run(options))  # warm-up: first-request costs are not the bus
-                options.workloads = ",".join(names)
-                rows += asyncio.run(bench.run(options))
+            options = bench.build_parser().parse_args(
+                ["--url", url] + (["--redis-url", server.url] if via == "redis" else [])
+            )
+            # Warm-up on ids no workload uses: first-request costs are not the bus's.
+            asyncio.run(bench.run_source(options, WARM_UP))
+            (row,) = asyncio.run(bench.run_source(options, make_workload(name)))
+            return row
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=60)
-    return rows
 
 
 def main() -> None:
@@ -106,7 +107,9 @@ def main() -> None:
     del engine
     gc.collect()
 
-    pipeline_rows = measure_pipeline(args, names)
+    pipeline_rows = [
+        measure_pipeline(args, via, name) for via in args.via.split(",") for name in names
+    ]
     rows = list(engine_rows.values())
     for row in pipeline_rows:
         base = engine_rows[row["workload"]]

@@ -7,7 +7,9 @@ Every request of a workload is sent at once (token-id prompts, greedy, end-of-se
 ignored, exactly the workload's output length), each streamed back; a progress bar counts
 finished requests. One JSON line per workload goes to stdout: output tokens per second over
 the wall time, TTFT and inter-token latency percentiles (a gap is the time between two
-streamed chunks of a request, divided by the tokens the later chunk carries).
+streamed chunks of a request, divided by the tokens the later chunk carries). A system
+kept up serves a workload's prompts from its prefix cache the second time: compare runs on
+freshly started systems (benchmarks/bench_pipeline.py does).
 """
 
 from __future__ import annotations
@@ -132,14 +134,20 @@ def redis_source(client: Any) -> Source:
 
 async def run(args: argparse.Namespace) -> list[dict]:
     names = [name for name in args.workloads.split(",") if name]
+    return await run_source(args, *(make_workload(name) for name in names))
+
+
+async def run_source(args: argparse.Namespace, *workloads: Workload) -> list[dict]:
+    """Run `workloads` in turn over HTTP (args.url) or Redis (args.redis_url); print and
+    return one figures dict each."""
     results = []
     if args.redis_url:
         from bus.client import AsyncClient
 
         client = AsyncClient(args.redis_url)
         try:
-            for name in names:
-                figures = await run_workload(redis_source(client), make_workload(name))
+            for workload in workloads:
+                figures = await run_workload(redis_source(client), workload)
                 results.append({**figures, "system": "pipeline-redis"})
                 print(json.dumps(results[-1]), flush=True)
         finally:
@@ -150,8 +158,8 @@ async def run(args: argparse.Namespace) -> list[dict]:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=args.timeout)
     connector = aiohttp.TCPConnector(limit=0)  # every request of a workload at once
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        for name in names:
-            figures = await run_workload(http_source(session, args.url), make_workload(name))
+        for workload in workloads:
+            figures = await run_workload(http_source(session, args.url), workload)
             results.append({**figures, "system": "pipeline-http"})
             print(json.dumps(results[-1]), flush=True)
     return results
