@@ -62,7 +62,14 @@ def json_kind(value: Any) -> str:
 
 def is_kind(value: Any, kind: str) -> bool:
     actual = json_kind(value)
+    if kind == INT and _integral(value):
+        return True
     return actual == kind or (kind == NUMBER and actual == INT)
+
+
+def _integral(value: Any) -> bool:
+    """2.0 is an integer to JSON Schema (and to OpenAI's API), if not to Python's json."""
+    return isinstance(value, float) and value.is_integer()
 
 
 def wrong_type(name: str, value: Any, expected: str) -> ApiError:
@@ -91,12 +98,14 @@ def field(data: dict[str, Any], name: str, *kinds: str, label: str | None = None
         return None
     if not any(is_kind(value, kind) for kind in kinds):
         raise wrong_type(label, value, " or ".join(kinds))
+    if INT in kinds and NUMBER not in kinds and _integral(value):
+        value = int(value)
     if json_kind(value) == INT and not INT64_MIN <= value <= INT64_MAX:
         raise ApiError(400, f"{label} is out of range: {value}", param=label, code="invalid_value")
     return value
 
 
 def int_list(value: Any, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(json_kind(v) == INT for v in value):
+    if not isinstance(value, list) or not all(is_kind(v, INT) for v in value):
         raise wrong_type(name, value, "an array of integers")
-    return value
+    return [int(v) for v in value]

@@ -167,9 +167,8 @@ def parse_generate(data: dict[str, Any], served: str) -> Job:
     prompt = {"prompt": text} if text is not None else {"input_ids": token_ids(ids, "input_ids")}
     given = field(data, "sampling_params", OBJECT) or {}
     reject_unknown(given, SAMPLING_KINDS, where="in sampling_params: ")
-    for name, kinds in SAMPLING_KINDS.items():
-        field(given, name, *kinds)
-    sampling = {name: value for name, value in given.items() if value is not None}
+    checked = {name: field(given, name, *kinds) for name, kinds in SAMPLING_KINDS.items()}
+    sampling = {name: value for name, value in checked.items() if value is not None}
     stream = bool(field(data, "stream", BOOL))
     return Job([prompt], _checked(sampling, {}), stream=stream)
 
