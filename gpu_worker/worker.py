@@ -249,8 +249,18 @@ class Worker:
         for (entry_id, job), abort_flag, done in zip(jobs, aborted, progress, strict=True):
             if abort_flag is not None:
                 self._acks.append(entry_id)
+                self._publish_items([self._aborted_on_arrival(job, done)])
             else:
                 self._start(entry_id, job, done)
+
+    def _aborted_on_arrival(self, job: TokenizedRequest, progress: bytes | None) -> TokenItem:
+        """The last item of a job aborted on its way here: its stream ends with "abort"
+        (whoever aborted it may still be reading: POST /v1/abort, Client.abort)."""
+        generated = len(unpack_ids(progress)) if progress else 0
+        if progress:
+            self._outbox.append(DeleteKey(self.config.progress_key(job.rid)))
+        finish = Finish("abort", None, len(job.input_ids), generated)
+        return TokenItem(job.rid, job.reply_to, generated, [], [], 0, finish=finish)
 
     def _start(self, entry_id: bytes, job: TokenizedRequest, progress: bytes | None) -> None:
         if job.rid in self.jobs:
