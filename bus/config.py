@@ -162,6 +162,12 @@ class BusConfig:
         """Which worker holds request `rid` (set by the scheduler, read by aborts)."""
         return f"{self.stream_prefix}:route:{rid}"
 
+    def request_key(self, request_id: str) -> str:
+        """How many sub-requests (rids ``<request_id>-<i>``) one HTTP request made; set by
+        the ingress that submitted it and deleted when they are done, so any ingress replica
+        can abort it (``POST /v1/abort/<request_id>``)."""
+        return f"{self.stream_prefix}:request:{request_id}"
+
     def abort_key(self, rid: str) -> str:
         """Set when `rid` is aborted, so a job still on its way is dropped on arrival."""
         return f"{self.stream_prefix}:abort:{rid}"

@@ -79,16 +79,21 @@ def test_metrics_count_requests_tokens_and_latencies(ingress, redis_client):
     assert buckets == sorted(buckets)
 
 
+def _routed_then_slow(client, config):
+    """A script: as the scheduler would, each job goes to worker w1, which has produced one
+    token and goes on generating."""
+
+    def script(request: GenerateRequest):
+        client.set(config.route_key(request.rid), "w1")
+        return [deltas(request.rid, [("Once", [1]), (" upon", [2])])[0]]
+
+    return script
+
+
 def test_a_client_that_disconnects_gets_its_request_aborted(ingress, redis_client):
     add_worker(redis_client, ingress.config)
     config = ingress.config
-
-    def routed_then_slow(request: GenerateRequest):
-        # As the scheduler would: the job went to worker w1, which has produced one token.
-        redis_client.set(config.route_key(request.rid), "w1")
-        return [deltas(request.rid, [("Once", [1]), (" upon", [2])])[0]]
-
-    with Upstream(config.redis_url, config, routed_then_slow) as up:
+    with Upstream(config.redis_url, config, _routed_then_slow(redis_client, config)) as up:
         connection = http.client.HTTPConnection("127.0.0.1", ingress.port, timeout=5)
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
         connection.request("POST", "/v1/chat/completions", json.dumps(body),
@@ -105,6 +110,39 @@ def test_a_client_that_disconnects_gets_its_request_aborted(ingress, redis_clien
     entries = redis_client.xrange(config.worker_stream("w1"))
     assert [decode(fields[ENTRY_FIELD], Abort).rid for _, fields in entries] == [request.rid]
     assert 0 < redis_client.ttl(config.abort_key(request.rid)) <= config.reply_ttl_s
+
+
+def test_any_client_can_abort_a_running_request_by_its_id(ingress, redis_client):
+    add_worker(redis_client, ingress.config)
+    config = ingress.config
+    with Upstream(config.redis_url, config, _routed_then_slow(redis_client, config)) as up:
+        connection = http.client.HTTPConnection("127.0.0.1", ingress.port, timeout=5)
+        body = {"model": MODEL, "prompt": ["a", "b"], "stream": True}
+        connection.request("POST", "/v1/completions", json.dumps(body),
+                           {"Content-Type": "application/json"})  # fmt: skip
+        response = connection.getresponse()
+        first = json.loads(response.readline().removeprefix(b"data: "))
+        status, answer = ingress.post(f"/v1/abort/{first['id']}", {})
+        assert (status, answer["aborted"]) == (200, 2)
+        rids = sorted(request.rid for request in up.requests)
+        assert rids == [f"{first['id']}-0", f"{first['id']}-1"]
+        entries = redis_client.xrange(config.worker_stream("w1"))  # before the client leaves
+        assert sorted(decode(fields[ENTRY_FIELD], Abort).rid for _, fields in entries) == rids
+        assert all(redis_client.exists(config.abort_key(rid)) for rid in rids)
+        connection.close()
+
+
+def test_aborting_an_unknown_or_finished_request_is_a_404(ingress, redis_client):
+    add_worker(redis_client, ingress.config)
+    status, answer = ingress.post("/v1/abort/cmpl-nosuch", {})
+    assert (status, answer["error"]["code"]) == (404, "request_not_found")
+    body = {"model": MODEL, "prompt": "a"}
+    with Upstream(ingress.config.redis_url, ingress.config, lambda r: deltas(r.rid, [("a", [1])])):
+        status, answer = ingress.post("/v1/completions", body)
+    assert status == 200
+    time.sleep(0.05)  # the request's key is deleted from a task right after the reply
+    status, answer = ingress.post(f"/v1/abort/{answer['id']}", {})
+    assert (status, answer["error"]["code"]) == (404, "request_not_found")
 
 
 def test_a_finished_request_is_not_aborted(ingress, redis_client):

@@ -189,6 +189,21 @@ def test_a_client_that_disconnects_frees_its_request_within_a_step(pipeline, cli
     pytest.fail(f"the request still runs after the client left: {workers}")
 
 
+def test_post_abort_ends_a_running_stream_with_finish_reason_abort(pipeline, client):
+    stream = client.completions.create(
+        model=MODEL, prompt="Count to ten thousand:", max_tokens=4000, temperature=0,
+        stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = []
+    for chunk in stream:
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            assert pipeline.post(f"/v1/abort/{chunk.id}", {})[0] == 200
+    assert chunks[-1].choices[0].finish_reason == "abort"
+    assert len(chunks) < 200  # the worker stopped within a few steps
+    assert pipeline.post(f"/v1/abort/{chunk.id}", {})[0] == 404  # done now
+
+
 def pipeline_client(pipeline):
     import redis
 

@@ -18,6 +18,7 @@ from typing import Any
 import redis
 from aiohttp import web
 
+from bus.aborts import publish_aborts_async
 from bus.protocol import ErrorReply, TextDelta
 from stages.ingress.body import read_object
 from stages.ingress.errors import ApiError, redis_unavailable
@@ -58,7 +59,7 @@ def _error_event(reply: ErrorReply | ApiError) -> dict[str, Any]:
 
 async def _submit(state: IngressState, job: Job, request_id: str) -> Submission:
     await state.admit(len(job.prompts) * job.n)
-    return Submission(state, job.requests(request_id, state.reply_stream))
+    return Submission(state, request_id, job.requests(request_id, state.reply_stream))
 
 
 # ---- OpenAI endpoints --------------------------------------------------------------------------
@@ -242,6 +243,25 @@ async def model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     check_model({"model": request.match_info["model"]}, state.model)
     return web.json_response(state.model_card())
+
+
+async def abort(request: web.Request) -> web.Response:
+    """Stop a request some ingress replica is serving (its response ``id``, or a native
+    ``meta_info.id``): its workers free its KV within a step, and its stream ends with
+    finish_reason "abort"."""
+    state = request.app[STATE]
+    request_id = request.match_info["id"]
+    rids = await state.sub_requests(request_id)
+    if not rids:
+        raise ApiError(
+            404, f"no request {request_id!r} is running", param="id", code="request_not_found"
+        )
+    await publish_aborts_async(state.redis, state.config, rids)
+    return web.json_response({"id": request_id, "object": "abort", "aborted": len(rids)})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STATE].openapi)
 
 
 async def health(request: web.Request) -> web.Response:

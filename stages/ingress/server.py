@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import redis.asyncio as aredis
 from aiohttp import web
@@ -21,8 +21,10 @@ from bus.actor import unique_consumer_name
 from bus.config import BusConfig
 from bus.replies import AsyncReplyReader
 from stages.ingress import handlers
+from stages.ingress.auth import api_keys_from_env, auth_middleware
 from stages.ingress.errors import Handler, error_middleware
 from stages.ingress.health import WorkerHealth
+from stages.ingress.openapi import openapi_document
 from stages.ingress.state import STATE, IngressState
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_queue: int = DEFAULT_MAX_QUEUE,
     frontend_id: str | None = None,
+    api_keys: Sequence[str] = (),
 ) -> web.Application:
     """The app; serve it with ``web.AppRunner(app, handler_cancellation=True)``."""
     if config.redis_url is None:
@@ -59,10 +62,12 @@ def create_app(
         redis=client,
         replies=AsyncReplyReader(client, config.reply_stream(frontend_id)),
         health=WorkerHealth(client, config),
+        openapi=openapi_document(model),
     )
-    app = web.Application(
-        client_max_size=max_body_bytes, middlewares=[metrics_middleware, error_middleware]
-    )
+    middlewares = [metrics_middleware, error_middleware]
+    if api_keys:
+        middlewares.append(auth_middleware(api_keys))  # inside error_middleware: 401 body
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[STATE] = state
     app.cleanup_ctx.append(_bus_lifetime)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
@@ -70,8 +75,10 @@ def create_app(
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/v1/models/{model}", handlers.model)
     app.router.add_post("/generate", handlers.generate)
+    app.router.add_post("/v1/abort/{id}", handlers.abort)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_get("/openapi.json", handlers.openapi)
     return app
 
 
@@ -137,7 +144,8 @@ def run(
     max_queue: int = DEFAULT_MAX_QUEUE,
 ) -> None:
     """Serve until SIGTERM or SIGINT."""
-    app = create_app(config, model=model, max_body_bytes=max_body_bytes, max_queue=max_queue)
+    app = create_app(config, model=model, max_body_bytes=max_body_bytes, max_queue=max_queue,
+                     api_keys=api_keys_from_env())  # fmt: skip
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -36,6 +36,7 @@ class IngressState:
     redis: aredis.Redis
     replies: AsyncReplyReader
     health: WorkerHealth
+    openapi: dict[str, Any]
     metrics: Metrics = field(default_factory=Metrics)
     started: int = field(default_factory=lambda: int(time.time()))
     background: set[asyncio.Task[None]] = field(default_factory=set)
@@ -65,8 +66,9 @@ class IngressState:
                 headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
             )
 
-    async def submit(self, requests: Sequence[GenerateRequest]) -> None:
+    async def submit(self, request_id: str, requests: Sequence[GenerateRequest]) -> None:
         pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.config.request_key(request_id), len(requests), ex=self.config.reply_ttl_s)
         for request in requests:
             pipe.xadd(
                 self.config.requests_stream(),
@@ -76,18 +78,34 @@ class IngressState:
             )
         await pipe.execute()
 
-    def abort_soon(self, rids: list[str]) -> None:
-        """Publish aborts from a task of its own: the handler asking may be being cancelled."""
-        task = asyncio.get_running_loop().create_task(self._abort(rids))
+    def finish_soon(self, request_id: str, unfinished: list[str]) -> None:
+        """Forget `request_id` and abort its `unfinished` sub-requests, from a task of its
+        own: the handler asking may be being cancelled."""
+        task = asyncio.get_running_loop().create_task(self._finish(request_id, unfinished))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    async def _abort(self, rids: list[str]) -> None:
+    async def _finish(self, request_id: str, unfinished: list[str]) -> None:
         try:
-            await publish_aborts_async(self.redis, self.config, rids)
-            logger.debug("aborted %s", rids)
+            await self.redis.delete(self.config.request_key(request_id))
+            if unfinished:
+                await publish_aborts_async(self.redis, self.config, unfinished)
+                logger.debug("aborted %s", unfinished)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            logger.warning("could not abort %d requests: %s", len(rids), exc)
+            logger.warning("could not abort %d requests: %s", len(unfinished), exc)
+
+    async def sub_requests(self, request_id: str) -> list[str]:
+        """The rids of a request some ingress replica is serving: all of them for its id,
+        one for a sub-request's rid; none if it is unknown or done."""
+        count = await self.redis.get(self.config.request_key(request_id))
+        if count is not None:
+            return [f"{request_id}-{i}" for i in range(int(count))]
+        parent, _, index = request_id.rpartition("-")
+        if parent and index.isdigit():
+            count = await self.redis.get(self.config.request_key(parent))
+            if count is not None and int(index) < int(count):
+                return [request_id]
+        return []
 
     def model_card(self) -> dict[str, Any]:
         return {

@@ -1,6 +1,6 @@
 """One HTTP request's sub-requests, from their XADD to their last reply.
 
-    async with Submission(state, requests) as sub:
+    async with Submission(state, request_id, requests) as sub:
         await sub.first_replies()      # an ErrorReply here becomes the HTTP status
         async for reply in sub.replies():
             ...
@@ -28,8 +28,11 @@ if TYPE_CHECKING:
 
 
 class Submission:
-    def __init__(self, state: IngressState, requests: list[GenerateRequest]) -> None:
+    def __init__(
+        self, state: IngressState, request_id: str, requests: list[GenerateRequest]
+    ) -> None:
         self.state = state
+        self.request_id = request_id
         self.requests = requests
         self.index = {request.rid: i for i, request in enumerate(requests)}
         self.queue: asyncio.Queue[Reply] = asyncio.Queue()
@@ -42,19 +45,18 @@ class Submission:
         for request in self.requests:
             self.state.replies.register(request.rid, self.queue)
         try:
-            await self.state.submit(self.requests)
+            await self.state.submit(self.request_id, self.requests)
         except BaseException as exc:
             self._unregister()
             if isinstance(exc, asyncio.CancelledError):  # the jobs may be queued already
-                self.state.abort_soon(list(self.index))
+                self.state.finish_soon(self.request_id, list(self.index))
             raise
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         self._unregister()
         unfinished = [r.rid for r in self.requests if r.rid not in self.finished]
-        if unfinished:
-            self.state.abort_soon(unfinished)
+        self.state.finish_soon(self.request_id, unfinished)
 
     def _unregister(self) -> None:
         for request in self.requests:

@@ -1,0 +1,265 @@
+"""The OpenAPI 3.1 description of the HTTP API, served at ``GET /openapi.json``.
+
+The request schemas are built from the tables the parsers check bodies against
+(params.py), so a field the server accepts is a field the description names, with the same
+JSON types; `tests/test_openapi.py` holds the two together and checks every route is
+described.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bus.protocol import MAX_TOKEN_ID
+from stages.ingress.body import ARRAY, BOOL, INT, NUMBER, OBJECT, STR
+from stages.ingress.params import (
+    CHAT_FIELDS,
+    CHAT_ROLES,
+    COMPLETION_FIELDS,
+    GENERATE_FIELDS,
+    MAX_CHOICES,
+    OPENAI_SAMPLING,
+    SAMPLING_KINDS,
+)
+
+TOKEN_IDS = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
+    "minItems": 1,
+}
+STOP = {
+    "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]
+}
+SSE = "each event `data: <chunk JSON>`; the last one `data: [DONE]`"
+JSON_TYPES = {STR: "string", INT: "integer", NUMBER: "number", BOOL: "boolean", OBJECT: "object",
+              ARRAY: "array"}  # fmt: skip
+
+
+def _optional(*kinds: str) -> dict[str, Any]:
+    """A field the parsers take as absent when null."""
+    return {"type": [*(JSON_TYPES[kind] for kind in kinds), "null"]}
+
+
+def _sampling_properties() -> dict[str, Any]:
+    properties: dict[str, Any] = {name: _optional(*kinds) for name, kinds in SAMPLING_KINDS.items()}
+    properties["stop"] = STOP
+    properties["stop_token_ids"] = {"type": ["array", "null"], "items": {"type": "integer"}}
+    properties["logit_bias"] = {
+        "type": ["object", "null"], "additionalProperties": {"type": "number"},
+        "description": "token id (as a string) -> bias added to its logit",
+    }  # fmt: skip
+    return properties
+
+
+def _openai_properties() -> dict[str, Any]:
+    sampling = _sampling_properties()
+    properties = {name: sampling[target] for name, target in OPENAI_SAMPLING.items()}
+    properties.update(
+        model={"type": "string", "description": "the served model (GET /v1/models)"},
+        n={"type": ["integer", "null"], "minimum": 1, "maximum": MAX_CHOICES},
+        stream={"type": ["boolean", "null"]},
+        stream_options={
+            "type": ["object", "null"],
+            "properties": {"include_usage": {"type": ["boolean", "null"]}},
+            "description": "only with stream: true",
+        },
+        user={"type": ["string", "null"]},
+    )
+    properties["top_k"] = {**properties["top_k"], "description": "-1 or null: no top-k"}
+    return properties
+
+
+def _chat_request() -> dict[str, Any]:
+    part = {
+        "type": "object",
+        "required": ["type"],
+        "properties": {"type": {"const": "text"}, "text": {"type": ["string", "null"]}},
+    }
+    message = {
+        "type": "object",
+        "required": ["role"],
+        "properties": {
+            "role": {"enum": sorted(CHAT_ROLES)},
+            "content": {
+                "anyOf": [{"type": "string"}, {"type": "array", "items": part}, {"type": "null"}]
+            },  # fmt: skip
+        },
+    }
+    properties = _openai_properties()
+    properties.update(
+        messages={"type": "array", "items": message, "minItems": 1},
+        logprobs={"type": ["boolean", "null"]},
+        top_logprobs={"type": ["integer", "null"], "minimum": 0},
+    )
+    return _object(properties, CHAT_FIELDS, ["model", "messages"])
+
+
+def _completion_request() -> dict[str, Any]:
+    properties = _openai_properties()
+    properties.update(
+        prompt={
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                TOKEN_IDS,
+                {"type": "array", "items": TOKEN_IDS, "minItems": 1},
+            ]
+        },
+        logprobs={
+            "type": ["integer", "null"],
+            "minimum": 0,
+            "description": "how many top logprobs each token gets",
+        },  # fmt: skip
+    )
+    return _object(properties, COMPLETION_FIELDS, ["model", "prompt"])
+
+
+def _generate_request() -> dict[str, Any]:
+    sampling = {
+        "type": ["object", "null"],
+        "properties": _sampling_properties(),
+        "additionalProperties": False,
+    }
+    properties = {
+        "text": {"type": "string"},
+        "input_ids": TOKEN_IDS,
+        "sampling_params": sampling,
+        "stream": {"type": ["boolean", "null"]},
+        "model": {"type": ["string", "null"]},
+    }
+    schema = _object(properties, GENERATE_FIELDS, [])
+    schema["oneOf"] = [{"required": ["text"]}, {"required": ["input_ids"]}]
+    return schema
+
+
+def _object(properties: dict[str, Any], fields: set[str], required: list[str]) -> dict[str, Any]:
+    assert set(properties) == set(fields), set(properties) ^ set(fields)
+    return {
+        "type": "object",
+        "required": required,
+        "properties": dict(sorted(properties.items())),
+        "additionalProperties": False,
+    }
+
+
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def _ref(schema: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{schema}"}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    meaning = {
+        400: "a bad value, an unknown field, a prompt beyond the context",
+        401: "a missing or wrong API key",
+        404: "an unknown model, path or request",
+        413: "a body over the limit",
+        422: "JSON of the wrong shape or type",
+        429: "too many jobs waiting (see Retry-After)",
+        503: "Redis unreachable or no live worker",
+    }
+    error = {"application/json": {"schema": _ref("Error")}}
+    return {str(status): {"description": meaning[status], "content": error} for status in statuses}
+
+
+def _generation(summary: str, schema: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(schema)}},
+            },
+            "responses": {
+                "200": {
+                    "description": "the whole answer as JSON, or with stream: true SSE chunks "
+                    "ending with `data: [DONE]`",
+                    "content": {
+                        "application/json": {"schema": {"type": "object"}},
+                        "text/event-stream": {"schema": {"description": SSE}},
+                    },
+                },  # fmt: skip
+                **_errors(400, 401, 404, 413, 422, 429, 503),
+            },
+        }
+    }
+
+
+def _get(summary: str, content_type: str = "application/json", *errors: int) -> dict[str, Any]:
+    schema = {"type": "string"} if content_type.startswith("text/") else {"type": "object"}
+    return {
+        "get": {
+            "summary": summary,
+            "responses": {
+                "200": {"description": "OK", "content": {content_type: {"schema": schema}}},
+                **_errors(*errors),
+            },
+        }
+    }
+
+
+def openapi_document(model: str) -> dict[str, Any]:
+    abort = {
+        "post": {
+            "summary": "Stop a running request by its response id (or native meta_info.id)",
+            "parameters": [
+                {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+            ],
+            "responses": {
+                "200": {
+                    "description": "aborted: its stream ends with finish_reason abort",
+                    "content": {"application/json": {"schema": {"type": "object"}}},
+                },
+                **_errors(401, 404, 503),
+            },  # fmt: skip
+        }
+    }
+    model_path = _get("The served model", "application/json", 401, 404)
+    model_path["get"]["parameters"] = [
+        {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+    ]
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "streamserve",
+            "version": "1",
+            "description": f"OpenAI-compatible API serving `{model}`.",
+        },
+        "paths": {
+            "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest"),
+            "/v1/completions": _generation("Text completion", "CompletionRequest"),
+            "/generate": _generation("Native generation (text or token ids)", "GenerateRequest"),
+            "/v1/abort/{id}": abort,
+            "/v1/models": _get("The served model, as a list", "application/json", 401),
+            "/v1/models/{model}": model_path,
+            "/health": _get(
+                "200 when Redis answers and a worker is alive", "application/json", 503
+            ),  # fmt: skip
+            "/metrics": _get("Prometheus metrics", "text/plain"),
+            "/openapi.json": _get("This description"),
+        },
+        "components": {
+            "schemas": {
+                "ChatCompletionRequest": _chat_request(),
+                "CompletionRequest": _completion_request(),
+                "GenerateRequest": _generate_request(),
+                "Error": ERROR,
+            }
+        },
+    }
