@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -157,7 +158,12 @@ async def run_source(args: argparse.Namespace, *workloads: Workload) -> list[dic
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=args.timeout)
     connector = aiohttp.TCPConnector(limit=0)  # every request of a workload at once
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    # A server with API keys (stages/ingress/auth.py) takes the first of ours.
+    key = next(iter(os.environ.get("STREAMSERVE_API_KEY", "").split(",")), "").strip()
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=connector, headers=headers
+    ) as session:
         for workload in workloads:
             figures = await run_workload(http_source(session, args.url), workload)
             results.append({**figures, "system": "pipeline-http"})

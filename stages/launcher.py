@@ -151,9 +151,10 @@ class Launcher:
 
     def _announce(self, url: str) -> None:
         base = self._health_url()
+        auth = " -H 'Authorization: Bearer <key>'" if os.environ.get("STREAMSERVE_API_KEY") else ""
         print(
             f"\nstreamserve is up: {base}/v1  (model {self.args.model}, Redis {url})\n"
-            f"try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"try:\n  curl {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' "
             f"""-d '{{"model": "{self.args.model}", "messages": """
             f"""[{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'\n"""
             "Ctrl-C stops everything.\n",
