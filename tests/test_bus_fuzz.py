@@ -1,0 +1,192 @@
+"""Hostile input on the bus: whatever bytes or msgpack anyone puts on a stream, decoding says
+ProtocolError (never another exception), each CPU stage dead-letters what it cannot handle
+and keeps serving, and the worker turns a bad job into an error reply, not a crash.
+
+Property-based (hypothesis): random bytes, random msgpack values, and maps with a real
+message kind and fields of random types, which get furthest into the code.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import msgpack
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bus.actor import Actor, ensure_group
+from bus.config import BusConfig
+from bus.protocol import (
+    ENTRY_FIELD,
+    MESSAGE_TYPES,
+    ErrorReply,
+    GenerateRequest,
+    ProtocolError,
+    TextDelta,
+    decode,
+    encode,
+)
+from stages.detokenizer import DetokenizerStage
+from stages.scheduler import SchedulerStage
+from stages.tokenizer import TokenizerStage
+from stages.tokenizer_loading import load_stage_tokenizer
+from tests.ingress_harness import add_worker
+
+FIELD_NAMES = sorted({name for cls in MESSAGE_TYPES.values() for name in cls.FIELDS})
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=20)
+)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+# A real kind with its own field names (and some others) set to anything.
+shaped_maps = st.builds(
+    lambda kind, fields: {"kind": kind, **fields},
+    st.sampled_from(sorted(MESSAGE_TYPES)),
+    st.dictionaries(st.sampled_from(FIELD_NAMES) | st.text(max_size=6), values, max_size=8),
+)
+payloads = st.binary(max_size=64) | values.map(msgpack.packb) | shaped_maps.map(msgpack.packb)
+
+FAST = settings(max_examples=300, deadline=None, database=None)
+
+
+@FAST
+@given(payload=payloads)
+def test_decoding_anything_gives_a_message_or_a_protocol_error(payload):
+    try:
+        message = decode(payload, *MESSAGE_TYPES.values())
+    except ProtocolError:
+        return
+    assert decode(encode(message), type(message)) == message  # what decodes, round-trips
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_stage_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture
+def config(redis_url) -> BusConfig:
+    return BusConfig(redis_url=redis_url, block_ms=5, no_worker_timeout_s=0.5)
+
+
+def _stages(config: BusConfig, client: redis.Redis, tokenizer):
+    return [
+        TokenizerStage(config, tokenizer),
+        SchedulerStage(config, client, threading.Event()),
+        DetokenizerStage(config, tokenizer),
+    ]
+
+
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["tokenizer", "scheduler", "detokenizer"])
+def test_a_stage_fed_anything_dead_letters_it_and_keeps_serving(
+    redis_client, config, tokenizer, index
+):
+    stage = _stages(config, redis_client, tokenizer)[index]
+    stream = stage.input_stream(config)
+    ensure_group(redis_client, stream, stage.group)
+    actor = Actor(redis_client, config, stage)
+    add_worker(redis_client, config)
+
+    @settings(max_examples=60, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(batch=st.lists(payloads, min_size=1, max_size=4))
+    def check(batch):
+        for payload in batch:
+            redis_client.xadd(stream, {ENTRY_FIELD: payload})
+        while actor.run_once():
+            pass
+        assert redis_client.xpending(stream, stage.group)["pending"] == 0
+
+    check()
+    assert actor.dead_lettered > 0  # the garbage did arrive
+    # Still serving: a valid job goes through the tokenizer like any other.
+    if index == 0:
+        job = GenerateRequest("ok", "t:reply", prompt="Hello")
+        redis_client.xadd(stream, {ENTRY_FIELD: encode(job)})
+        actor.run_once()
+        tokenized = redis_client.xrange(config.tokenized_stream())
+        assert any(b"ok" in fields[ENTRY_FIELD] for _, fields in tokenized)
+    dead = redis_client.xrange(config.dead_letter_stream())
+    assert all(fields.get(b"reason") for _, fields in dead)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from gpu_worker import Engine
+
+    return Engine("random:tiny-llama", dtype="float32")
+
+
+def test_a_worker_given_bad_jobs_answers_each_with_an_error_or_tokens(redis_url, engine):
+    """Sampling parameters and token ids of every shape reach the worker's own checks: each
+    job ends in an error reply, a dead letter, or a finished generation, and the loop lives."""
+    from gpu_worker.worker import Worker
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    config = BusConfig(redis_url=redis_url, block_ms=5)
+    worker = Worker(engine, client, config, "fuzz", "random:tiny-llama")
+    ensure_group(client, worker.stream, "worker")
+    sampling = st.dictionaries(
+        st.sampled_from(["max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                         "stop", "stop_token_ids", "logit_bias", "logprobs", "top_logprobs",
+                         "min_new_tokens", "ignore_eos", "repetition_penalty", "unknown"]),
+        values,
+        max_size=5,
+    )  # fmt: skip
+    jobs = st.builds(
+        lambda ids, params: msgpack.packb(
+            {
+                "kind": "tokenized",
+                "rid": "r",
+                "reply_to": "t:fuzz",
+                "input_ids": ids,
+                "sampling": params,
+            }
+        ),  # fmt: skip
+        st.binary(max_size=24),
+        sampling,
+    )
+    seen = {"n": 0}
+
+    @settings(max_examples=150, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(payload=jobs | payloads)
+    def check(payload):
+        seen["n"] += 1
+        rid = f"r{seen['n']}"
+        try:
+            data = msgpack.unpackb(payload)
+            if isinstance(data, dict) and data.get("kind") == "tokenized":
+                data["rid"] = rid
+                payload = msgpack.packb(data)
+        except Exception:
+            pass
+        client.xadd(worker.stream, {ENTRY_FIELD: payload})
+        entries = worker._read_blocking()
+        worker._admit(entries)
+        for _ in range(8):
+            if worker.scheduler.has_work():
+                worker._step()
+        for rid in list(worker.jobs):  # a valid job may want thousands of tokens: stop it
+            worker._abort(rid)
+        worker._commit(read=False)
+        assert not worker.jobs
+        assert client.xpending(worker.stream, "worker")["pending"] == 0
+
+    check()
+    assert client.xlen("t:fuzz") > 0  # some jobs got as far as the worker's own checks
+    for _, fields in client.xrange("t:fuzz"):
+        decode(fields[ENTRY_FIELD], ErrorReply, TextDelta)  # whatever it said is well-formed
