@@ -132,6 +132,10 @@ def ensure_group(client: redis.Redis, stream: str, group: str) -> None:
             raise
 
 
+def is_missing_group(exc: redis.ResponseError) -> bool:
+    return str(exc).startswith("NOGROUP")
+
+
 def dead_letter_fields(
     source: str, entry_id: bytes | str, reason: str, payload: bytes | None
 ) -> dict[str, Any]:
@@ -199,6 +203,13 @@ class Actor:
                 logger.warning("%s: Redis unreachable (%s); retrying in %.1f s",
                                self.stage.group, exc, delay)  # fmt: skip
                 self.stop.wait(delay)
+            except redis.ResponseError as exc:
+                if not is_missing_group(exc):
+                    raise
+                # A Redis that restarted without persistence has no groups: make ours again.
+                logger.warning("%s: consumer group gone (Redis restarted?); recreating it",
+                               self.stage.group)  # fmt: skip
+                ensure_group(self.client, self.stream, self.stage.group)
 
     def run_once(self) -> int:
         """One read-handle-commit turn (plus a claim of stale entries when due)."""

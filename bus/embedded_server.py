@@ -63,6 +63,7 @@ class EmbeddedRedis:
         self._process: subprocess.Popen[bytes] | None = None
         self._dir: Path | None = None
         self._url: str | None = None
+        self._args: list[str] = []
 
     @property
     def url(self) -> str:
@@ -99,21 +100,41 @@ class EmbeddedRedis:
         ]  # fmt: skip
         # Registered before spawning so a failure anywhere below still reaps the process.
         atexit.register(self.stop)
+        self._args = args
+        url = f"unix://{socket_path}"
+        self._spawn(url)
+        self._url = url
+        return url
+
+    def _spawn(self, url: str) -> None:
+        assert self._dir is not None
+        log_path = self._dir / LOG_NAME
         # Errors found before the server opens --logfile (a bad option) go to stderr; both
         # streams append to the same log so a start-up failure can quote them.
         with open(log_path, "ab") as early_log:
             self._process = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=early_log, stderr=subprocess.STDOUT
+                self._args, stdin=subprocess.DEVNULL, stdout=early_log, stderr=subprocess.STDOUT
             )
-        url = f"unix://{socket_path}"
         try:
             self._wait_until_ready(url, log_path)
         except BaseException:
             self.stop()
             raise
-        self._url = url
         logger.info("embedded server pid %d at %s", self._process.pid, url)
-        return url
+
+    def kill(self) -> None:
+        """Kill the server as a crash would, keeping its socket's place for `revive`."""
+        if self._process is None or self._url is None:
+            raise EmbeddedServerError("the embedded server is not running")
+        self._process.kill()
+        self._process.wait()
+
+    def revive(self) -> None:
+        """After `kill`: an empty server on the same socket, as clients of a Redis that
+        restarted without persistence see it."""
+        if self._url is None:
+            raise EmbeddedServerError("the embedded server was never started")
+        self._spawn(self._url)
 
     def _wait_until_ready(self, url: str, log_path: Path) -> None:
         assert self._process is not None

@@ -50,6 +50,7 @@ from bus.actor import (
     dead_letter_fields,
     ensure_group,
     execute_logging_errors,
+    is_missing_group,
     reply,
     stop_on_signals,
     unique_consumer_name,
@@ -135,6 +136,8 @@ class Worker:
         try:
             while not self.stop.is_set():
                 try:
+                    if failures:  # back after an outage: a restarted Redis has no groups
+                        ensure_group(self.client, self.stream, GROUP)
                     if self.heartbeat.reaped.is_set():
                         self._drop_reaped_jobs()
                         entries = []
@@ -159,6 +162,12 @@ class Worker:
                                    self.worker_id, exc, delay)  # fmt: skip
                     self.stop.wait(delay)
                     self._report_load()
+                except redis.ResponseError as exc:
+                    if not is_missing_group(exc):
+                        raise
+                    logger.warning("worker %s: consumer group gone (Redis restarted?); "
+                                   "recreating it", self.worker_id)  # fmt: skip
+                    ensure_group(self.client, self.stream, GROUP)
         finally:
             self._shutdown()
 
