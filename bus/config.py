@@ -168,6 +168,11 @@ class BusConfig:
         can abort it (``POST /v1/abort/<request_id>``)."""
         return f"{self.stream_prefix}:request:{request_id}"
 
+    def frontend_key(self, frontend_id: str) -> str:
+        """Exists while ingress replica `frontend_id` is alive (refreshed every second): a
+        stream it served can be resumed elsewhere only once it is gone."""
+        return f"{self.stream_prefix}:frontend:{_require_id('frontend_id', frontend_id)}"
+
     def abort_key(self, rid: str) -> str:
         """Set when `rid` is aborted, so a job still on its way is dropped on arrival."""
         return f"{self.stream_prefix}:abort:{rid}"

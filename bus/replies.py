@@ -165,11 +165,13 @@ class AsyncReplyReader:
         *,
         block_ms: int = BLOCK_MS,
         count: int = READ_COUNT,
+        trim: bool = True,
     ) -> None:
         self.client = client
         self.stream = stream
         self.block_ms = block_ms
         self.count = count
+        self.trim = trim  # False: a stream this reader does not own (a resumed one)
         self._router = ReplyRouter(stream)
         self._queues: dict[str, asyncio.Queue[Reply]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -232,7 +234,8 @@ class AsyncReplyReader:
                     queue.put_nowait(message)
                 if is_terminal(message):
                     self._queues.pop(rid, None)
-            await self._trim()
+            if self.trim:
+                await self._trim()
 
     def _fail_all(self, exc: Exception) -> None:
         for rid in self._router.rids():

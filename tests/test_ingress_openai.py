@@ -82,8 +82,12 @@ def test_stream_is_sse_with_done_and_no_usage_unless_asked(ingress):
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     events = data.decode().split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""]
-    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
-    assert all(e.startswith("data: ") for e in events[:-2])
+    # Each event: its id (to resume from, stages/ingress/resume.py), then its data.
+    ids, datas = zip(*(e.split("\n") for e in events[:-2]), strict=True)
+    assert all(i.startswith("id: chatcmpl-") for i in ids)
+    assert ids[-1].endswith("/-")  # the one choice has finished
+    payloads = [json.loads(d.removeprefix("data: ")) for d in datas]
+    assert all(d.startswith("data: ") for d in datas)
     assert all("usage" not in p for p in payloads)
     assert payloads[-1]["choices"][0]["finish_reason"] == "stop"
 
@@ -222,7 +226,7 @@ def test_native_generate_whole_and_streamed(ingress):
     assert meta["id"] == up.requests[0].rid and meta["finish_reason"] == "stop"
     assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (5, 5, 2)
     assert up.requests[0].input_ids == [1, 2] and up.requests[1].prompt == "Hi"
-    events = [e.removeprefix("data: ") for e in data.decode().split("\n\n") if e]
+    events = [e.split("data: ")[-1] for e in data.decode().split("\n\n") if e]
     assert status_s == 200 and events[-1] == "[DONE]"
     parsed = [json.loads(e) for e in events[:-1]]
     assert "".join(e["text"] for e in parsed) == "Hello world"

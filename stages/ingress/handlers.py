@@ -20,6 +20,8 @@ from aiohttp import web
 
 from bus.aborts import publish_aborts_async
 from bus.protocol import ErrorReply, TextDelta
+from bus.replies import AsyncReplyReader
+from stages.ingress import resume
 from stages.ingress.body import read_object
 from stages.ingress.errors import ApiError, redis_unavailable
 from stages.ingress.openai_format import ChatFormat, Choice, CompletionFormat, OpenAIFormat, usage
@@ -49,12 +51,21 @@ async def _start_sse(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def _send(response: web.StreamResponse, data: Any) -> None:
-    await response.write(b"data: " + _json(data) + b"\n\n")
+async def _send(response: web.StreamResponse, data: Any, event_id: str | None = None) -> None:
+    head = b"id: " + event_id.encode() + b"\n" if event_id is not None else b""
+    await response.write(head + b"data: " + _json(data) + b"\n\n")
 
 
 def _error_event(reply: ErrorReply | ApiError) -> dict[str, Any]:
     return ApiError(reply.status, reply.message, reply.type, reply.param, reply.code).body()
+
+
+def _resumed(state: IngressState, job: Job, point: resume.ResumePoint) -> Submission:
+    """The submission of a request another (dead) replica began, read from its stream."""
+    reader = AsyncReplyReader(state.redis, state.config.reply_stream(point.frontend_id),
+                              trim=False)  # fmt: skip
+    return Submission(state, point.request_id, job.requests(point.request_id, reader.stream),
+                      resumed=reader)  # fmt: skip
 
 
 async def _submit(state: IngressState, job: Job, request_id: str) -> Submission:
@@ -84,6 +95,13 @@ async def _openai(
     created = int(time.time())
     head = {"id": request_id, "object": fmt.whole_object, "created": created, "model": state.model}
     choices = [Choice(i) for i in range(len(job.prompts) * job.n)]
+    last_event = request.headers.get(resume.HEADER)
+    if job.stream and last_event:
+        point = resume.parse_event_id(last_event, len(choices))
+        await resume.check_resumable(state.redis, state.config, point)
+        head["id"] = point.request_id
+        async with _resumed(state, job, point) as sub:
+            return await _stream_openai(request, sub, job, fmt, head, choices, point)
     async with await _submit(state, job, request_id) as sub:
         await sub.first_replies()
         if job.stream:
@@ -112,26 +130,36 @@ async def _stream_openai(
     fmt: OpenAIFormat,
     head: dict[str, Any],
     choices: list[Choice],
+    resumed: resume.ResumePoint | None = None,
 ) -> web.StreamResponse:
     response = await _start_sse(request)
     head = {**head, "object": fmt.chunk_object}
     extra = {"usage": None} if job.include_usage else {}  # as OpenAI: null until the last
-    for first in fmt.first_chunk_choices(choices):
-        await _send(response, {**head, "choices": [first], **extra})
+    frontend_id = resumed.frontend_id if resumed else sub.state.frontend_id
+
+    def event_id() -> str:
+        return resume.event_id(head["id"], frontend_id, choices)
+
+    for first in [] if resumed else fmt.first_chunk_choices(choices):
+        await _send(response, {**head, "choices": [first], **extra}, event_id())
     try:
         async for reply in sub.replies():
             if isinstance(reply, ErrorReply):
                 await _send(response, _error_event(reply))
                 break
-            choice = choices[sub.index[reply.rid]]
+            index = sub.index[reply.rid]
+            choice = choices[index]
             choice.add(reply)
             text = reply.text or ""
             logprobs = fmt.logprobs(choice, reply) if job.logprobs and reply.ids else None
             finish = choice.finish_reason if reply.finish is not None else None
+            end = reply.seq + len(reply.ids)
+            if resumed and resumed.already_sent(index, end, finish is not None):
+                continue  # the client had this one before it lost the stream
             if not text and finish is None and logprobs is None:
                 continue  # tokens whose text is held back (a partial character, a stop prefix)
             chunk_choice = fmt.chunk_choice(choice, text, logprobs, finish)
-            await _send(response, {**head, "choices": [chunk_choice], **extra})
+            await _send(response, {**head, "choices": [chunk_choice], **extra}, event_id())
         else:
             if job.include_usage:
                 await _send(response, {**head, "choices": [], "usage": usage(choices, job.n)})
@@ -184,6 +212,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     job = parse_generate(await read_object(request), state.model)
     request_id = uuid.uuid4().hex
+    last_event = request.headers.get(resume.HEADER)
+    if job.stream and last_event:
+        point = resume.parse_event_id(last_event, 1)
+        await resume.check_resumable(state.redis, state.config, point)
+        async with _resumed(state, job, point) as sub:
+            return await _stream_generate(request, sub, job, sub.requests[0].rid, point)
     async with await _submit(state, job, request_id) as sub:
         rid = sub.requests[0].rid
         await sub.first_replies()
@@ -207,19 +241,31 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream_generate(
-    request: web.Request, sub: Submission, job: Job, rid: str
+    request: web.Request,
+    sub: Submission,
+    job: Job,
+    rid: str,
+    resumed: resume.ResumePoint | None = None,
 ) -> web.StreamResponse:
     response = await _start_sse(request)
+    frontend_id = resumed.frontend_id if resumed else sub.state.frontend_id
+    choice = Choice(0)  # for the event ids' progress
     try:
         async for reply in sub.replies():
             if isinstance(reply, ErrorReply):
                 await _send(response, _error_event(reply))
                 break
+            choice.add(reply)
+            end = reply.seq + len(reply.ids)
+            if resumed and resumed.already_sent(0, end, reply.finish is not None):
+                continue  # the client had this one before it lost the stream
             meta = _meta(reply, rid)
             if job.logprobs:
                 meta.update(_native_logprobs(reply))
             await _send(
-                response, {"text": reply.text or "", "output_ids": reply.ids, "meta_info": meta}
+                response,
+                {"text": reply.text or "", "output_ids": reply.ids, "meta_info": meta},
+                resume.event_id(sub.request_id, frontend_id, [choice]),
             )
     except (ConnectionError, OSError):
         raise

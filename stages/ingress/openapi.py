@@ -169,6 +169,7 @@ def _errors(*statuses: int) -> dict[str, Any]:
         400: "a bad value, an unknown field, a prompt beyond the context",
         401: "a missing or wrong API key",
         404: "an unknown model, path or request",
+        409: "a resume of a stream its ingress still serves",
         413: "a body over the limit",
         422: "JSON of the wrong shape or type",
         429: "too many jobs waiting (see Retry-After)",
@@ -182,6 +183,16 @@ def _generation(summary: str, schema: str) -> dict[str, Any]:
     return {
         "post": {
             "summary": summary,
+            "parameters": [
+                {
+                    "name": "Last-Event-ID",
+                    "in": "header",
+                    "required": False,
+                    "schema": {"type": "string"},
+                    "description": "resume a stream whose ingress died: the same body, and "
+                    "the id of the last event received",
+                }
+            ],
             "requestBody": {
                 "required": True,
                 "content": {"application/json": {"schema": _ref(schema)}},
@@ -195,7 +206,7 @@ def _generation(summary: str, schema: str) -> dict[str, Any]:
                         "text/event-stream": {"schema": {"description": SSE}},
                     },
                 },  # fmt: skip
-                **_errors(400, 401, 404, 413, 422, 429, 503),
+                **_errors(400, 401, 404, 409, 413, 422, 429, 503),
             },
         }
     }

@@ -25,6 +25,7 @@ from stages.ingress.auth import api_keys_from_env, auth_middleware
 from stages.ingress.errors import Handler, error_middleware
 from stages.ingress.health import WorkerHealth
 from stages.ingress.openapi import openapi_document
+from stages.ingress.resume import announce_alive
 from stages.ingress.state import STATE, IngressState
 
 logger = logging.getLogger(__name__)
@@ -85,8 +86,12 @@ def create_app(
 async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     state.replies.start()
+    alive = asyncio.get_running_loop().create_task(
+        announce_alive(state.redis, state.config, state.frontend_id)
+    )
     logger.info("ingress %s: replies on %s", state.frontend_id, state.reply_stream)
     yield
+    alive.cancel()
     # Handlers cancelled at shutdown have queued their aborts: let them reach Redis.
     if state.background:
         await asyncio.wait(list(state.background), timeout=CONNECT_TIMEOUT_S)

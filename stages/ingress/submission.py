@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from bus.protocol import ErrorReply, GenerateRequest, TextDelta
-from bus.replies import Reply, is_terminal
+from bus.replies import AsyncReplyReader, Reply, is_terminal
 from stages.ingress.errors import ApiError
 
 if TYPE_CHECKING:
@@ -28,11 +28,20 @@ if TYPE_CHECKING:
 
 
 class Submission:
+    """With `resumed` (a reader of another replica's reply stream, stages/ingress/resume.py)
+    nothing is submitted: the requests run already, and their replies are read from there."""
+
     def __init__(
-        self, state: IngressState, request_id: str, requests: list[GenerateRequest]
+        self,
+        state: IngressState,
+        request_id: str,
+        requests: list[GenerateRequest],
+        resumed: AsyncReplyReader | None = None,
     ) -> None:
         self.state = state
         self.request_id = request_id
+        self.reader = resumed if resumed is not None else state.replies
+        self.resumed = resumed is not None
         self.requests = requests
         self.index = {request.rid: i for i, request in enumerate(requests)}
         self.queue: asyncio.Queue[Reply] = asyncio.Queue()
@@ -43,7 +52,10 @@ class Submission:
 
     async def __aenter__(self) -> Submission:
         for request in self.requests:
-            self.state.replies.register(request.rid, self.queue)
+            self.reader.register(request.rid, self.queue)
+        if self.resumed:
+            self.reader.start()
+            return self
         try:
             await self.state.submit(self.request_id, self.requests)
         except BaseException as exc:
@@ -55,12 +67,14 @@ class Submission:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self._unregister()
+        if self.resumed:
+            await self.reader.close(delete_stream=False)  # another resume may need it
         unfinished = [r.rid for r in self.requests if r.rid not in self.finished]
         self.state.finish_soon(self.request_id, unfinished)
 
     def _unregister(self) -> None:
         for request in self.requests:
-            self.state.replies.unregister(request.rid)
+            self.reader.unregister(request.rid)
 
     async def first_replies(self) -> None:
         """Wait until every sub-request has replied once; raise an ErrorReply as an ApiError."""
@@ -83,7 +97,7 @@ class Submission:
     def _note(self, reply: Reply) -> None:
         if is_terminal(reply):
             self.finished.add(reply.rid)
-        if isinstance(reply, TextDelta):
+        if isinstance(reply, TextDelta) and not self.resumed:  # a replay would count twice
             self._time_tokens(reply)
 
     def _time_tokens(self, delta: TextDelta) -> None:

@@ -1,0 +1,121 @@
+"""Resuming a stream with Last-Event-ID after its ingress died: the live ingress replays the
+dead one's reply stream and sends exactly the events the client missed.
+
+A dead replica is what it leaves in Redis: the request's key, and replies on its reply
+stream, with no liveness key.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bus.protocol import ENTRY_FIELD, encode
+from tests.ingress_harness import MODEL, RunningIngress, add_worker, deltas
+
+DEAD = "ingress-deadhost-1-abcdef"
+PIECES = [("Once", [1]), (" upon", [2, 3]), (" a", [4]), (" time", [5])]
+
+
+@pytest.fixture
+def ingress(redis_client, redis_url):
+    with RunningIngress(redis_url) as server:
+        add_worker(redis_client, server.config)
+        yield server
+
+
+def _left_by_a_dead_ingress(client, config, request_id: str, choices: int = 1) -> None:
+    client.set(config.request_key(request_id), choices)
+    for index in range(choices):
+        for delta in deltas(f"{request_id}-{index}", PIECES):
+            client.xadd(config.reply_stream(DEAD), {ENTRY_FIELD: encode(delta)})
+
+
+def _events(data: bytes) -> list[tuple[str | None, str]]:
+    out = []
+    for event in data.decode().split("\n\n"):
+        if not event:
+            continue
+        lines = dict(line.split(": ", 1) for line in event.split("\n"))
+        out.append((lines.get("id"), lines["data"]))
+    return out
+
+
+def _resume(ingress, path: str, body: dict, last_event_id: str):
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        ingress.url + path, data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json", "Last-Event-ID": last_event_id},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+COMPLETION = {"model": MODEL, "prompt": "Tell me", "stream": True}
+
+
+def test_a_resumed_completion_gets_exactly_the_events_after_the_last_one(ingress, redis_client):
+    _left_by_a_dead_ingress(redis_client, ingress.config, "cmpl-r1")
+    status, data = _resume(ingress, "/v1/completions", COMPLETION, f"cmpl-r1/{DEAD}/3")
+    assert status == 200
+    events = _events(data)
+    assert events[-1] == (None, "[DONE]")
+    chunks = [json.loads(payload) for _, payload in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == " a time"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(c["id"] == "cmpl-r1" for c in chunks)
+    assert [i for i, _ in events[:-1]] == [f"cmpl-r1/{DEAD}/4", f"cmpl-r1/{DEAD}/-"]
+    # The replayed stream is left for a later resume: this replica may die too.
+    assert redis_client.xlen(ingress.config.reply_stream(DEAD)) == len(PIECES)
+
+
+def test_a_resumed_chat_with_two_choices_continues_each_where_it_stopped(ingress, redis_client):
+    _left_by_a_dead_ingress(redis_client, ingress.config, "chatcmpl-r2", choices=2)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 2,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    # Choice 0 had finished, choice 1 had " upon" (3 tokens) when the stream broke.
+    status, data = _resume(ingress, "/v1/chat/completions", body, f"chatcmpl-r2/{DEAD}/-.3")
+    assert status == 200
+    chunks = [json.loads(payload) for _, payload in _events(data)[:-1]]
+    content = [c for c in chunks if c["choices"]]
+    assert {c["choices"][0]["index"] for c in content} == {1}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in content) == " a time"
+    assert chunks[-1]["usage"]["completion_tokens"] == 2 * 5  # usage covers whole choices
+
+
+def test_a_resumed_native_stream_continues_after_its_last_event(ingress, redis_client):
+    _left_by_a_dead_ingress(redis_client, ingress.config, "n1")
+    body = {"text": "Hi", "stream": True}
+    status, data = _resume(ingress, "/generate", body, f"n1/{DEAD}/1")
+    assert status == 200
+    parsed = [json.loads(payload) for _, payload in _events(data)[:-1]]
+    assert sum((p["output_ids"] for p in parsed), []) == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    "last_event_id, status, code",
+    [
+        ("garbage", 400, "invalid_value"),
+        (f"cmpl-r1/{DEAD}/1.1", 400, "invalid_value"),  # two choices; the body makes one
+        (f"cmpl-gone/{DEAD}/1", 404, "request_not_found"),
+    ],
+)
+def test_a_resume_that_cannot_be_served_says_why(
+    ingress, redis_client, last_event_id, status, code
+):
+    _left_by_a_dead_ingress(redis_client, ingress.config, "cmpl-r1")
+    answer_status, data = _resume(ingress, "/v1/completions", COMPLETION, last_event_id)
+    assert (answer_status, json.loads(data)["error"]["code"]) == (status, code)
+
+
+def test_a_stream_its_live_ingress_still_serves_is_not_resumed_elsewhere(ingress, redis_client):
+    _left_by_a_dead_ingress(redis_client, ingress.config, "cmpl-r1")
+    redis_client.set(ingress.config.frontend_key(DEAD), 1)  # not dead after all
+    status, data = _resume(ingress, "/v1/completions", COMPLETION, f"cmpl-r1/{DEAD}/1")
+    assert (status, json.loads(data)["error"]["code"]) == (409, "stream_in_progress")
