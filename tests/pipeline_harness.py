@@ -1,4 +1,5 @@
-"""A whole running system for end-to-end tests: `streamserve up` as a child process.
+"""A whole running system for end-to-end tests (and the chaos benchmarks): `streamserve up`
+as a child process.
 
 Each harness has its own embedded Redis-protocol server (tests that flush the shared one
 must not wipe a running pipeline) and its own free port; `streamserve up` is pointed at
@@ -33,9 +34,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Short claim and heartbeat times keep the tests quick to notice a dead replica.
+QUICK_RECOVERY_ENV = {
+    "STREAMSERVE_HEARTBEAT_INTERVAL_S": "0.5",
+    "STREAMSERVE_HEARTBEAT_TTL_S": "2",
+    "STREAMSERVE_CLAIM_IDLE_MS": "1000",
+}
+
+
 class Pipeline:
-    def __init__(self, model: str = "smollm2-135m-instruct", **replicas: Any) -> None:
+    def __init__(
+        self,
+        model: str = "smollm2-135m-instruct",
+        env: dict[str, str] | None = None,
+        **replicas: Any,
+    ) -> None:
         self.model = model
+        self.env = QUICK_RECOVERY_ENV if env is None else env  # {}: the defaults users get
         self.replicas = replicas  # e.g. tokenizers=2, workers=2, worker_arg=[...]
         self.server = EmbeddedRedis()
         self.process: subprocess.Popen[bytes] | None = None
@@ -62,13 +77,7 @@ class Pipeline:
                 command += [f"--worker-arg={arg}" for arg in value]
             else:
                 command += [f"--{name}", str(value)]
-        # Short claim and heartbeat times keep the tests quick to notice a dead replica.
-        env = {
-            **os.environ,
-            "STREAMSERVE_HEARTBEAT_INTERVAL_S": "0.5",
-            "STREAMSERVE_HEARTBEAT_TTL_S": "2",
-            "STREAMSERVE_CLAIM_IDLE_MS": "1000",
-        }
+        env = {**os.environ, **self.env}
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
         self._wait_until_healthy()
         return self
