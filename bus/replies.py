@@ -101,12 +101,14 @@ class ReplyRouter:
         self.last_id: bytes | str = START_ID
         self._next_trim = 0.0
         self._orderers: dict[str, ReplyOrderer] = {}
+        self._first_entry: dict[str, bytes] = {}  # of each request still running
 
     def register(self, rid: str) -> None:
         self._orderers[rid] = ReplyOrderer()
 
     def unregister(self, rid: str) -> None:
         self._orderers.pop(rid, None)
+        self._first_entry.pop(rid, None)
 
     def rids(self) -> list[str]:
         return list(self._orderers)
@@ -114,12 +116,17 @@ class ReplyRouter:
     def trim_point(self) -> bytes | str | None:
         """The id to trim the stream to, at most once per TRIM_INTERVAL_S.
 
-        Entries already routed are dead weight; trimming keeps a busy frontend's stream small.
+        Entries already routed are dead weight, but those of a request still running are its
+        history: if this reader dies, another replays them to resume the request's stream
+        (stages/ingress/resume.py). So the stream is trimmed up to the first entry of the
+        oldest running request, or to the last entry read when none runs.
         """
         now = time.monotonic()
         if now < self._next_trim or self.last_id == START_ID:
             return None
         self._next_trim = now + TRIM_INTERVAL_S
+        if self._first_entry:
+            return min(self._first_entry.values(), key=_id_order)
         return self.last_id
 
     def route(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[tuple[str, Reply]]:
@@ -135,10 +142,16 @@ class ReplyRouter:
             orderer = self._orderers.get(message.rid)
             if orderer is None:
                 continue  # a late reply to a request nobody waits for any more
+            self._first_entry.setdefault(message.rid, entry_id)
             out.extend((message.rid, released) for released in orderer.push(message))
             if orderer.done:
                 del self._orderers[message.rid]
+                self._first_entry.pop(message.rid, None)
         return out
+
+
+def _id_order(entry_id: bytes) -> tuple[int, ...]:
+    return tuple(int(part) for part in entry_id.split(b"-"))
 
 
 def stream_entries(response: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:

@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as aredis
 
 from bus.protocol import ENTRY_FIELD, ErrorReply, Finish, TextDelta, encode
-from bus.replies import AsyncReplyReader, ReplyOrderer, ReplyReader
+from bus.replies import AsyncReplyReader, ReplyOrderer, ReplyReader, ReplyRouter
 
 FINISH = Finish("stop", None, 3, 4).to_wire()
 
@@ -140,3 +140,22 @@ def test_sync_reader_times_out_and_cancel_ends_the_wait(redis_client):
     assert reader.get("r", timeout=1) is None
     with pytest.raises(KeyError):
         reader.get("r", timeout=0.1)
+
+
+def test_the_trim_point_keeps_the_history_of_requests_still_running():
+    """A replica that resumes a dead one's stream replays each running request from its
+    first reply: trimming must not have removed it."""
+    router = ReplyRouter("s")
+    router.register("long")
+    router.register("short")
+
+    def entry(entry_id: bytes, delta: TextDelta):
+        return entry_id, {ENTRY_FIELD: encode(delta)}
+
+    router.route([entry(b"5-0", TextDelta("long", 0, [1], "a"))])
+    router.route([entry(b"9-0", TextDelta("short", 0, [1], "b", finish=FINISH))])
+    router.route([entry(b"12-0", TextDelta("long", 1, [2], "c"))])
+    assert router.trim_point() == b"5-0"  # "long" runs on: its first reply stays
+    router.route([entry(b"14-0", TextDelta("long", 2, [], "", finish=FINISH))])
+    router._next_trim = 0.0
+    assert router.trim_point() == b"14-0"  # nothing runs: everything read can go
