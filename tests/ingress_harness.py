@@ -140,8 +140,8 @@ class RunningIngress:
                 time.sleep(0.01)
 
     def __exit__(self, *exc_info: object) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread.is_alive() and self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)  # SIGTERM, as serve() takes it
         self._thread.join(timeout=5)
 
     @property

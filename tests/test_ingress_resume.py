@@ -119,3 +119,38 @@ def test_a_stream_its_live_ingress_still_serves_is_not_resumed_elsewhere(ingress
     redis_client.set(ingress.config.frontend_key(DEAD), 1)  # not dead after all
     status, data = _resume(ingress, "/v1/completions", COMPLETION, f"cmpl-r1/{DEAD}/1")
     assert (status, json.loads(data)["error"]["code"]) == (409, "stream_in_progress")
+
+
+def test_a_stream_cut_by_sigterm_is_left_running_and_resumes_on_another_replica(
+    redis_client, redis_url
+):
+    import http.client
+
+    from tests.ingress_harness import Upstream
+
+    first = RunningIngress(redis_url)
+    with RunningIngress(redis_url) as second, first:
+        add_worker(redis_client, first.config)
+        config = first.config
+        head = lambda request: deltas(request.rid, PIECES)[:2]  # noqa: E731 (still running)
+        with Upstream(redis_url, config, head) as up:
+            connection = http.client.HTTPConnection("127.0.0.1", first.port, timeout=5)
+            connection.request("POST", "/v1/completions", json.dumps(COMPLETION),
+                               {"Content-Type": "application/json"})  # fmt: skip
+            response = connection.getresponse()
+            last_id = None
+            for _ in range(2):
+                last_id = response.readline().decode().removeprefix("id: ").strip()
+                response.readline(), response.readline()  # data, blank line
+            first.__exit__(None, None, None)  # SIGTERM: the stream is cut
+            [request] = up.requests
+        stream = config.reply_stream(first.state.frontend_id)
+        assert not redis_client.exists(config.abort_key(request.rid))  # not aborted
+        assert redis_client.exists(stream)  # its history kept
+        assert not redis_client.exists(config.frontend_key(first.state.frontend_id))
+        for delta in deltas(request.rid, PIECES)[2:]:  # the request goes on meanwhile
+            redis_client.xadd(stream, {ENTRY_FIELD: encode(delta)})
+        status, data = _resume(second, "/v1/completions", COMPLETION, last_id)
+    assert status == 200
+    chunks = [json.loads(payload) for _, payload in _events(data)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == " a time"

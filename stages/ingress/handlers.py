@@ -65,12 +65,13 @@ def _resumed(state: IngressState, job: Job, point: resume.ResumePoint) -> Submis
     reader = AsyncReplyReader(state.redis, state.config.reply_stream(point.frontend_id),
                               trim=False)  # fmt: skip
     return Submission(state, point.request_id, job.requests(point.request_id, reader.stream),
-                      resumed=reader)  # fmt: skip
+                      resumed=reader, resumable=True)  # fmt: skip
 
 
 async def _submit(state: IngressState, job: Job, request_id: str) -> Submission:
     await state.admit(len(job.prompts) * job.n)
-    return Submission(state, request_id, job.requests(request_id, state.reply_stream))
+    return Submission(state, request_id, job.requests(request_id, state.reply_stream),
+                      resumable=job.stream)  # fmt: skip
 
 
 # ---- OpenAI endpoints --------------------------------------------------------------------------

@@ -4,7 +4,10 @@ Each replica has a unique frontend id and its own reply stream ``<p>:reply:<fron
 named in the ``reply_to`` of every job it submits; one task reads it for every open request.
 Replicas on one host share the port (SO_REUSEPORT), and the kernel spreads connections.
 Handlers are cancelled when their client disconnects (``handler_cancellation``), which is
-what aborts the client's requests.
+what aborts the client's requests. SIGTERM stops accepting and gives in-flight requests
+``SHUTDOWN_TIMEOUT_S``; a stream cut then is handed over, not aborted: it runs on, its
+history stays on this replica's reply stream, and its client resumes it on another replica
+with ``Last-Event-ID`` (stages/ingress/resume.py).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Sequence
 
+import redis
 import redis.asyncio as aredis
 from aiohttp import web
 
@@ -71,6 +75,7 @@ def create_app(
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[STATE] = state
     app.cleanup_ctx.append(_bus_lifetime)
+    app.on_shutdown.append(_drain)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.models)
@@ -95,8 +100,25 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     # Handlers cancelled at shutdown have queued their aborts: let them reach Redis.
     if state.background:
         await asyncio.wait(list(state.background), timeout=CONNECT_TIMEOUT_S)
-    await state.replies.close()
+    # Streams handed over still need this stream's history; the gone liveness key lets
+    # their clients resume them at once.
+    await state.replies.close(delete_stream=not state.handed_over)
+    try:
+        await state.redis.delete(state.config.frontend_key(state.frontend_id))
+    except (redis.ConnectionError, redis.TimeoutError):
+        pass  # it expires within seconds anyway
+    if state.handed_over:
+        logger.info("ingress %s: %d streams left running for their clients to resume",
+                    state.frontend_id, state.handed_over)  # fmt: skip
     await state.redis.aclose()
+
+
+async def _drain(app: web.Application) -> None:
+    """SIGTERM, before in-flight handlers get their last seconds: from now on a stream cut
+    by the shutdown is handed over (left running, its history kept), not aborted."""
+    state = app[STATE]
+    state.draining = True
+    state.replies.trim = False
 
 
 @web.middleware

@@ -40,6 +40,8 @@ class IngressState:
     metrics: Metrics = field(default_factory=Metrics)
     started: int = field(default_factory=lambda: int(time.time()))
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    draining: bool = False  # SIGTERM: streams cut now are left running, to be resumed
+    handed_over: int = 0  # such streams
 
     @property
     def reply_stream(self) -> str:

@@ -37,8 +37,10 @@ class Submission:
         request_id: str,
         requests: list[GenerateRequest],
         resumed: AsyncReplyReader | None = None,
+        resumable: bool = False,
     ) -> None:
         self.state = state
+        self.resumable = resumable  # streamed: its client can resume it elsewhere
         self.request_id = request_id
         self.reader = resumed if resumed is not None else state.replies
         self.resumed = resumed is not None
@@ -65,11 +67,16 @@ class Submission:
             raise
         return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         self._unregister()
         if self.resumed:
             await self.reader.close(delete_stream=False)  # another resume may need it
         unfinished = [r.rid for r in self.requests if r.rid not in self.finished]
+        if unfinished and self.resumable and self.state.draining and exc_type is not None:
+            # Cut by a shutdown, not by its client: it runs on, and its client resumes it
+            # on another replica with Last-Event-ID.
+            self.state.handed_over += 1
+            return
         self.state.finish_soon(self.request_id, unfinished)
 
     def _unregister(self) -> None:
