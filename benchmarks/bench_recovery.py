@@ -84,8 +84,10 @@ async def run(system: Pipeline, args: argparse.Namespace) -> list[dict]:
             os.kill(pid, signal.SIGKILL)
             await asyncio.sleep(args.settle + 10)  # past every recovery deadline
             waits = stalls(results, killed_at)
+            failed = sum(1 for r in results if r.error and r.sent_at >= killed_at)
             rows.append({
                 "benchmark": "recovery", "killed": kind, "in_flight": len(waits),
+                "errors_since_kill": failed,
                 "stall_max_s": round(max(waits), 2) if waits else None,
                 "stall_p50_s": round(percentile(waits, 0.5), 2) if waits else None,
             })  # fmt: skip
