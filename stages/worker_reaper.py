@@ -25,7 +25,13 @@ from typing import Any
 
 import redis
 
-from bus.actor import REDIS_TRANSIENT, dead_letter_fields, execute_logging_errors
+from bus.actor import (
+    REDIS_TRANSIENT,
+    dead_letter_fields,
+    ensure_group,
+    execute_logging_errors,
+    is_missing_group,
+)
 from bus.config import BusConfig
 from bus.protocol import ENTRY_FIELD, Abort, ProtocolError, TokenizedRequest, decode, encode
 
@@ -106,10 +112,10 @@ class WorkerReaper:
                 )
                 entries = response[0][1] if response else []
         except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            if not is_missing_group(exc):
                 raise
             # Jobs routed before the worker ever made its group: read them from the start.
-            self.client.xgroup_create(stream, WORKER_GROUP, id="0", mkstream=True)
+            ensure_group(self.client, stream, WORKER_GROUP)
             return self._move_entries(stream)
         if not entries:
             return 0

@@ -60,6 +60,14 @@ def _error_event(reply: ErrorReply | ApiError) -> dict[str, Any]:
     return ApiError(reply.status, reply.message, reply.type, reply.param, reply.code).body()
 
 
+async def _resume_point(
+    request: web.Request, state: IngressState, job: Job, choices: int
+) -> resume.ResumePoint | None:
+    """A streamed request with Last-Event-ID resumes another replica's stream."""
+    last_event_id = request.headers.get(resume.HEADER) if job.stream else None
+    return await resume.resume_point(state.redis, state.config, last_event_id, choices)
+
+
 def _resumed(state: IngressState, job: Job, point: resume.ResumePoint) -> Submission:
     """The submission of a request another (dead) replica began, read from its stream."""
     reader = AsyncReplyReader(state.redis, state.config.reply_stream(point.frontend_id),
@@ -96,10 +104,8 @@ async def _openai(
     created = int(time.time())
     head = {"id": request_id, "object": fmt.whole_object, "created": created, "model": state.model}
     choices = [Choice(i) for i in range(len(job.prompts) * job.n)]
-    last_event = request.headers.get(resume.HEADER)
-    if job.stream and last_event:
-        point = resume.parse_event_id(last_event, len(choices))
-        await resume.check_resumable(state.redis, state.config, point)
+    point = await _resume_point(request, state, job, len(choices))
+    if point is not None:
         head["id"] = point.request_id
         async with _resumed(state, job, point) as sub:
             return await _stream_openai(request, sub, job, fmt, head, choices, point)
@@ -154,8 +160,7 @@ async def _stream_openai(
             text = reply.text or ""
             logprobs = fmt.logprobs(choice, reply) if job.logprobs and reply.ids else None
             finish = choice.finish_reason if reply.finish is not None else None
-            end = reply.seq + len(reply.ids)
-            if resumed and resumed.already_sent(index, end, finish is not None):
+            if resumed and resumed.already_sent(index, reply):
                 continue  # the client had this one before it lost the stream
             if not text and finish is None and logprobs is None:
                 continue  # tokens whose text is held back (a partial character, a stop prefix)
@@ -213,10 +218,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     job = parse_generate(await read_object(request), state.model)
     request_id = uuid.uuid4().hex
-    last_event = request.headers.get(resume.HEADER)
-    if job.stream and last_event:
-        point = resume.parse_event_id(last_event, 1)
-        await resume.check_resumable(state.redis, state.config, point)
+    point = await _resume_point(request, state, job, 1)
+    if point is not None:
         async with _resumed(state, job, point) as sub:
             return await _stream_generate(request, sub, job, sub.requests[0].rid, point)
     async with await _submit(state, job, request_id) as sub:
@@ -257,8 +260,7 @@ async def _stream_generate(
                 await _send(response, _error_event(reply))
                 break
             choice.add(reply)
-            end = reply.seq + len(reply.ids)
-            if resumed and resumed.already_sent(0, end, reply.finish is not None):
+            if resumed and resumed.already_sent(0, reply):
                 continue  # the client had this one before it lost the stream
             meta = _meta(reply, rid)
             if job.logprobs:

@@ -26,6 +26,7 @@ import redis
 import redis.asyncio as aredis
 
 from bus.config import BusConfig
+from bus.protocol import TextDelta
 from stages.ingress.errors import ApiError
 from stages.ingress.openai_format import Choice
 
@@ -42,13 +43,13 @@ class ResumePoint:
     frontend_id: str
     sent: tuple[int | None, ...]  # per choice: tokens relayed; None: finished
 
-    def already_sent(self, index: int, end: int, finishing: bool) -> bool:
-        """Whether the event of choice `index`'s reply ending at output index `end` (and
-        finishing the choice or not) reached the client before it lost the stream."""
+    def already_sent(self, index: int, delta: TextDelta) -> bool:
+        """Whether the event of choice `index`'s `delta` reached the client before it lost
+        the stream."""
         sent = self.sent[index]
         if sent is None:
             return True
-        return end <= sent and not finishing
+        return delta.seq + len(delta.ids) <= sent and delta.finish is None
 
 
 def event_id(request_id: str, frontend_id: str, choices: Sequence[Choice]) -> str:
@@ -71,6 +72,18 @@ def parse_event_id(value: str, choices: int) -> ResumePoint:
             code="invalid_value",
         )
     return ResumePoint(request_id, frontend_id, sent)
+
+
+async def resume_point(
+    client: aredis.Redis, config: BusConfig, last_event_id: str | None, choices: int
+) -> ResumePoint | None:
+    """Where a request with this ``Last-Event-ID`` resumes; None without one. An id that
+    cannot be resumed is an ApiError saying why."""
+    if not last_event_id:
+        return None
+    point = parse_event_id(last_event_id, choices)
+    await check_resumable(client, config, point)
+    return point
 
 
 async def check_resumable(client: aredis.Redis, config: BusConfig, point: ResumePoint) -> None:
