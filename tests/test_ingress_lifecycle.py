@@ -164,3 +164,16 @@ def test_the_reply_stream_is_deleted_on_shutdown(redis_client, redis_url):
             ingress.post("/generate", {"text": "x"})
         assert redis_client.exists(stream)
     assert not redis_client.exists(stream)
+
+
+def test_a_heartbeat_gap_shorter_than_its_ttl_does_not_refuse_requests(ingress, redis_client):
+    """A late beat (a paused host) is not a dead fleet: jobs go to the scheduler, which
+    holds them until a worker beats again."""
+    add_worker(redis_client, ingress.config)
+    body = {"model": MODEL, "prompt": "a"}
+    with Upstream(ingress.config.redis_url, ingress.config, lambda r: deltas(r.rid, [("a", [1])])):
+        assert ingress.post("/v1/completions", body)[0] == 200
+        redis_client.delete(ingress.config.heartbeat_key("w0"))  # the beat is late
+        time.sleep(1.1)  # past the ingress's cached count
+        assert ingress.request("GET", "/health")[0] == 503  # /health says what is true now
+        assert ingress.post("/v1/completions", body)[0] == 200

@@ -65,6 +65,7 @@ class WorkerHealth:
         self.interval_s = interval_s
         self.live = 0
         self._checked_at = -float("inf")
+        self._live_at = -float("inf")  # when a check last found a live worker
         self._lock = asyncio.Lock()
 
     async def live_workers(self, fresh: bool = False) -> int:
@@ -72,4 +73,14 @@ class WorkerHealth:
             if fresh or time.monotonic() - self._checked_at >= self.interval_s:
                 self.live = await count_live_workers(self.client, self.config)
                 self._checked_at = time.monotonic()
+                if self.live:
+                    self._live_at = self._checked_at
             return self.live
+
+    async def may_serve(self) -> bool:
+        """A live worker now, or one seen within a heartbeat TTL. A gap shorter than that
+        is a late beat (a paused or overloaded host), not a dead fleet: the scheduler holds
+        jobs until a worker is live again, and fails them after no_worker_timeout_s."""
+        if await self.live_workers():
+            return True
+        return time.monotonic() - self._live_at < self.config.heartbeat_ttl_s

@@ -49,7 +49,7 @@ class IngressState:
 
     async def admit(self, count: int) -> None:
         """Refuse new work with 503 while no worker is alive, 429 while the queue is full."""
-        if not await self.health.live_workers():
+        if not await self.health.may_serve():
             raise ApiError(
                 503,
                 "no live worker to serve the request; try again later",
