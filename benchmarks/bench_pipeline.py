@@ -33,6 +33,7 @@ from bench_engine import print_table, run_engine  # noqa: E402
 
 from bus.embedded_server import EmbeddedRedis  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
+from gpu_worker.config import EngineConfig  # noqa: E402
 from stages import bench  # noqa: E402
 from stages.workloads import Workload, make_workload  # noqa: E402
 
@@ -89,11 +90,13 @@ def measure_pipeline(args: argparse.Namespace, via: str, name: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: what the engine would pick")
     parser.add_argument("--workloads", default="mixed-64")
     parser.add_argument("--via", default="http,redis", help="pipeline entry points to measure")
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     args = parser.parse_args()
+    # Resolve "auto" here so the baseline runs in, and the rows record, the same dtype.
+    args.dtype = EngineConfig(model=args.model, dtype=args.dtype).dtype_name()
     names = args.workloads.split(",")
 
     engine_rows = {}

@@ -131,7 +131,9 @@ class Worker:
         self._report_load()
         self.heartbeat.beat()  # the scheduler can route to us now
         self.heartbeat.start()
-        logger.info("worker %s: consumer %s on %s", self.worker_id, self.consumer, self.stream)
+        logger.info("worker %s: consumer %s on %s, %s in %s on %s", self.worker_id,
+                    self.consumer, self.stream, self.engine.config.model,
+                    self.engine.runner.dtype, self.engine.runner.device)  # fmt: skip
         failures = 0
         try:
             while not self.stop.is_set():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gpu_worker import Engine
+from gpu_worker.config import EngineConfig, cpu_has_native_bfloat16
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +103,10 @@ def test_bad_engine_option_names_it(options, field):
 def test_cuda_device_without_cuda_is_a_clear_error():
     with pytest.raises(ValueError, match="no CUDA"):
         Engine("random:tiny-llama", device="cuda")
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_runs_it_natively():
+    config = EngineConfig(model="random:tiny-llama", device="cpu")
+    expected = torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
+    assert config.torch_dtype() == expected
+    assert EngineConfig(model="random:tiny-llama", dtype="bfloat16").torch_dtype() == torch.bfloat16
