@@ -41,6 +41,7 @@ from typing import Any
 
 import redis
 
+from bus.access import check_access
 from bus.actor import (
     RECONNECT_BACKOFF_S,
     AppendKey,
@@ -430,12 +431,13 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in vars(args).items()
         if value is not None and key not in ("redis_url", "model", "worker_id", "log_level")
     }
+    client = redis.Redis.from_url(config.redis_url)
     try:
+        check_access(client, config)  # before the model loads: a typo should fail fast
         engine = Engine(args.model, **options)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    client = redis.Redis.from_url(config.redis_url)
     worker = Worker(engine, client, config, args.worker_id or default_worker_id(), args.model)
     stop_on_signals(worker.stop)
     worker.run()

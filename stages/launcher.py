@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from bus.access import BusAccessError, check_access, redacted
 from bus.config import BusConfig
 from bus.embedded_server import EmbeddedRedis
 from stages.cli import worker_command
@@ -60,6 +61,12 @@ class Launcher:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: self.stop.set())
         try:
+            if self.config.redis_url is not None:
+                try:
+                    check_access(redis.Redis.from_url(self.config.redis_url), self.config)
+                except BusAccessError as exc:
+                    logger.error("%s", exc)  # once, rather than from every replica
+                    return 2
             url = self.config.redis_url or self._start_embedded_server()
             self._start_stages(url)
             if not self._wait_until_healthy() or not self._wait_for_workers(url):
@@ -87,7 +94,8 @@ class Launcher:
             cores = len(os.sched_getaffinity(0))
             worker_env["OMP_NUM_THREADS"] = str(max(1, cores // a.workers))
         for i in range(a.workers):
-            command = worker_command(url, a.model, [*a.worker_arg, "--log-level", a.log_level])
+            # The URL goes in the environment, not argv, where `ps` would show its password.
+            command = worker_command(None, a.model, [*a.worker_arg, "--log-level", a.log_level])
             self._spawn(f"worker-{i}", command, worker_env)
         stages = (
             ("tokenizer", a.tokenizers),
@@ -153,7 +161,7 @@ class Launcher:
         base = self._health_url()
         auth = " -H 'Authorization: Bearer <key>'" if os.environ.get("STREAMSERVE_API_KEY") else ""
         print(
-            f"\nstreamserve is up: {base}/v1  (model {self.args.model}, Redis {url})\n"
+            f"\nstreamserve is up: {base}/v1  (model {self.args.model}, Redis {redacted(url)})\n"
             f"try:\n  curl {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' "
             f"""-d '{{"model": "{self.args.model}", "messages": """
             f"""[{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'\n"""

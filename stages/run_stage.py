@@ -7,6 +7,7 @@ import threading
 
 import redis
 
+from bus.access import check_access
 from bus.actor import Actor, stop_on_signals
 from bus.config import BusConfig
 
@@ -30,6 +31,7 @@ def run_stage(
         raise ValueError(f"unknown stage {name!r}; the stages are {', '.join(STAGES)}")
     if config.redis_url is None:
         raise ValueError("a stage needs a Redis URL: give --redis-url or set REDIS_URL")
+    check_access(redis.Redis.from_url(config.redis_url), config)
     if name == "ingress":
         from stages.ingress.server import run
 

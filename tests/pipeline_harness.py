@@ -47,26 +47,30 @@ class Pipeline:
         self,
         model: str = "smollm2-135m-instruct",
         env: dict[str, str] | None = None,
+        redis_url: str | None = None,
         **replicas: Any,
     ) -> None:
         self.model = model
         self.env = QUICK_RECOVERY_ENV if env is None else env  # {}: the defaults users get
         self.replicas = replicas  # e.g. tokenizers=2, workers=2, worker_arg=[...]
-        self.server = EmbeddedRedis()
+        # A caller's server (redis_url) is the caller's to stop; otherwise a private one.
+        self.server = EmbeddedRedis() if redis_url is None else None
+        self._redis_url = redis_url
         self.process: subprocess.Popen[bytes] | None = None
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
 
     @property
     def redis_url(self) -> str:
-        return self.server.url
+        return self.server.url if self.server is not None else self._redis_url
 
     @property
     def config(self) -> BusConfig:
         return BusConfig(redis_url=self.redis_url)
 
     def start(self) -> Pipeline:
-        self.server.start()
+        if self.server is not None:
+            self.server.start()
         command = [
             sys.executable, "-m", "stages.cli", "up", "--model", self.model,
             "--redis-url", self.redis_url, "--port", str(self.port),
@@ -141,7 +145,8 @@ class Pipeline:
                 self.process.kill()
                 self.process.wait()
         self.process = None
-        self.server.stop()
+        if self.server is not None:
+            self.server.stop()
 
     def __enter__(self) -> Pipeline:
         return self.start()
