@@ -133,7 +133,9 @@ def ensure_group(client: redis.Redis, stream: str, group: str) -> None:
 
 
 def is_missing_group(exc: redis.ResponseError) -> bool:
-    return str(exc).startswith("NOGROUP")
+    # redis-py prefixes an error raised from a MULTI with the failing command.
+    message = str(exc)
+    return message.startswith("NOGROUP") or "caused error: NOGROUP" in message
 
 
 def dead_letter_fields(

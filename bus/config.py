@@ -154,6 +154,11 @@ class BusConfig:
         """A lock: the scheduler replica moving a dead worker's jobs holds it."""
         return f"{self.stream_prefix}:reaping:{_require_id('worker_id', worker_id)}"
 
+    def fence_key(self, worker_id: str) -> str:
+        """A new random token each time the reaper takes jobs off the worker: a worker whose
+        token changed under it must not publish for jobs it no longer holds."""
+        return f"{self.stream_prefix}:fence:{_require_id('worker_id', worker_id)}"
+
     def routed_key(self) -> str:
         """A hash worker id -> jobs routed to it, so schedulers see each other's routing."""
         return f"{self.stream_prefix}:routed"

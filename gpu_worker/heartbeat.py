@@ -9,9 +9,9 @@ ends the process, so the reaper moves its jobs to live workers and the launcher 
 container runtime) starts a fresh one. Nothing it held is lost: its jobs are still pending
 on its stream, with their progress in Redis.
 
-The beat also tells whether the reaper removed this worker from the workers set while it
-was alive (Redis was unreachable for longer than the TTL); ``reaped`` is then set for the
-main loop, which drops the jobs that now live elsewhere.
+A beat that finds this worker gone from the workers set (the reaper forgot it while it was
+alive) puts it back, and says so; what the reaper took off it, the worker learns from its
+fence (gpu_worker/worker.py).
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ class HeartbeatThread(threading.Thread):
         self.max_total_tokens = max_total_tokens
         self.on_stall = on_stall or _exit_hung
         self.load = Load(0, 0, max_total_tokens, 0)
-        self.reaped = threading.Event()
         self.stop = threading.Event()
         self._turned_at = time.monotonic()
         self._registered = False  # in the workers set since our first beat
@@ -82,8 +81,8 @@ class HeartbeatThread(threading.Thread):
         pipe.sadd(self.config.workers_key(), self.worker_id)
         was_member = pipe.execute()[0]
         if self._registered and not was_member:
-            logger.warning("worker %s: was taken for dead (heartbeat lapsed)", self.worker_id)
-            self.reaped.set()
+            logger.warning("worker %s: was taken for dead (heartbeat lapsed); registered "
+                           "again", self.worker_id)  # fmt: skip
         self._registered = True
 
     def run(self) -> None:

@@ -22,9 +22,14 @@ published tokens are appended to its progress key in the MULTI that publishes th
 the heartbeat lapses, the scheduler's reaper (stages/worker_reaper.py) moves the pending
 jobs to the scheduler again, and the worker that gets one continues after its progress: no
 token is repeated or missing. A worker stopped with SIGTERM finishes its step, publishes it,
-and leaves its jobs to the reaper the same way. A worker that finds it was reaped while
-alive (Redis out of reach for longer than the heartbeat TTL) drops its jobs, which live on
-elsewhere.
+and leaves its jobs to the reaper the same way.
+
+A worker taken for dead while alive (paused, or out of reach of Redis for longer than the
+heartbeat TTL) must not go on publishing for jobs now served elsewhere: two writers would
+send a client two versions of a token and garble the progress key. Every write is a MULTI
+under WATCH of the worker's fence key, which the reaper changes in the MULTI that claims
+jobs off it. A worker whose fence changed drops every job and starts again from its
+stream: the entries still pending to it are its own, and resume from their progress.
 """
 
 from __future__ import annotations
@@ -116,6 +121,8 @@ class Worker:
         self._outbox: list[Output] = []
         self._acks: list[bytes] = []
         self._dead: list[dict[str, Any]] = []
+        self.fence_key = config.fence_key(worker_id)
+        self._fence: bytes | None = None  # the fence token our writes are valid under
         self.heartbeat = HeartbeatThread(
             client, config, worker_id, self.stream, model, engine.runner.max_total_tokens
         )
@@ -127,6 +134,7 @@ class Worker:
         # `admitted` counts from 0 again: so must the jobs routed to this id, or a restarted
         # worker would look busy with its previous life's jobs.
         self.client.hdel(self.config.routed_key(), self.worker_id)
+        self._fence = self.client.get(self.fence_key)
         # Jobs a previous life under this id left pending: resumed here, from their progress.
         entries = self._claim_pending()
         self._report_load()
@@ -141,9 +149,6 @@ class Worker:
                 try:
                     if failures:  # back after an outage: a restarted Redis has no groups
                         ensure_group(self.client, self.stream, GROUP)
-                    if self.heartbeat.reaped.is_set():
-                        self._drop_reaped_jobs()
-                        entries = []
                     if entries:
                         self._admit(entries)
                         entries = []
@@ -192,36 +197,56 @@ class Worker:
         return response[0][1] if response else []
 
     def _commit(self, read: bool) -> list[Any]:
-        """One MULTI: outputs, acks, dead letters, and (optionally) a non-blocking read of new
-        jobs."""
+        """One MULTI, valid only under our fence: outputs, acks, dead letters, and
+        (optionally) a non-blocking read of new jobs. Returns the jobs read."""
         if not (self._outbox or self._acks or self._dead or read):
             return []
-        pipe = self.client.pipeline(transaction=True)
-        write_outputs(pipe, self.config, self._outbox)
-        for fields in self._dead:
-            pipe.xadd(self.config.dead_letter_stream(), fields,
-                      maxlen=self.config.stream_maxlen, approximate=True)  # fmt: skip
-        if self._acks:
-            pipe.xack(self.stream, GROUP, *self._acks)
-        if read:
-            pipe.xreadgroup(GROUP, self.consumer, {self.stream: ">"}, count=self.config.read_count)
-        results = execute_logging_errors(pipe, f"worker {self.worker_id}")
+        with self.client.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(self.fence_key)
+                if pipe.get(self.fence_key) != self._fence:
+                    raise redis.WatchError("fenced before this write")
+                pipe.multi()
+                write_outputs(pipe, self.config, self._outbox)
+                for fields in self._dead:
+                    pipe.xadd(self.config.dead_letter_stream(), fields,
+                              maxlen=self.config.stream_maxlen, approximate=True)  # fmt: skip
+                if self._acks:
+                    pipe.xack(self.stream, GROUP, *self._acks)
+                if read:
+                    pipe.xreadgroup(GROUP, self.consumer, {self.stream: ">"},
+                                    count=self.config.read_count)  # fmt: skip
+                results = execute_logging_errors(pipe, f"worker {self.worker_id}")
+            except redis.WatchError:
+                return self._restart_fenced()
         self._outbox, self._acks, self._dead = [], [], []
         if read and results[-1] and not isinstance(results[-1], redis.ResponseError):
             return results[-1][0][1]
         return []
 
-    def _drop_reaped_jobs(self) -> None:
-        """The reaper took us for dead and moved our jobs on: they are served elsewhere now.
-        Drop them (and what was not yet published of them) and carry on as a new worker."""
-        self.heartbeat.reaped.clear()
-        logger.warning("worker %s: %d jobs moved to other workers are dropped here",
-                       self.worker_id, len(self.jobs))  # fmt: skip
+    def _restart_fenced(self) -> list[Any]:
+        """The reaper took jobs off us. Drop every job and what was not yet written of them,
+        and return the entries still pending to us: those are ours, to admit again, each
+        resuming after its progress."""
+        logger.warning("worker %s: taken for dead, jobs were claimed off it; dropping %d "
+                       "jobs and resuming those still its own", self.worker_id,
+                       len(self.jobs))  # fmt: skip
         for rid in list(self.jobs):
             self.scheduler.abort_request(rid)
         self.jobs.clear()
         self._outbox, self._acks, self._dead = [], [], []
-        ensure_group(self.client, self.stream, GROUP)
+        self._fence = self.client.get(self.fence_key)
+        ensure_group(self.client, self.stream, GROUP)  # the reaper may have deleted it
+        ids = [
+            pending["message_id"]
+            for pending in self.client.xpending_range(
+                self.stream, GROUP, "-", "+", count=10_000, consumername=self.consumer
+            )
+        ]
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xrange(self.stream, entry_id, entry_id)
+        return [entry for found in pipe.execute() for entry in found]
 
     def _report_load(self) -> None:
         load = self.scheduler.load()
@@ -367,11 +392,7 @@ class Worker:
             self.scheduler.abort_request(rid)  # frees the KV; no finish is published
         self.jobs.clear()
         try:
-            pipe = self.client.pipeline(transaction=True)
-            write_outputs(pipe, self.config, self._outbox)
-            if self._acks:
-                pipe.xack(self.stream, GROUP, *self._acks)
-            execute_logging_errors(pipe, f"worker {self.worker_id}")
+            self._commit(read=False)
             self.heartbeat.goodbye()
         except redis.RedisError as exc:
             logger.warning("worker %s: could not say goodbye: %s", self.worker_id, exc)

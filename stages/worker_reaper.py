@@ -15,11 +15,17 @@ MULTI. The scheduler routes it to a live worker (or holds it while none is alive
 after ``no_worker_timeout_s``), and that worker continues after the progress: no token is
 repeated or missing. Once the stream is empty, and the heartbeat still absent, the stream,
 the id and its routing count go in one MULTI guarded by WATCH.
+
+A worker taken for dead may be alive (paused, or cut off from Redis for longer than the
+TTL). So each claim goes in one MULTI with a new random token on the worker's fence key,
+which the worker WATCHes around every write: once a job is claimed, its old worker can
+publish nothing more, and the progress the next worker resumes from is final.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from typing import Any
 
@@ -87,7 +93,7 @@ class WorkerReaper:
         try:
             stream = self.config.worker_stream(worker_id)
             while not self.stop.is_set():
-                if self._move_entries(stream):
+                if self._move_entries(worker_id, stream):
                     continue
                 if self.client.exists(self.config.heartbeat_key(worker_id)):
                     logger.info("reaper: worker %s is beating again; left alone", worker_id)
@@ -98,25 +104,18 @@ class WorkerReaper:
         finally:
             self.client.delete(lock)
 
-    def _move_entries(self, stream: str) -> int:
+    def _move_entries(self, worker_id: str, stream: str) -> int:
         """Requeue one batch of the stream's pending and unread jobs; how many entries."""
         if not self.client.exists(stream):
             return 0
         try:
-            _, entries, _ = self.client.xautoclaim(
-                stream, WORKER_GROUP, self.consumer, min_idle_time=0, start_id="0-0", count=BATCH
-            )
-            if not entries:
-                response = self.client.xreadgroup(
-                    WORKER_GROUP, self.consumer, {stream: ">"}, count=BATCH
-                )
-                entries = response[0][1] if response else []
+            entries = self._claim(worker_id, stream)
         except redis.ResponseError as exc:
             if not is_missing_group(exc):
                 raise
             # Jobs routed before the worker ever made its group: read them from the start.
             ensure_group(self.client, stream, WORKER_GROUP)
-            return self._move_entries(stream)
+            return self._move_entries(worker_id, stream)
         if not entries:
             return 0
         pipe = self.client.pipeline(transaction=True)
@@ -144,6 +143,19 @@ class WorkerReaper:
             logger.warning("reaper: moved %d jobs off %s to live workers", moved, stream)
         return len(entries)
 
+    def _claim(self, worker_id: str, stream: str) -> list[Any]:
+        """Take a batch of pending entries, else of unread ones, fencing the worker off them
+        in the same MULTI (see the module's docstring)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(self.config.fence_key(worker_id), secrets.token_hex(8))
+        pipe.xautoclaim(stream, WORKER_GROUP, self.consumer, min_idle_time=0, start_id="0-0",
+                        count=BATCH)  # fmt: skip
+        _, (_, entries, _) = pipe.execute()
+        if entries:
+            return entries
+        response = self.client.xreadgroup(WORKER_GROUP, self.consumer, {stream: ">"}, count=BATCH)
+        return response[0][1] if response else []
+
     def _forget(self, worker_id: str, stream: str) -> bool:
         """Delete the empty stream and the worker's id, unless it beat or got a job meanwhile."""
         heartbeat = self.config.heartbeat_key(worker_id)
@@ -154,7 +166,7 @@ class WorkerReaper:
                     pipe.unwatch()
                     return False
                 pipe.multi()
-                pipe.delete(stream)
+                pipe.delete(stream, self.config.fence_key(worker_id))
                 pipe.srem(self.config.workers_key(), worker_id)
                 pipe.hdel(self.config.routed_key(), worker_id)
                 pipe.execute()

@@ -94,3 +94,48 @@ def test_a_request_continues_on_another_worker_after_its_worker_stops(redis_url,
     assert items[-1][1].finish.prompt_tokens == len(PROMPT)
     assert not client.exists(config.progress_key("r1"))
     assert client.xpending(config.worker_stream("second"), "worker")["pending"] == 0
+
+
+def test_a_worker_taken_for_dead_while_alive_publishes_nothing_for_jobs_moved_off_it(
+    redis_url, config
+):
+    """A false death (a pause, a cut-off longer than the heartbeat TTL): the reaper claims
+    the job while its worker still runs it. From the claim on, the old worker writes
+    nothing for it, so the progress a new owner resumes from is final; the job then
+    resumes (here on the same worker, the only live one) with no token repeated."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    long_job = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0.0}
+    expected = Engine(MODEL, dtype="float32").generate(input_ids=PROMPT, sampling_params=long_job)
+
+    worker, thread = _start(client, config, "first")
+    try:
+        client.xadd(
+            config.worker_stream("first"),
+            {ENTRY_FIELD: encode(TokenizedRequest("r1", "t:reply", PROMPT, long_job))},
+        )
+        _wait(lambda: len(client.get(config.progress_key("r1")) or b"") >= 4 * 10)
+        reaper = WorkerReaper(client, config, "scheduler-test", threading.Event())
+        reaper.reap("first")  # "left alone" at the end: it is beating
+        produced = len(unpack_ids(client.get(config.progress_key("r1"))))
+        assert produced < 400
+        assert client.xlen(config.tokenized_stream()) == 1  # the job, moved
+        _wait(lambda: "r1" not in worker.jobs)  # it learns at its next write, and drops it
+        time.sleep(0.3)
+        assert len(unpack_ids(client.get(config.progress_key("r1")))) == produced
+        assert max(i.start + len(i.ids) for _, i in _items(client, config, "r1")) == produced
+
+        scheduler = SchedulerStage(config, client, threading.Event())
+        ensure_group(client, scheduler.input_stream(config), scheduler.group)
+        assert Actor(client, config, scheduler).run_once() == 1  # back to "first"
+        _wait(lambda: any(item.finish for _, item in _items(client, config, "r1")))
+    finally:
+        worker.stop.set()
+        thread.join(timeout=30)
+
+    ids, expected_start = [], 0
+    for _, item in _items(client, config, "r1"):
+        assert item.start == expected_start  # no gap, no repeat
+        ids += item.ids
+        expected_start += len(item.ids)
+    assert ids == expected["output_ids"]
