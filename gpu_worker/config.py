@@ -13,6 +13,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+SPECULATIVE_METHODS = ("ngram",)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -43,6 +44,10 @@ class EngineConfig:
     forward_hooks: list[dict[str, Any]] = field(default_factory=list)
     # Seeds the random weights of `random:` models and the sampling of unseeded requests.
     seed: int = 0
+    # Speculative decoding: None (off) or "ngram" (drafts looked up in the request's own
+    # prompt and output), verifying up to num_draft_tokens drafts per request per step.
+    speculative: str | None = None
+    num_draft_tokens: int = 4
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -73,6 +78,11 @@ class EngineConfig:
             )
         if not isinstance(self.forward_hooks, list):
             raise ValueError("forward_hooks must be a list of hook specs")
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative {self.speculative!r} is not one of {[None, *SPECULATIVE_METHODS]}"
+            )
+        _require_positive_int("num_draft_tokens", self.num_draft_tokens)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 

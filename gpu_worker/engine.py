@@ -26,6 +26,7 @@ from gpu_worker.request_input import (
 )
 from gpu_worker.scheduling.req import Req
 from gpu_worker.scheduling.scheduler import Scheduler
+from gpu_worker.speculative.drafter import speculative_usage
 from gpu_worker.text_stream import TextStream
 
 
@@ -210,6 +211,7 @@ class Engine:
             "completion_tokens": len(req.output_ids),
             "total_tokens": prompt_tokens + len(req.output_ids),
             "cached_tokens": req.prompt_cache_hit or 0,
+            **speculative_usage(req),
         }
 
     def _result(self, req: Req) -> dict[str, Any]:

@@ -48,3 +48,26 @@ def make_workload(name: str, seed: int = 0) -> Workload:
 
 
 WORKLOADS = ["single", "uniform-64", "mixed-64", "shared-prefix"]
+
+# `copy`: real text the model is asked to repeat, where n-gram drafts are mostly right.
+COPY_MODULES = ["json", "argparse", "itertools", "collections", "heapq", "csv", "tempfile",
+                "string", "random", "statistics", "difflib", "typing", "unittest", "inspect",
+                "subprocess", "uuid"]  # fmt: skip
+COPY_INSTRUCTION = "Repeat the following text exactly, without any comment:\n\n"
+COPY_PASSAGE_CHARS = 600
+COPY_MAX_NEW_TOKENS = 256
+
+
+def copy_messages() -> list[list[dict[str, str]]]:
+    """One chat per module: the first 600 characters of its docstring, cut back to the last
+    space, after the instruction to repeat it."""
+    import importlib
+
+    chats = []
+    for name in COPY_MODULES:
+        doc = importlib.import_module(name).__doc__ or ""
+        passage = doc[:COPY_PASSAGE_CHARS]
+        if len(doc) > COPY_PASSAGE_CHARS:
+            passage = passage.rsplit(" ", 1)[0]
+        chats.append([{"role": "user", "content": COPY_INSTRUCTION + passage}])
+    return chats

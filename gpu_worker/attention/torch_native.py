@@ -111,7 +111,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     def prepare_metadata(self, forward_batch: ForwardBatch) -> None:
         if forward_batch.forward_mode == ForwardMode.DECODE:
             self._prepare_decode(forward_batch)
-        elif forward_batch.forward_mode == ForwardMode.EXTEND:
+        elif forward_batch.forward_mode.is_extend():
             self._prepare_extend(forward_batch)
 
     def _prepare_decode(self, fb: ForwardBatch) -> None:

@@ -20,6 +20,13 @@ class ForwardMode(IntEnum):
     DECODE = 2
     # Nothing to compute (a data-parallel peer is busy); the forward is a no-op.
     IDLE = 3
+    # Speculative decoding: each request computes its last token and the tokens drafted
+    # after it, attending like an extend; logits come back for every new token.
+    TARGET_VERIFY = 4
+
+    def is_extend(self) -> bool:
+        """Attention runs the extend path: new tokens attend to a prefix and each other."""
+        return self in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
 
 
 @dataclass
@@ -42,8 +49,11 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
     def last_token_indices(self) -> torch.Tensor:
-        """Index into the token axis of each request's last new token: [bs] int64."""
+        """Index into the token axis of the tokens that need logits: each request's last new
+        token, or every new token when verifying drafts. [bs] or [num_tokens] int64."""
         if self.forward_mode == ForwardMode.DECODE:
             return torch.arange(self.batch_size, device=self.input_ids.device)
+        if self.forward_mode == ForwardMode.TARGET_VERIFY:
+            return torch.arange(self.num_tokens, device=self.input_ids.device)
         ends = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0) - 1
         return ends.to(self.input_ids.device)

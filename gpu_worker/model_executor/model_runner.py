@@ -95,7 +95,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Logits of each request's last new token: [bs, vocab] float32."""
+        """Logits of each request's last new token, [bs, vocab] float32; in TARGET_VERIFY
+        mode, of every new token, [num_tokens, vocab]."""
         if forward_batch.forward_mode == ForwardMode.IDLE:
             return torch.empty((0, self.model_config.vocab_size), device=self.device)
         with forward_context(ForwardContext(self.attn_backend, forward_batch)):

@@ -116,6 +116,22 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+    # A 16-token vocabulary: sampled distributions can be checked with few samples.
+    "micro-llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 16,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
     "tiny-qwen2": {
         "architectures": ["Qwen2ForCausalLM"],
         "vocab_size": 640,

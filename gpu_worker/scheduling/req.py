@@ -16,6 +16,7 @@ import torch
 from bus.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from gpu_worker.speculative.drafter import DraftState
     from gpu_worker.text_stream import TextStream
 
 
@@ -59,6 +60,8 @@ class Req:
         self.top_logprobs: list[list[tuple[int, float]]] = []
         # Text produced by the text stream but not yet handed to the caller.
         self.pending_text = ""
+        # Speculative decoding's per-request state, made at its first draft.
+        self.draft: DraftState | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -72,9 +75,10 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    def blocked_until_min_tokens(self) -> list[int]:
-        """Stop ids to mask while the request is still short of min_new_tokens."""
-        if len(self.output_ids) >= self.params.min_new_tokens:
+    def blocked_until_min_tokens(self, num_out: int | None = None) -> list[int]:
+        """Stop ids to mask while the request (or its `num_out` tokens, drafts included) is
+        still short of min_new_tokens."""
+        if (len(self.output_ids) if num_out is None else num_out) >= self.params.min_new_tokens:
             return []
         return sorted(self.stop_ids)
 

@@ -85,6 +85,15 @@ class RequestKV:
             self.req_to_token_pool.req_to_token[rows, positions] = slots
         return slots
 
+    def free_beyond(self, req: Req, allocated_end: int) -> None:
+        """Give back the slots allocated for positions kv_len .. allocated_end - 1 (drafts
+        that were rejected): the whole pages past kv_len's page. A partly used last page
+        stays the request's, and later positions take the same slots in it."""
+        first_free = -(-req.kv_len // self.page_size) * self.page_size
+        if allocated_end > first_free:
+            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+            self.allocator.free(row[first_free:allocated_end])
+
     def cache_prefix(self, req: Req) -> None:
         """Hand the request's computed whole pages to the prefix cache (it keeps a lock)."""
         if self.prefix_cache is None:

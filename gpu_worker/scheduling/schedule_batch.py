@@ -17,6 +17,8 @@ class ScheduleBatch:
     prefix_lens: list[int]  # kv_len of each request before this forward
     extend_lens: list[int]  # new tokens each request computes
     out_cache_loc: torch.Tensor  # [sum(extend_lens)] int64 KV slots
+    # TARGET_VERIFY: the tokens drafted after each request's last token.
+    draft_ids: list[list[int]] | None = None
 
     def to_forward_batch(self, device: torch.device) -> ForwardBatch:
         seq_lens = [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
@@ -26,6 +28,17 @@ class ScheduleBatch:
                 for req in self.reqs
             ]
             positions = torch.tensor(self.prefix_lens, dtype=torch.int64)
+        elif self.mode == ForwardMode.TARGET_VERIFY:
+            assert self.draft_ids is not None
+            input_ids = []
+            for req, drafts in zip(self.reqs, self.draft_ids, strict=True):
+                input_ids += [(req.output_ids or req.origin_input_ids)[-1], *drafts]
+            positions = torch.cat(
+                [
+                    torch.arange(p, p + e, dtype=torch.int64)
+                    for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)
+                ]
+            )
         else:
             input_ids = []
             for req, start, end in zip(self.reqs, self.prefix_lens, seq_lens, strict=True):

@@ -10,6 +10,7 @@ the front of the queue, to be recomputed and continue where it stopped.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 import torch
@@ -23,6 +24,7 @@ from gpu_worker.scheduling.policy import order_waiting, shares_prefix_with_batch
 from gpu_worker.scheduling.req import FinishReason, Req
 from gpu_worker.scheduling.request_kv import RequestKV
 from gpu_worker.scheduling.schedule_batch import ScheduleBatch
+from gpu_worker.speculative.drafter import NgramDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,9 @@ class Scheduler:
         self.chunked: Req | None = None
         self.default_generator = torch.Generator().manual_seed(config.seed)
         self.num_retractions = 0
+        self.drafter = (
+            NgramDrafter(config.num_draft_tokens) if config.speculative == "ngram" else None
+        )
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -96,8 +101,15 @@ class Scheduler:
         batch = self.get_next_batch_to_run()
         if batch is None:
             return None
+        started = time.perf_counter()
         logits = self.runner.forward(batch.to_forward_batch(self.runner.device))
-        return self.process_batch_result(batch, logits)
+        sampled = self.process_batch_result(batch, logits)
+        if self.drafter is not None and batch.mode != ForwardMode.EXTEND:
+            # What each kind of step costs here decides when drafts are worth verifying.
+            verify = batch.mode == ForwardMode.TARGET_VERIFY
+            seconds = time.perf_counter() - started
+            self.drafter.costs.record(verify, len(batch.reqs), sum(batch.extend_lens), seconds)
+        return sampled
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         if self.waiting or self.chunked:
@@ -105,6 +117,10 @@ class Scheduler:
             if batch is not None:
                 return batch
         if self.running:
+            if self.drafter is not None:
+                batch = self._verify_batch()
+                if batch is not None:
+                    return batch
             return self._decode_batch()
         return None
 
@@ -179,6 +195,32 @@ class Scheduler:
             slots,
         )
 
+    def _verify_batch(self) -> ScheduleBatch | None:
+        """Each running request's last token and its drafts, in one extend; None when this
+        step should decode plainly (few drafts, or no KV room for them)."""
+        assert self.drafter is not None
+        drafts = self.drafter.propose(self.running, self.runner.context_length)
+        if drafts is None:
+            return None
+        reqs = list(self.running)
+        extend_lens = [1 + len(d) for d in drafts]
+        locs: list[torch.Tensor] = []
+        for req, num_new in zip(reqs, extend_lens, strict=True):
+            slots = self.kv.alloc_extend(req, num_new)
+            if slots is None:  # the decode step retracts if even one slot each is too many
+                for done, done_new in zip(reqs, extend_lens[: len(locs)], strict=False):
+                    self.kv.free_beyond(done, done.kv_len + done_new)
+                return None
+            locs.append(slots)
+        return ScheduleBatch(
+            ForwardMode.TARGET_VERIFY,
+            reqs,
+            [req.kv_len for req in reqs],
+            extend_lens,
+            torch.cat(locs),
+            draft_ids=drafts,
+        )
+
     def _retract_one(self) -> None:
         # The request with the fewest output tokens (then the longest prompt) loses least work.
         victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
@@ -193,6 +235,8 @@ class Scheduler:
     # ---- results ---------------------------------------------------------------------------
 
     def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
+        if batch.mode == ForwardMode.TARGET_VERIFY:
+            return self._process_verify_result(batch, logits)
         rows, sampled = [], []
         for i, (req, num_new) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
             req.kv_len += num_new
@@ -207,19 +251,7 @@ class Scheduler:
             return []
         if len(rows) < len(batch.reqs):
             logits = logits[rows]
-        result = sample(
-            logits,
-            SamplingBatch.build(
-                [req.params for req in sampled],
-                [req.origin_input_ids for req in sampled],
-                [req.output_ids for req in sampled],
-                [req.blocked_until_min_tokens() for req in sampled],
-                [req.generator for req in sampled],
-                self.runner.model_config.vocab_size,
-                logits.device,
-            ),
-            self.default_generator,
-        )
+        result = self._sample(logits, sampled, [req.output_ids for req in sampled])
         for i, req in enumerate(sampled):
             self._append_token(
                 req, result.next_token_ids[i], result.logprobs[i], result.top_logprobs[i]
@@ -231,6 +263,70 @@ class Scheduler:
         if batch.mode == ForwardMode.DECODE:
             self.running = [req for req in self.running if not req.finished]
         return sampled
+
+    def _process_verify_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
+        """Accept each request's longest run of drafts that the target model samples too,
+        plus the target's own token after it; free the KV of the rest.
+
+        Row j of a request samples the target's token after its last token and drafts
+        1..j, as decoding would once drafts 1..j were accepted; the run stops at the first
+        row whose sample differs from the draft after it. Each emitted token is a sample
+        of the target distribution given the tokens before it, so greedy output equals
+        plain decoding and sampled output has its distribution (for a draft that is a
+        single proposed token, accepting when the target's sample equals it is exact).
+        """
+        assert batch.draft_ids is not None and self.drafter is not None
+        row_reqs, row_outputs = [], []
+        for req, drafts in zip(batch.reqs, batch.draft_ids, strict=True):
+            for j in range(len(drafts) + 1):
+                row_reqs.append(req)
+                row_outputs.append(req.output_ids + drafts[:j])
+        result = self._sample(logits, row_reqs, row_outputs)
+        row = 0
+        for req, drafts, prefix_len in zip(
+            batch.reqs, batch.draft_ids, batch.prefix_lens, strict=True
+        ):
+            emitted = accepted = 0
+            for j in range(len(drafts) + 1):
+                token = result.next_token_ids[row + j]
+                self._append_token(
+                    req, token, result.logprobs[row + j], result.top_logprobs[row + j]
+                )
+                emitted += 1
+                if j == len(drafts) or token != drafts[j]:
+                    break
+                accepted += 1
+                if req.finished:
+                    break
+            row += len(drafts) + 1
+            self.drafter.record(req, len(drafts), accepted)
+            # KV holds the last token and the accepted drafts; the token just sampled
+            # gets its KV next step, as in decoding.
+            req.kv_len = prefix_len + emitted
+            self.kv.free_beyond(req, prefix_len + len(drafts) + 1)
+            if req.finished:
+                self._finish(req, req.finished_reason)
+        self.running = [req for req in self.running if not req.finished]
+        return list(batch.reqs)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req], outputs: list[list[int]]):
+        """One token per row; row i belongs to reqs[i] with output tokens outputs[i]."""
+        return sample(
+            logits,
+            SamplingBatch.build(
+                [req.params for req in reqs],
+                [req.origin_input_ids for req in reqs],
+                outputs,
+                [
+                    req.blocked_until_min_tokens(len(out))
+                    for req, out in zip(reqs, outputs, strict=True)
+                ],
+                [req.generator for req in reqs],
+                self.runner.model_config.vocab_size,
+                logits.device,
+            ),
+            self.default_generator,
+        )
 
     def _append_token(self, req: Req, token: int, logprob, top_logprobs) -> None:
         req.output_ids.append(token)

@@ -1,0 +1,146 @@
+"""Which requests draft how many tokens this step, and backing off where drafts miss.
+
+A verify step costs more than a decode step: every drafted token is computed, and the
+batch takes the extend attention path. Drafting pays only while drafts are accepted, so
+each request adapts its draft length to what it has been getting accepted, and a request
+whose drafts keep missing stops drafting for a while, longer each time.
+
+The step as a whole verifies only when that should emit tokens faster than decoding:
+(requests + expected accepted drafts) / (verify time) > requests / (decode time). Both
+times are measured as the engine runs (StepCosts), per batch-size bucket, as what a draft
+costs depends on the batch: near free at batch 1, where a forward reads the weights
+whatever the token count, and a full token's compute in a large batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpu_worker.scheduling.req import Req
+from gpu_worker.speculative.ngram import NgramIndex
+
+MAX_BACKOFF_STEPS = 64
+# A request's acceptance rate before it has verified anything, and how fast it follows.
+PRIOR_ACCEPTANCE = 0.5
+ACCEPTANCE_DECAY = 0.7
+COST_DECAY = 0.8
+
+
+@dataclass
+class DraftState:
+    """One request's drafting: its n-gram index, adaptive length, backoff and figures."""
+
+    index: NgramIndex = field(default_factory=NgramIndex)
+    length: int = 0  # tokens to draft next; 0 until the first proposal sets it
+    acceptance: float = PRIOR_ACCEPTANCE  # moving average of accepted / drafted
+    misses: int = 0  # verify steps in a row that accepted no draft
+    pause: int = 0  # steps left without drafting
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+class StepCosts:
+    """Moving averages of a step's seconds, per batch-size bucket: per request for decode
+    steps, per computed token for verify steps."""
+
+    def __init__(self) -> None:
+        self.decode: dict[int, float] = {}
+        self.verify: dict[int, float] = {}
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return batch_size.bit_length()
+
+    def record(self, verify: bool, batch_size: int, tokens: int, seconds: float) -> None:
+        table = self.verify if verify else self.decode
+        per_unit = seconds / (tokens if verify else batch_size)
+        key = self.bucket(batch_size)
+        old = table.get(key)
+        table[key] = per_unit if old is None else COST_DECAY * old + (1 - COST_DECAY) * per_unit
+
+    def verify_pays(self, batch_size: int, drafted: int, expected_accepted: float) -> bool:
+        key = self.bucket(batch_size)
+        decode, verify = self.decode.get(key), self.verify.get(key)
+        if decode is None or verify is None:
+            return True  # try it, and measure
+        verify_rate = (batch_size + expected_accepted) / (verify * (batch_size + drafted))
+        return verify_rate > 1 / decode
+
+
+class NgramDrafter:
+    def __init__(self, num_draft_tokens: int) -> None:
+        self.num_draft_tokens = num_draft_tokens
+        self.costs = StepCosts()
+        self.verify_steps = 0
+        self.drafted = 0
+        self.accepted = 0
+
+    def propose(self, reqs: list[Req], context_length: int) -> list[list[int]] | None:
+        """Drafts per request for a verify step, or None when this step should decode."""
+        drafts = [self._propose_one(req, context_length) for req in reqs]
+        drafted = sum(len(d) for d in drafts)
+        if not drafted:
+            return None
+        expected = sum(req.draft.acceptance * len(d) for req, d in zip(reqs, drafts, strict=True))
+        if not self.costs.verify_pays(len(reqs), drafted, expected):
+            return None
+        return drafts
+
+    def _propose_one(self, req: Req, context_length: int) -> list[int]:
+        state = req.draft
+        if state is None:
+            state = req.draft = DraftState(length=self.num_draft_tokens)
+        if state.pause:
+            state.pause -= 1
+            return []
+        # Drafts past the last token the request may emit would only be thrown away.
+        room = min(
+            req.params.max_new_tokens - len(req.output_ids) - 1,
+            context_length - req.num_tokens - 1,
+        )
+        k = min(state.length, room)
+        return state.index.propose(req.all_ids, k) if k > 0 else []
+
+    def record(self, req: Req, drafted: int, accepted: int) -> None:
+        """After verifying `req`'s `drafted` tokens, of which the first `accepted` held."""
+        state = req.draft
+        assert state is not None
+        state.verify_steps += 1
+        state.drafted += drafted
+        state.accepted += accepted
+        self.verify_steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if not drafted:
+            return
+        state.acceptance = (
+            ACCEPTANCE_DECAY * state.acceptance + (1 - ACCEPTANCE_DECAY) * accepted / drafted
+        )
+        if accepted == drafted:
+            state.length = min(self.num_draft_tokens, state.length + 1)
+        else:
+            state.length = max(1, accepted + 1)
+        if accepted:
+            state.misses = 0
+        else:
+            state.misses += 1
+            state.pause = min(2**state.misses, MAX_BACKOFF_STEPS)
+
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def speculative_usage(req: Req) -> dict[str, float]:
+    """A request's drafting figures for its usage; empty when it never verified drafts."""
+    state = req.draft
+    if state is None or not state.verify_steps:
+        return {}
+    return {
+        "draft_tokens": state.drafted,
+        "accepted_draft_tokens": state.accepted,
+        # Tokens each verify step emitted: the accepted drafts plus the target's own.
+        "accepted_tokens_per_step": round(
+            (state.accepted + state.verify_steps) / state.verify_steps, 3
+        ),
+    }
