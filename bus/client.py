@@ -11,7 +11,8 @@ On the wire (bus/protocol.py has it all): ``submit`` XADDs one entry ``{m: msgpa
 input_ids (packed little-endian int32 bytes), sampling: {SamplingParams fields}, created}``.
 The pipeline answers on the client's own ``<p>:reply:client-<uuid>`` stream with TextDelta
 entries ``{kind: "delta", rid, seq, ids, text, finish?}`` (``finish`` on the last one:
-``[reason, matched_stop, prompt_tokens, completion_tokens, cached_tokens]``) or one ErrorReply
+``[reason, matched_stop, prompt_tokens, completion_tokens, cached_tokens]``, then
+``draft_tokens, accepted_draft_tokens`` when the worker speculated) or one ErrorReply
 ``{kind: "error", rid, status, message, type, param, code}``.
 
 A submitted job's replies are kept for its `stream` until the request ends or is aborted;

@@ -171,32 +171,43 @@ class Finish:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    # Speculative decoding: tokens drafted for the request, and how many were accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     def to_wire(self) -> list[Any]:
-        return [
+        wire = [
             self.reason, self.matched, self.prompt_tokens, self.completion_tokens,
             self.cached_tokens,
         ]  # fmt: skip
+        if self.draft_tokens:  # without speculation, the 5 fields older readers expect
+            wire += [self.draft_tokens, self.accepted_draft_tokens]
+        return wire
 
     @classmethod
     def from_wire(cls, data: Any) -> Finish:
-        if not isinstance(data, list) or len(data) != 5:
-            raise ProtocolError("field 'finish' must be a list of 5")
-        reason, matched, prompt, completion, cached = data
+        if not isinstance(data, list) or len(data) not in (5, 7):
+            raise ProtocolError("field 'finish' must be a list of 5 or 7")
+        reason, matched, *counts = data
         _check(_STR, "finish.reason", reason, optional=False)
         if matched is not None and not isinstance(matched, (str, int)):
             raise ProtocolError("field 'finish.matched' must be str, int or nil")
-        for name, value in (("prompt", prompt), ("completion", completion), ("cached", cached)):
+        names = ("prompt", "completion", "cached", "draft", "accepted_draft")
+        for name, value in zip(names, counts, strict=False):
             _check(_INT, f"finish.{name}_tokens", value, optional=False)
-        return cls(reason, matched, prompt, completion, cached)
+        return cls(reason, matched, *counts)
 
     def usage(self) -> dict[str, int]:
-        return {
+        usage = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "cached_tokens": self.cached_tokens,
         }
+        if self.draft_tokens:
+            usage.update(draft_tokens=self.draft_tokens,
+                         accepted_draft_tokens=self.accepted_draft_tokens)  # fmt: skip
+        return usage
 
 
 @dataclass

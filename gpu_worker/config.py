@@ -13,7 +13,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -44,10 +44,12 @@ class EngineConfig:
     forward_hooks: list[dict[str, Any]] = field(default_factory=list)
     # Seeds the random weights of `random:` models and the sampling of unseeded requests.
     seed: int = 0
-    # Speculative decoding: None (off) or "ngram" (drafts looked up in the request's own
-    # prompt and output), verifying up to num_draft_tokens drafts per request per step.
+    # Speculative decoding: None (off), "ngram" (drafts looked up in the request's own
+    # prompt and output) or "draft" (drafts sampled from draft_model, a smaller model with
+    # the same tokenizer), verifying up to num_draft_tokens drafts per request per step.
     speculative: str | None = None
     num_draft_tokens: int = 4
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -83,6 +85,10 @@ class EngineConfig:
                 f"speculative {self.speculative!r} is not one of {[None, *SPECULATIVE_METHODS]}"
             )
         _require_positive_int("num_draft_tokens", self.num_draft_tokens)
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError(
+                "draft_model names the draft model of speculative='draft', and only of it"
+            )
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 

@@ -376,9 +376,10 @@ class Worker:
                 ]
         if req.finished:
             reason = req.finished_reason
+            drafted = (req.draft.drafted, req.draft.accepted) if req.draft else (0, 0)
             item.finish = Finish(
                 reason.kind, reason.matched, len(req.origin_input_ids), len(req.output_ids),
-                req.prompt_cache_hit or 0,
+                req.prompt_cache_hit or 0, *drafted,
             )  # fmt: skip
             self._outbox.append(DeleteKey(self.config.progress_key(req.rid)))
             self._acks.append(job.entry_id)

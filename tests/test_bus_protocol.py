@@ -262,7 +262,7 @@ MALFORMED = [
     ("item-logprobs-map", _batch_with(_item_wire(logprobs={})), (TokenBatch,),
      r"field 'logprobs' must be a list"),
     ("item-finish-short", _batch_with(_item_wire(finish=["stop", None, 1])), (TokenBatch,),
-     r"field 'finish' must be a list of 5"),
+     r"field 'finish' must be a list of 5 or 7"),
     ("item-finish-bool-tokens", _batch_with(_item_wire(finish=["stop", None, True, 1, 0])),
      (TokenBatch,), r"field 'finish.prompt_tokens' must be int, got bool"),
     ("item-finish-matched-float", _batch_with(_item_wire(finish=["stop", 1.5, 1, 1, 0])),
@@ -365,3 +365,12 @@ def test_decode_raises_only_protocol_errors_for_random_and_mutated_payloads():
     assert escaped == []
     # The loop must reach both outcomes, or it exercises nothing.
     assert rejected > 100 and accepted > 10
+
+
+def test_a_finish_carries_draft_counts_only_when_the_worker_speculated():
+    plain = Finish("stop", 2, 10, 4, 3)
+    assert len(plain.to_wire()) == 5  # what readers without speculation expect
+    spec = Finish("length", None, 10, 40, 0, draft_tokens=36, accepted_draft_tokens=30)
+    assert Finish.from_wire(spec.to_wire()) == spec
+    assert spec.usage()["accepted_draft_tokens"] == 30
+    assert "draft_tokens" not in plain.usage()

@@ -1,11 +1,15 @@
 """The whole system, end to end: `streamserve up` (every stage its own process, the real
 default model) driven over HTTP with the official `openai` client, over native /generate,
-and with direct Redis jobs."""
+and with direct Redis jobs. The worker speculates with n-gram drafts, so every check here
+(greedy equal to transformers, concurrent streams equal to one-by-one runs, stops,
+logprobs, aborts) holds with speculative decoding too; the other pipeline tests run
+without it."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -24,7 +28,7 @@ GREEDY = {"temperature": 0}
 @pytest.fixture(scope="module")
 def pipeline():
     # float32: greedy ties then break as in transformers' float32 reference, whatever the batch.
-    with Pipeline(MODEL, worker_arg=["--dtype=float32"]) as running:
+    with Pipeline(MODEL, worker_arg=["--dtype=float32", "--speculative=ngram"]) as running:
         yield running
 
 
@@ -238,3 +242,16 @@ def test_logprobs_name_each_token_and_its_alternatives(client):
         assert token.top_logprobs[0].token == token.token  # greedy: the chosen one is top
         assert not any(t.token.startswith("<") and t.token.endswith(">") for t in
                        token.top_logprobs if t.token[1:-1].isdigit())  # fmt: skip
+
+
+def test_speculation_reports_accepted_predictions_in_usage_and_metrics(pipeline, client):
+    passage = "the quick brown fox jumps over the lazy dog, " * 6
+    reply = chat(client, f"Repeat exactly: {passage}", max_tokens=48)
+    details = reply.usage.completion_tokens_details
+    assert details is not None and details.accepted_prediction_tokens > 0
+    assert details.rejected_prediction_tokens >= 0
+    with urllib.request.urlopen(pipeline.url + "/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    accepted = [line for line in metrics.splitlines()
+                if line.startswith("streamserve_ingress_accepted_draft_tokens_total ")]  # fmt: skip
+    assert accepted and int(accepted[0].split()[1]) > 0

@@ -120,11 +120,28 @@ def sample(
     return SampleOutput(token_ids, logprobs, top_logprobs)
 
 
-def _sample_rows(
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution each row's token is drawn from, [bs, vocab] float32: after the
+    logit adjustments, temperature and filters; one-hot at the argmax for greedy rows.
+    Speculative decoding's rejection sampling compares these of draft and target."""
+    processed = logits.float()
+    if batch.adjustments is not None:
+        processed = batch.adjustments.apply(processed.clone())
+    probs = torch.zeros_like(processed)
+    probs.scatter_(1, processed.argmax(dim=-1, keepdim=True), 1.0)
+    if batch.sampled_rows:
+        sorted_logits, sorted_ids = _filtered_sorted(processed[batch.sampled_index], batch)
+        drawn = torch.zeros_like(sorted_logits).scatter_(1, sorted_ids, sorted_logits.softmax(-1))
+        probs[batch.sampled_index] = drawn
+    return probs
+
+
+def _filtered_sorted(
     logits: torch.Tensor,  # [n, vocab], the sampled rows only; not modified
     batch: SamplingBatch,
-    default_generator: torch.Generator,
-) -> torch.Tensor:  # [n] int64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' logits after temperature and the filters (-inf where cut), sorted
+    descending, with the token ids in that order."""
     logits = logits / batch.temperature
     # Filters keep a prefix of the tokens sorted by logit, so they all work on one sort.
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
@@ -142,6 +159,15 @@ def _sample_rows(
         # so no renormalisation after top-k/top-p is needed. min_p = 0 gives -inf: keep all.
         threshold = sorted_logits[:, :1] + torch.log(batch.min_p)
         sorted_logits.masked_fill_(sorted_logits < threshold, -math.inf)
+    return sorted_logits, sorted_ids
+
+
+def _sample_rows(
+    logits: torch.Tensor,  # [n, vocab], the sampled rows only; not modified
+    batch: SamplingBatch,
+    default_generator: torch.Generator,
+) -> torch.Tensor:  # [n] int64
+    sorted_logits, sorted_ids = _filtered_sorted(logits, batch)
     # Inverse CDF: the first sorted token whose cumulative probability exceeds u * total.
     cdf = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     u = _uniforms(batch.generators, default_generator).to(logits.device)
@@ -168,3 +194,12 @@ def _uniforms(
 
 def _column(values: list, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None, default: torch.Generator) -> int:
+    """One token from the distribution `probs` ([vocab], need not sum to 1), by inverse CDF
+    with one uniform from the request's generator (else the default one)."""
+    cdf = probs.float().cumsum(dim=0)
+    u = torch.rand(1, generator=generator or default).to(probs.device)
+    choice = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    return min(choice, int((probs > 0).nonzero()[-1]))

@@ -24,7 +24,8 @@ from gpu_worker.scheduling.policy import order_waiting, shares_prefix_with_batch
 from gpu_worker.scheduling.req import FinishReason, Req
 from gpu_worker.scheduling.request_kv import RequestKV
 from gpu_worker.scheduling.schedule_batch import ScheduleBatch
-from gpu_worker.speculative.drafter import NgramDrafter
+from gpu_worker.speculative import verify
+from gpu_worker.speculative.drafter import Drafter, NgramDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +47,13 @@ class Scheduler:
         self.chunked: Req | None = None
         self.default_generator = torch.Generator().manual_seed(config.seed)
         self.num_retractions = 0
-        self.drafter = (
-            NgramDrafter(config.num_draft_tokens) if config.speculative == "ngram" else None
-        )
+        self.drafter: Drafter | None = None
+        if config.speculative == "ngram":
+            self.drafter = NgramDrafter(config.num_draft_tokens)
+        elif config.speculative == "draft":
+            from gpu_worker.speculative.draft_model import DraftModelDrafter
+
+            self.drafter = DraftModelDrafter(config, runner)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -210,6 +215,8 @@ class Scheduler:
             if slots is None:  # the decode step retracts if even one slot each is too many
                 for done, done_new in zip(reqs, extend_lens[: len(locs)], strict=False):
                     self.kv.free_beyond(done, done.kv_len + done_new)
+                for req in reqs:
+                    self.drafter.rewind(req, 0)
                 return None
             locs.append(slots)
         return ScheduleBatch(
@@ -265,44 +272,43 @@ class Scheduler:
         return sampled
 
     def _process_verify_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
-        """Accept each request's longest run of drafts that the target model samples too,
-        plus the target's own token after it; free the KV of the rest.
-
-        Row j of a request samples the target's token after its last token and drafts
-        1..j, as decoding would once drafts 1..j were accepted; the run stops at the first
-        row whose sample differs from the draft after it. Each emitted token is a sample
-        of the target distribution given the tokens before it, so greedy output equals
-        plain decoding and sampled output has its distribution (for a draft that is a
-        single proposed token, accepting when the target's sample equals it is exact).
-        """
+        """Emit each request's accepted drafts and one token of the target's own (see
+        speculative/verify.py); the KV of the rejected drafts goes back at once."""
         assert batch.draft_ids is not None and self.drafter is not None
         row_reqs, row_outputs = [], []
         for req, drafts in zip(batch.reqs, batch.draft_ids, strict=True):
             for j in range(len(drafts) + 1):
+                # Row j samples as decoding would once drafts 1..j were accepted.
                 row_reqs.append(req)
                 row_outputs.append(req.output_ids + drafts[:j])
-        result = self._sample(logits, row_reqs, row_outputs)
-        row = 0
-        for req, drafts, prefix_len in zip(
-            batch.reqs, batch.draft_ids, batch.prefix_lens, strict=True
+        draft_probs = self.drafter.draft_probs
+        if draft_probs is None:
+            emitted = verify.by_match(self._sample(logits, row_reqs, row_outputs), batch.draft_ids)
+        else:
+            default = self.default_generator
+            emitted = verify.by_rejection(
+                logits,
+                self._sampling_batch(row_reqs, row_outputs, logits.device),
+                batch.draft_ids,
+                [draft_probs.get(req.rid) for req in batch.reqs],
+                [verify.uniform_from(req.generator, default) for req in batch.reqs],
+                [verify.drawer_from(req.generator, default) for req in batch.reqs],
+            )
+        for req, drafts, prefix_len, tokens in zip(
+            batch.reqs, batch.draft_ids, batch.prefix_lens, emitted, strict=True
         ):
-            emitted = accepted = 0
-            for j in range(len(drafts) + 1):
-                token = result.next_token_ids[row + j]
-                self._append_token(
-                    req, token, result.logprobs[row + j], result.top_logprobs[row + j]
-                )
-                emitted += 1
-                if j == len(drafts) or token != drafts[j]:
+            appended = 0
+            for token, logprob, top_logprobs in tokens:
+                self._append_token(req, token, logprob, top_logprobs)
+                appended += 1
+                if req.finished:  # a stop inside the accepted run ends the request there
                     break
-                accepted += 1
-                if req.finished:
-                    break
-            row += len(drafts) + 1
+            accepted = min(appended, len(tokens) - 1)
             self.drafter.record(req, len(drafts), accepted)
-            # KV holds the last token and the accepted drafts; the token just sampled
-            # gets its KV next step, as in decoding.
-            req.kv_len = prefix_len + emitted
+            self.drafter.rewind(req, accepted)
+            # KV holds the last token and the accepted drafts; the token just emitted gets
+            # its KV next step, as in decoding.
+            req.kv_len = prefix_len + appended
             self.kv.free_beyond(req, prefix_len + len(drafts) + 1)
             if req.finished:
                 self._finish(req, req.finished_reason)
@@ -311,21 +317,21 @@ class Scheduler:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req], outputs: list[list[int]]):
         """One token per row; row i belongs to reqs[i] with output tokens outputs[i]."""
-        return sample(
-            logits,
-            SamplingBatch.build(
-                [req.params for req in reqs],
-                [req.origin_input_ids for req in reqs],
-                outputs,
-                [
-                    req.blocked_until_min_tokens(len(out))
-                    for req, out in zip(reqs, outputs, strict=True)
-                ],
-                [req.generator for req in reqs],
-                self.runner.model_config.vocab_size,
-                logits.device,
-            ),
-            self.default_generator,
+        batch = self._sampling_batch(reqs, outputs, logits.device)
+        return sample(logits, batch, self.default_generator)
+
+    def _sampling_batch(self, reqs: list[Req], outputs: list[list[int]], device) -> SamplingBatch:
+        return SamplingBatch.build(
+            [req.params for req in reqs],
+            [req.origin_input_ids for req in reqs],
+            outputs,
+            [
+                req.blocked_until_min_tokens(len(out))
+                for req, out in zip(reqs, outputs, strict=True)
+            ],
+            [req.generator for req in reqs],
+            self.runner.model_config.vocab_size,
+            device,
         )
 
     def _append_token(self, req: Req, token: int, logprob, top_logprobs) -> None:

@@ -7,9 +7,10 @@ whose drafts keep missing stops drafting for a while, longer each time.
 
 The step as a whole verifies only when that should emit tokens faster than decoding:
 (requests + expected accepted drafts) / (verify time) > requests / (decode time). Both
-times are measured as the engine runs (StepCosts), per batch-size bucket, as what a draft
-costs depends on the batch: near free at batch 1, where a forward reads the weights
-whatever the token count, and a full token's compute in a large batch.
+times are measured as the engine runs (StepCosts), per batch-size bucket and, for verify
+steps, per tokens computed per request, as what a draft costs depends on both: little at
+batch 1 on a GPU, where a forward reads the weights whatever the token count; on a CPU a
+few-row matmul already costs twice a one-row one; in a large batch, a token's compute.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ COST_DECAY = 0.8
 class DraftState:
     """One request's drafting: its n-gram index, adaptive length, backoff and figures."""
 
-    index: NgramIndex = field(default_factory=NgramIndex)
+    index: NgramIndex = field(default_factory=NgramIndex)  # the n-gram proposer's
     length: int = 0  # tokens to draft next; 0 until the first proposal sets it
     acceptance: float = PRIOR_ACCEPTANCE  # moving average of accepted / drafted
     misses: int = 0  # verify steps in a row that accepted no draft
@@ -41,34 +42,45 @@ class DraftState:
 
 
 class StepCosts:
-    """Moving averages of a step's seconds, per batch-size bucket: per request for decode
-    steps, per computed token for verify steps."""
+    """Moving averages of a step's seconds per request: decode steps by batch-size bucket,
+    verify steps by that bucket and the tokens computed per request."""
 
     def __init__(self) -> None:
         self.decode: dict[int, float] = {}
-        self.verify: dict[int, float] = {}
+        self.verify: dict[tuple[int, int], float] = {}
 
     @staticmethod
-    def bucket(batch_size: int) -> int:
-        return batch_size.bit_length()
+    def key(batch_size: int, tokens: int) -> tuple[int, int]:
+        return batch_size.bit_length(), round(tokens / batch_size)
 
     def record(self, verify: bool, batch_size: int, tokens: int, seconds: float) -> None:
-        table = self.verify if verify else self.decode
-        per_unit = seconds / (tokens if verify else batch_size)
-        key = self.bucket(batch_size)
-        old = table.get(key)
-        table[key] = per_unit if old is None else COST_DECAY * old + (1 - COST_DECAY) * per_unit
+        per_request = seconds / batch_size
+        if verify:
+            _average(self.verify, self.key(batch_size, tokens), per_request)
+        else:
+            _average(self.decode, batch_size.bit_length(), per_request)
 
     def verify_pays(self, batch_size: int, drafted: int, expected_accepted: float) -> bool:
-        key = self.bucket(batch_size)
-        decode, verify = self.decode.get(key), self.verify.get(key)
+        decode = self.decode.get(batch_size.bit_length())
+        verify = self.verify.get(self.key(batch_size, batch_size + drafted))
         if decode is None or verify is None:
             return True  # try it, and measure
-        verify_rate = (batch_size + expected_accepted) / (verify * (batch_size + drafted))
-        return verify_rate > 1 / decode
+        # Tokens per second of each kind of step: (bs + accepted) / (bs * v) vs bs / (bs * d).
+        return (batch_size + expected_accepted) / verify > batch_size / decode
 
 
-class NgramDrafter:
+def _average(table: dict, key, value: float) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else COST_DECAY * old + (1 - COST_DECAY) * value
+
+
+class Drafter:
+    """What every proposer shares: draft lengths, backoff, step costs and figures."""
+
+    # Per request id, the distribution each draft was sampled from ([k, vocab]), for
+    # proposers that have one; None: drafts are verified by matching the target's samples.
+    draft_probs: dict | None = None
+
     def __init__(self, num_draft_tokens: int) -> None:
         self.num_draft_tokens = num_draft_tokens
         self.costs = StepCosts()
@@ -78,29 +90,32 @@ class NgramDrafter:
 
     def propose(self, reqs: list[Req], context_length: int) -> list[list[int]] | None:
         """Drafts per request for a verify step, or None when this step should decode."""
-        drafts = [self._propose_one(req, context_length) for req in reqs]
-        drafted = sum(len(d) for d in drafts)
-        if not drafted:
-            return None
-        expected = sum(req.draft.acceptance * len(d) for req, d in zip(reqs, drafts, strict=True))
-        if not self.costs.verify_pays(len(reqs), drafted, expected):
-            return None
-        return drafts
+        raise NotImplementedError
 
-    def _propose_one(self, req: Req, context_length: int) -> list[int]:
+    def rewind(self, req: Req, accepted: int) -> None:
+        """After verification: forget the drafts past the `accepted` first ones."""
+
+    def draft_length(self, req: Req, context_length: int) -> int:
+        """How many tokens `req` drafts this step: 0 while it backs off."""
         state = req.draft
         if state is None:
             state = req.draft = DraftState(length=self.num_draft_tokens)
         if state.pause:
             state.pause -= 1
-            return []
+            return 0
         # Drafts past the last token the request may emit would only be thrown away.
         room = min(
             req.params.max_new_tokens - len(req.output_ids) - 1,
             context_length - req.num_tokens - 1,
         )
-        k = min(state.length, room)
-        return state.index.propose(req.all_ids, k) if k > 0 else []
+        return max(0, min(state.length, room))
+
+    def worth_verifying(self, reqs: list[Req], drafts: list[list[int]]) -> bool:
+        drafted = sum(len(d) for d in drafts)
+        if not drafted:
+            return False
+        expected = sum(req.draft.acceptance * len(d) for req, d in zip(reqs, drafts, strict=True))
+        return self.costs.verify_pays(len(reqs), drafted, expected)
 
     def record(self, req: Req, drafted: int, accepted: int) -> None:
         """After verifying `req`'s `drafted` tokens, of which the first `accepted` held."""
@@ -129,6 +144,15 @@ class NgramDrafter:
 
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class NgramDrafter(Drafter):
+    def propose(self, reqs: list[Req], context_length: int) -> list[list[int]] | None:
+        drafts = []
+        for req in reqs:
+            k = self.draft_length(req, context_length)
+            drafts.append(req.draft.index.propose(req.all_ids, k) if k else [])
+        return drafts if self.worth_verifying(reqs, drafts) else None
 
 
 def speculative_usage(req: Req) -> dict[str, float]:

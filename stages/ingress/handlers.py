@@ -198,6 +198,9 @@ def _meta(delta: TextDelta | None, rid: str) -> dict[str, Any]:
             completion_tokens=finish.completion_tokens,
             cached_tokens=finish.cached_tokens,
         )
+        if finish.draft_tokens:
+            meta.update(draft_tokens=finish.draft_tokens,
+                        accepted_draft_tokens=finish.accepted_draft_tokens)  # fmt: skip
     return meta
 
 

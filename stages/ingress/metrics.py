@@ -46,6 +46,8 @@ class Metrics:
         self.in_flight = 0
         self.prompt_tokens = 0
         self.generated_tokens = 0
+        self.draft_tokens = 0
+        self.accepted_draft_tokens = 0
         self.ttft = Histogram(TTFT_BUCKETS_S)
         self.itl = Histogram(ITL_BUCKETS_S)
         self.live_workers = 0
@@ -68,6 +70,19 @@ class Metrics:
             ("requests_in_flight", "gauge", self.in_flight, "HTTP requests being handled."),
             ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens processed."),
             ("generation_tokens_total", "counter", self.generated_tokens, "Tokens generated."),
+            (
+                "draft_tokens_total",
+                "counter",
+                self.draft_tokens,
+                "Speculative draft tokens verified, of finished requests.",
+            ),
+            (
+                "accepted_draft_tokens_total",
+                "counter",
+                self.accepted_draft_tokens,
+                "Speculative draft tokens accepted (their ratio to draft_tokens_total is the "
+                "acceptance rate).",
+            ),
             ("live_workers", "gauge", self.live_workers, "Workers with a live heartbeat."),
         ):
             lines += [

@@ -72,12 +72,21 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
     firsts = [c.finish for c in choices if c.finish is not None and c.index % n == 0]
     prompt = sum(f.prompt_tokens for f in firsts)
     completion = sum(f.completion_tokens for f in finishes)
-    return {
+    result: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)},
     }
+    drafted = sum(f.draft_tokens for f in finishes)
+    if drafted:
+        # Speculative drafts, in the fields OpenAI gives its predicted outputs.
+        accepted = sum(f.accepted_draft_tokens for f in finishes)
+        result["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
+    return result
 
 
 class ChatFormat:

@@ -122,3 +122,5 @@ class Submission:
         finish = delta.finish_info()
         if finish is not None:
             metrics.prompt_tokens += finish.prompt_tokens
+            metrics.draft_tokens += finish.draft_tokens
+            metrics.accepted_draft_tokens += finish.accepted_draft_tokens
