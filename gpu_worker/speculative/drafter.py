@@ -24,6 +24,9 @@ MAX_BACKOFF_STEPS = 64
 # A request's acceptance rate before it has verified anything, and how fast it follows.
 PRIOR_ACCEPTANCE = 0.5
 ACCEPTANCE_DECAY = 0.7
+# A draft the cost model turned down is not verified, so nothing would ever raise its
+# request's estimate again: each turned-down step moves it back toward the prior.
+ACCEPTANCE_RECOVERY = 0.05
 COST_DECAY = 0.8
 
 
@@ -115,7 +118,12 @@ class Drafter:
         if not drafted:
             return False
         expected = sum(req.draft.acceptance * len(d) for req, d in zip(reqs, drafts, strict=True))
-        return self.costs.verify_pays(len(reqs), drafted, expected)
+        if self.costs.verify_pays(len(reqs), drafted, expected):
+            return True
+        for req, d in zip(reqs, drafts, strict=True):
+            if d and req.draft.acceptance < PRIOR_ACCEPTANCE:
+                req.draft.acceptance += ACCEPTANCE_RECOVERY
+        return False
 
     def record(self, req: Req, drafted: int, accepted: int) -> None:
         """After verifying `req`'s `drafted` tokens, of which the first `accepted` held."""
@@ -133,7 +141,7 @@ class Drafter:
             ACCEPTANCE_DECAY * state.acceptance + (1 - ACCEPTANCE_DECAY) * accepted / drafted
         )
         if accepted == drafted:
-            state.length = min(self.num_draft_tokens, state.length + 1)
+            state.length = min(self.num_draft_tokens, 2 * state.length)
         else:
             state.length = max(1, accepted + 1)
         if accepted:
