@@ -30,9 +30,9 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
 import redis
-import redis.asyncio as aredis
 
 from bus.aborts import publish_abort, publish_abort_async
+from bus.async_pool import async_redis
 from bus.config import REDIS_URL_ENV, BusConfig
 from bus.protocol import ENTRY_FIELD, MAX_TOKEN_ID, ErrorReply, GenerateRequest, encode
 from bus.replies import AsyncReplyReader, Reply, ReplyReader
@@ -290,9 +290,7 @@ class AsyncClient:
 
     def __init__(self, redis_url: str | None = None, config: BusConfig | None = None) -> None:
         self.config = resolve_config(redis_url, config)
-        self.redis = aredis.Redis.from_url(
-            self.config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S
-        )
+        self.redis = async_redis(self.config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
         self.reply_stream = self.config.reply_stream(f"client-{uuid.uuid4().hex}")
         self.replies = AsyncReplyReader(self.redis, self.reply_stream)
         self._queues: dict[str, asyncio.Queue[Reply | None]] = {}

@@ -18,10 +18,10 @@ import signal
 from collections.abc import AsyncIterator, Sequence
 
 import redis
-import redis.asyncio as aredis
 from aiohttp import web
 
 from bus.actor import unique_consumer_name
+from bus.async_pool import async_redis
 from bus.config import BusConfig
 from bus.replies import AsyncReplyReader
 from stages.ingress import handlers
@@ -56,7 +56,7 @@ def create_app(
     if config.redis_url is None:
         raise ValueError("the ingress needs a Redis URL: give --redis-url or set REDIS_URL")
     frontend_id = frontend_id or unique_consumer_name("ingress")
-    client = aredis.Redis.from_url(
+    client = async_redis(
         config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=SOCKET_TIMEOUT_S
     )
     state = IngressState(
