@@ -12,7 +12,6 @@ output length (end-of-sequence ignored), greedy. Run on an otherwise idle machin
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -151,10 +150,7 @@ def main() -> None:
             **figures,
         }
         rows.append(row)
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with args.out.open("a") as handle:
-                handle.write(json.dumps(row) + "\n")
+        emit(row, args.out)
 
     if "engine" in systems:
         engine = Engine(args.model, dtype=args.dtype)

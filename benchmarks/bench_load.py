@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from resumable_stream import StreamResult, stream_completion  # noqa: E402
 
+from benchmarks.jsonl import emit  # noqa: E402
 from stages.bench import percentile  # noqa: E402
 from tests.pipeline_harness import Pipeline  # noqa: E402
 
@@ -114,11 +114,7 @@ def main() -> None:
             )
     row = {"benchmark": "load", "clients": args.clients, "max_tokens": args.max_tokens,
            "model": args.model, **summarize(results, elapsed)}  # fmt: skip
-    line = json.dumps(row)
-    print(line, flush=True)
-    if args.out:
-        with args.out.open("a") as handle:
-            handle.write(line + "\n")
+    emit(row, args.out)
 
 
 if __name__ == "__main__":

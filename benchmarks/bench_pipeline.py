@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import signal
 import socket
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_engine import print_table, run_engine  # noqa: E402
 
+from benchmarks.jsonl import emit  # noqa: E402
 from bus.embedded_server import EmbeddedRedis  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
 from gpu_worker.config import EngineConfig  # noqa: E402
@@ -122,11 +122,7 @@ def main() -> None:
         rows.append(row)
     for row in rows:
         row.update(model=args.model, dtype=args.dtype, cpus=os.cpu_count())
-        line = json.dumps(row)
-        print(line, flush=True)
-        if args.out:
-            with args.out.open("a") as handle:
-                handle.write(line + "\n")
+        emit(row, args.out)
     print_table(rows)
 
 

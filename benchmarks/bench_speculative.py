@@ -14,13 +14,13 @@ line per (workload, system). Run on an otherwise idle machine.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.jsonl import emit  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
 from gpu_worker.config import EngineConfig  # noqa: E402
 from stages.workloads import COPY_MAX_NEW_TOKENS, copy_messages, make_workload  # noqa: E402
@@ -97,11 +97,7 @@ def main() -> None:
                 # Per request and verify step: the accepted drafts plus the target's token.
                 steps = drafter.verify_steps - before[2]
                 row["tokens_per_verify"] = round((accepted + steps) / steps, 3) if steps else None
-            line = json.dumps(row)
-            print(line, flush=True)
-            if args.out:
-                with args.out.open("a") as out:
-                    out.write(line + "\n")
+            emit(row, args.out)
 
 
 if __name__ == "__main__":

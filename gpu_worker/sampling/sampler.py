@@ -196,10 +196,10 @@ def _column(values: list, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None, default: torch.Generator) -> int:
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token from the distribution `probs` ([vocab], need not sum to 1), by inverse CDF
-    with one uniform from the request's generator (else the default one)."""
+    with one uniform from `generator` (on cpu)."""
     cdf = probs.float().cumsum(dim=0)
-    u = torch.rand(1, generator=generator or default).to(probs.device)
+    u = torch.rand(1, generator=generator).to(probs.device)
     choice = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
     return min(choice, int((probs > 0).nonzero()[-1]))

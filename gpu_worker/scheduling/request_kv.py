@@ -85,6 +85,19 @@ class RequestKV:
             self.req_to_token_pool.req_to_token[rows, positions] = slots
         return slots
 
+    def alloc_extend_all(self, reqs: list, num_new: list[int]) -> torch.Tensor | None:
+        """`alloc_extend` for each request in turn, all or none: on a shortfall, what was
+        allocated for the earlier ones goes back."""
+        locs: list[torch.Tensor] = []
+        for req, n in zip(reqs, num_new, strict=True):
+            slots = self.alloc_extend(req, n)
+            if slots is None:
+                for done, done_n in zip(reqs, num_new[: len(locs)], strict=False):
+                    self.free_beyond(done, done.kv_len + done_n)
+                return None
+            locs.append(slots)
+        return torch.cat(locs)
+
     def free_beyond(self, req: Req, allocated_end: int) -> None:
         """Give back the slots allocated for positions kv_len .. allocated_end - 1 (drafts
         that were rejected): the whole pages past kv_len's page. A partly used last page

@@ -28,21 +28,15 @@ class ScheduleBatch:
                 for req in self.reqs
             ]
             positions = torch.tensor(self.prefix_lens, dtype=torch.int64)
-        elif self.mode == ForwardMode.TARGET_VERIFY:
-            assert self.draft_ids is not None
-            input_ids = []
-            for req, drafts in zip(self.reqs, self.draft_ids, strict=True):
-                input_ids += [(req.output_ids or req.origin_input_ids)[-1], *drafts]
-            positions = torch.cat(
-                [
-                    torch.arange(p, p + e, dtype=torch.int64)
-                    for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)
-                ]
-            )
         else:
             input_ids = []
-            for req, start, end in zip(self.reqs, self.prefix_lens, seq_lens, strict=True):
-                input_ids.extend(_slice_ids(req, start, end))
+            if self.mode == ForwardMode.TARGET_VERIFY:
+                assert self.draft_ids is not None
+                for req, drafts in zip(self.reqs, self.draft_ids, strict=True):
+                    input_ids += [(req.output_ids or req.origin_input_ids)[-1], *drafts]
+            else:
+                for req, start, end in zip(self.reqs, self.prefix_lens, seq_lens, strict=True):
+                    input_ids.extend(_slice_ids(req, start, end))
             positions = torch.cat(
                 [
                     torch.arange(p, s, dtype=torch.int64)

@@ -209,22 +209,17 @@ class Scheduler:
             return None
         reqs = list(self.running)
         extend_lens = [1 + len(d) for d in drafts]
-        locs: list[torch.Tensor] = []
-        for req, num_new in zip(reqs, extend_lens, strict=True):
-            slots = self.kv.alloc_extend(req, num_new)
-            if slots is None:  # the decode step retracts if even one slot each is too many
-                for done, done_new in zip(reqs, extend_lens[: len(locs)], strict=False):
-                    self.kv.free_beyond(done, done.kv_len + done_new)
-                for req in reqs:
-                    self.drafter.rewind(req, 0)
-                return None
-            locs.append(slots)
+        slots = self.kv.alloc_extend_all(reqs, extend_lens)
+        if slots is None:  # the decode step retracts if even one slot each is too many
+            for req in reqs:
+                self.drafter.rewind(req, 0)
+            return None
         return ScheduleBatch(
             ForwardMode.TARGET_VERIFY,
             reqs,
             [req.kv_len for req in reqs],
             extend_lens,
-            torch.cat(locs),
+            slots,
             draft_ids=drafts,
         )
 
@@ -285,14 +280,13 @@ class Scheduler:
         if draft_probs is None:
             emitted = verify.by_match(self._sample(logits, row_reqs, row_outputs), batch.draft_ids)
         else:
-            default = self.default_generator
             emitted = verify.by_rejection(
                 logits,
                 self._sampling_batch(row_reqs, row_outputs, logits.device),
                 batch.draft_ids,
                 [draft_probs.get(req.rid) for req in batch.reqs],
-                [verify.uniform_from(req.generator, default) for req in batch.reqs],
-                [verify.drawer_from(req.generator, default) for req in batch.reqs],
+                [req.generator for req in batch.reqs],
+                self.default_generator,
             )
         for req, drafts, prefix_len, tokens in zip(
             batch.reqs, batch.draft_ids, batch.prefix_lens, emitted, strict=True

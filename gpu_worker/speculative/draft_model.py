@@ -155,16 +155,10 @@ class DraftModelDrafter(Drafter):
                 self.draft_probs[seq.target.rid] = torch.stack(q)
 
     def _batch(self, mode: ForwardMode, seqs: list[DraftSeq], lens: list[int]):
-        prefix_lens = [s.kv_len for s in seqs]
-        locs = []
-        for seq, n in zip(seqs, lens, strict=True):
-            slots = self.kv.alloc_extend(seq, n)
-            if slots is None:  # no draft KV room: no drafts this step
-                for done, done_n in zip(seqs, lens[: len(locs)], strict=False):
-                    self.kv.free_beyond(done, done.kv_len + done_n)
-                return None
-            locs.append(slots)
-        return ScheduleBatch(mode, seqs, prefix_lens, lens, torch.cat(locs))
+        slots = self.kv.alloc_extend_all(seqs, lens)
+        if slots is None:  # no draft KV room: no drafts this step
+            return None
+        return ScheduleBatch(mode, seqs, [s.kv_len for s in seqs], lens, slots)
 
     def _sample_into(self, batch: ScheduleBatch, seqs: list[DraftSeq], probs) -> None:
         logits = self.runner.forward(batch.to_forward_batch(self.runner.device))

@@ -17,8 +17,6 @@ output is that of plain decoding, and sampled output has its distribution.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from gpu_worker.sampling.logprobs import TopLogprobs, gather_logprobs
@@ -48,8 +46,8 @@ def by_rejection(
     sampling: SamplingBatch,  # of those rows
     drafts: list[list[int]],
     draft_probs: list[torch.Tensor | None],  # per request, [len(drafts), vocab]
-    uniform: list[Callable[[], float]],  # per request: its next uniform draw
-    draw_token: list[Callable[[torch.Tensor], int]],  # per request: a token from probs
+    generators: list[torch.Generator | None],  # per request; None: `default`
+    default: torch.Generator,
 ) -> list[Emitted]:
     p = sampling_probs(logits, sampling)
     chosen = p.argmax(dim=-1)  # rows past a request's last emitted token keep this
@@ -58,17 +56,18 @@ def by_rejection(
     for i, request_drafts in enumerate(drafts):
         tokens: list[int] = []
         q = draft_probs[i]
+        generator = generators[i] or default
         for j, token in enumerate(request_drafts):
             assert q is not None
             target, proposal = float(p[row + j, token]), float(q[j, token])
-            if proposal > 0 and uniform[i]() < min(1.0, target / proposal):
+            if proposal > 0 and float(torch.rand(1, generator=generator)) < target / proposal:
                 tokens.append(token)
                 continue
             residual = (p[row + j] - q[j]).clamp_(min=0)
-            tokens.append(draw_token[i](residual if residual.sum() > 0 else p[row + j]))
+            tokens.append(draw(residual if residual.sum() > 0 else p[row + j], generator))
             break
         else:
-            tokens.append(draw_token[i](p[row + len(request_drafts)]))
+            tokens.append(draw(p[row + len(request_drafts)], generator))
         for j, token in enumerate(tokens):
             chosen[row + j] = token
         tokens_per_request.append(tokens)
@@ -82,11 +81,3 @@ def by_rejection(
         emitted.append([(t, logprobs[row + j], top[row + j]) for j, t in enumerate(tokens)])
         row += len(request_drafts) + 1
     return emitted
-
-
-def uniform_from(generator: torch.Generator | None, default: torch.Generator):
-    return lambda: float(torch.rand(1, generator=generator or default))
-
-
-def drawer_from(generator: torch.Generator | None, default: torch.Generator):
-    return lambda probs: draw(probs, generator, default)
