@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.jsonl import emit as write_line  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
 from gpu_worker.config import EngineConfig  # noqa: E402
 from stages.workloads import WORKLOADS, Workload, make_workload  # noqa: E402
@@ -150,7 +151,7 @@ def main() -> None:
             **figures,
         }
         rows.append(row)
-        emit(row, args.out)
+        write_line(row, args.out)
 
     if "engine" in systems:
         engine = Engine(args.model, dtype=args.dtype)
