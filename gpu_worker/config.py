@@ -26,7 +26,11 @@ class EngineConfig:
     # bfloat16 matmuls (no AVX512-BF16 or AMX), where bfloat16 prefill runs ~80x slower than
     # float32 and float32 is served instead. "float32" for exact comparisons.
     dtype: str = "auto"
+    # "auto": cpu_kernel on CPU when the CPU kernels are built, else torch_native.
     attention_backend: str = "auto"
+    # On CPU, decode attention and few-row matmuls run in C kernels built with the system
+    # compiler (gpu_worker/kernels); False keeps every op on PyTorch's own kernels.
+    cpu_kernels: bool = True
     # KV slots per page; the prefix cache matches and evicts whole pages.
     page_size: int = 1
     max_running_requests: int = 256
@@ -89,6 +93,8 @@ class EngineConfig:
             raise ValueError(
                 "draft_model names the draft model of speculative='draft', and only of it"
             )
+        if not isinstance(self.cpu_kernels, bool):
+            raise ValueError(f"cpu_kernels must be true or false, got {self.cpu_kernels!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 

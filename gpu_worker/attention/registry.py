@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from gpu_worker.attention.base import AttentionBackend
+from gpu_worker.kernels.cpu_kernels import CpuKernels
 from gpu_worker.memory.kv_pool import TokenToKVPool
 from gpu_worker.memory.req_to_token_pool import ReqToTokenPool
 
@@ -17,17 +18,26 @@ logger = logging.getLogger(__name__)
 # name -> "module:class"; every backend takes (req_to_token_pool, kv_pool).
 _BACKENDS: dict[str, str] = {
     "torch_native": "gpu_worker.attention.torch_native:TorchNativeAttnBackend",
+    "cpu_kernel": "gpu_worker.attention.cpu_kernel:CpuKernelAttnBackend",
 }
+# Backends that take the CPU kernels as a third argument.
+_NEEDS_CPU_KERNELS = {"cpu_kernel"}
 
 
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """Turn "auto" into a concrete backend for the device; reject unknown names."""
+def resolve_backend_name(name: str, device: torch.device, cpu_kernels: bool) -> str:
+    """Turn "auto" into a concrete backend for the device; reject unknown names and
+    backends this device cannot run."""
     if name == "auto":
-        return "torch_native"
+        return "cpu_kernel" if device.type == "cpu" and cpu_kernels else "torch_native"
+    if name in _NEEDS_CPU_KERNELS and not (device.type == "cpu" and cpu_kernels):
+        raise ValueError(
+            f"attention_backend {name!r} needs the CPU kernels on a CPU device; they are off "
+            "or could not be built here (see the log), or the device is not a CPU"
+        )
     if name not in _BACKENDS:
         raise ValueError(
             f"attention_backend {name!r} is not known; choose one of "
@@ -37,10 +47,15 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 
 def create_attention_backend(
-    name: str, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool
+    name: str,
+    req_to_token_pool: ReqToTokenPool,
+    kv_pool: TokenToKVPool,
+    cpu_kernels: CpuKernels | None = None,
 ) -> AttentionBackend:
     module_name, class_name = _BACKENDS[name].split(":")
     factory: Callable[..., AttentionBackend] = getattr(
         importlib.import_module(module_name), class_name
     )
+    if name in _NEEDS_CPU_KERNELS:
+        return factory(req_to_token_pool, kv_pool, cpu_kernels)
     return factory(req_to_token_pool, kv_pool)

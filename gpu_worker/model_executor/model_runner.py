@@ -13,6 +13,7 @@ import torch
 
 from gpu_worker.attention.registry import create_attention_backend, resolve_backend_name
 from gpu_worker.config import EngineConfig
+from gpu_worker.kernels.cpu_kernels import load as load_cpu_kernels
 from gpu_worker.memory.allocator import PagedTokenAllocator
 from gpu_worker.memory.kv_pool import TokenToKVPool
 from gpu_worker.memory.req_to_token_pool import ReqToTokenPool
@@ -20,6 +21,7 @@ from gpu_worker.model_executor.cpu_malloc import keep_freed_memory_in_heap
 from gpu_worker.model_executor.forward_batch import ForwardBatch, ForwardMode
 from gpu_worker.model_executor.forward_context import ForwardContext, forward_context
 from gpu_worker.model_executor.hooks import ForwardHooks
+from gpu_worker.models.linear import attach_cpu_kernels
 from gpu_worker.models.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -58,18 +60,26 @@ class ModelRunner:
             self.device,
         )
         self.allocator = PagedTokenAllocator(self.max_total_tokens, self.page_size, self.device)
-        backend_name = resolve_backend_name(config.attention_backend, self.device)
+        # None on GPUs, when turned off, or where no C compiler builds them (one warning).
+        self.cpu_kernels = (
+            load_cpu_kernels() if self.device.type == "cpu" and config.cpu_kernels else None
+        )
+        attach_cpu_kernels(self.model, self.cpu_kernels)
+        backend_name = resolve_backend_name(
+            config.attention_backend, self.device, self.cpu_kernels is not None
+        )
         self.attn_backend = create_attention_backend(
-            backend_name, self.req_to_token_pool, self.kv_pool
+            backend_name, self.req_to_token_pool, self.kv_pool, self.cpu_kernels
         )
         logger.info(
-            "model %s on %s/%s: KV pool %d tokens (page %d), attention %s",
+            "model %s on %s/%s: KV pool %d tokens (page %d), attention %s, CPU kernels %s",
             self.model_source,
             self.device,
             self.dtype,
             self.max_total_tokens,
             self.page_size,
             backend_name,
+            "on" if self.cpu_kernels is not None else "off",
         )
 
     def _kv_pool_tokens(self) -> int:

@@ -15,6 +15,7 @@ from torch import nn
 
 from gpu_worker.attention.layer import PagedAttention
 from gpu_worker.models.config import ModelConfig
+from gpu_worker.models.linear import Linear
 from gpu_worker.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -40,7 +41,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size,
             self.q_size + 2 * self.kv_size,
             bias=config.attention_bias,
@@ -48,7 +49,7 @@ class LlamaAttention(nn.Module):
         )
         # transformers' Llama puts attention_bias on o_proj too; Qwen2 does not.
         o_bias = config.attention_bias and config.architecture == "LlamaForCausalLM"
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
         self.attn = PagedAttention(
             layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
         )
@@ -67,10 +68,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype
         )
-        self.down_proj = nn.Linear(
+        self.down_proj = Linear(
             config.intermediate_size, config.hidden_size, bias=False, dtype=dtype
         )
 
@@ -127,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.tie_weights()
 
     @classmethod
@@ -154,7 +155,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32 (the matmul runs in the model dtype, as in HF)."""
         hooked = self.lm_head._forward_hooks or self.lm_head._forward_pre_hooks
-        if hidden.device.type == "cpu" and hidden.shape[0] > 1 and not hooked:
+        kernels = self.lm_head.cpu_kernels is not None  # few rows or a packed weight
+        if hidden.device.type == "cpu" and hidden.shape[0] > 1 and not hooked and not kernels:
             # MKL's GEMM for a few rows against a vocabulary-wide weight runs 2-4x slower
             # than the same product with the operands swapped (49152 x 576 fp32: 40 ms
             # against 12 ms at 5 rows, 86 against 40 at 64); this is every verify step and

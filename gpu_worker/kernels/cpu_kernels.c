@@ -1,0 +1,355 @@
+/* CPU kernels for the two places where a decode step on CPU is memory-bound and PyTorch's
+ * generic ops move the bytes more than once (built and loaded by cpu_kernels.py).
+ *
+ * - paged_decode_attention: one new query per request against its keys in the paged KV
+ *   pool, reading each cached K and V row once, straight from the pool. The torch path
+ *   gathers them into a padded copy first and then reads the copy: three passes over the
+ *   bytes instead of one.
+ * - linear_small_m: y = x W^T (+ b) for a few rows of x. Decoding one or a few tokens
+ *   streams the whole weight from memory for a handful of multiply-adds per element;
+ *   oneDNN's bf16 GEMV reached 8-13 GB/s of this host's ~28 GB/s read bandwidth, while a
+ *   loop that loads each weight row once and FMAs it into every row of x keeps up with it.
+ *
+ * Both take raw pointers with explicit strides and a dtype code per operand, accumulate in
+ * float32, and write float32 or bfloat16 (rounded to nearest even, as torch's .to() does).
+ * Threads come from OpenMP: the .so links libgomp.so.1 by soname, so in a process where
+ * torch has loaded its own libgomp this resolves to the same runtime and thread pool.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* n elements starting at element `offset` of `base`, as float32 (auto-vectorized). */
+static inline void load_f32(const void *base, int dtype, int64_t offset, int64_t n, float *dst) {
+    if (dtype == DT_F32) {
+        memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
+    } else {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    }
+}
+
+static inline void store_f32(void *base, int dtype, int64_t offset, int64_t n, const float *src) {
+    if (dtype == DT_F32) {
+        memcpy((float *)base + offset, src, (size_t)n * sizeof(float));
+    } else {
+        uint16_t *dst = (uint16_t *)base + offset;
+        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    }
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    float sum = 0.f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    /* A tree reduction at the end: `omp simd reduction` compiled to 16 serial adds here. */
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* ---- paged decode attention ------------------------------------------------------------ */
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 16
+
+#if defined(__AVX512F__)
+/* 16 elements from element `offset` of `base` as float32. */
+static inline __m512 load16(const void *base, int dtype, int64_t offset) {
+    if (dtype == DT_F32) return _mm512_loadu_ps((const float *)base + offset);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+/* exp(x) for x <= 0 (scores minus their max): 2^n * e^r with n = round(x / ln 2) and
+ * |r| <= ln(2) / 2, e^r by its Taylor series to degree 7 (truncation < 6e-9, below float32's
+ * rounding). libm's expf is scalar: on a decode step it cost more than reading the keys. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f)); /* exp(-87) is 0 to float32 softmax */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147182f), x);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* s[0..n) = exp(s - m) in place; returns their sum. */
+static inline float exp_shifted_sum(float *s, int64_t n, float m) {
+    float sum = 0.f;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    __m512 total = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(m)));
+        _mm512_storeu_ps(s + j, e);
+        total = _mm512_add_ps(total, e);
+    }
+    sum = _mm512_reduce_add_ps(total);
+#endif
+    for (; j < n; j++) {
+        s[j] = expf(s[j] - m);
+        sum += s[j];
+    }
+    return sum;
+}
+
+/* Slots are indirect, so the hardware prefetcher cannot follow them: ask for rows ahead. */
+#define PREFETCH_ROWS 8
+static inline void prefetch_row(const void *base, int dtype, int64_t offset, int64_t bytes) {
+    const char *p = (const char *)base + offset * (dtype == DT_F32 ? 4 : 2);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
+/* Work item (request b, kv head, key chunk c) -> partial softmax state per query head of the
+ * group: max score m, sum of exp l, and acc = sum_j exp(s_j - m) v_j, combined afterwards
+ * (split-K, as flash-decoding does, so one long request still uses every thread). */
+int paged_decode_attention(
+    const void *q, int q_dtype,                /* [bs, num_heads, head_dim] contiguous */
+    const void *k_cache, const void *v_cache, int kv_dtype,
+    int64_t kv_head_stride, int64_t kv_slot_stride, /* elements; head_dim is contiguous */
+    const int64_t *req_to_token, int64_t table_stride,
+    const int64_t *req_pool_indices, const int64_t *seq_lens, /* [bs] */
+    int64_t bs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+    int64_t chunk, void *out, int out_dtype) /* out: [bs, num_heads, head_dim] contiguous */
+{
+    const int64_t group = num_heads / num_kv_heads;
+    if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || chunk < 1) return -1;
+    int64_t *first_chunk = malloc((size_t)(bs + 1) * sizeof(int64_t));
+    if (!first_chunk) return -2;
+    first_chunk[0] = 0;
+    for (int64_t b = 0; b < bs; b++)
+        first_chunk[b + 1] = first_chunk[b] + (seq_lens[b] + chunk - 1) / chunk;
+    const int64_t num_chunks = first_chunk[bs];
+    const int64_t state = head_dim + 2; /* m, l, acc[head_dim] */
+    float *partial = malloc((size_t)(num_chunks * num_heads * state) * sizeof(float));
+    if (!partial) {
+        free(first_chunk);
+        return -2;
+    }
+
+#pragma omp parallel
+    {
+        float qf[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
+        float *scores = malloc((size_t)(group * chunk) * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_chunks * num_kv_heads; item++) {
+            const int64_t global_chunk = item / num_kv_heads, kvh = item % num_kv_heads;
+            int64_t lo = 0, hi = bs; /* the request whose chunks include global_chunk */
+            while (hi - lo > 1) {
+                const int64_t mid = (lo + hi) / 2;
+                if (first_chunk[mid] <= global_chunk) lo = mid; else hi = mid;
+            }
+            const int64_t b = lo;
+            const int64_t start = (global_chunk - first_chunk[b]) * chunk;
+            const int64_t stop = start + chunk < seq_lens[b] ? start + chunk : seq_lens[b];
+            const int64_t n = stop - start;
+            const int64_t *slots = req_to_token + req_pool_indices[b] * table_stride + start;
+            const int64_t head0 = kvh * group;
+            const void *k_head = (const char *)k_cache + kvh * kv_head_stride * (kv_dtype == DT_F32 ? 4 : 2);
+            const void *v_head = (const char *)v_cache + kvh * kv_head_stride * (kv_dtype == DT_F32 ? 4 : 2);
+            for (int64_t g = 0; g < group; g++) {
+                load_f32(q, q_dtype, (b * num_heads + head0 + g) * head_dim, head_dim, qf[g]);
+                for (int64_t d = 0; d < head_dim; d++) qf[g][d] *= scale;
+                memset(acc[g], 0, (size_t)head_dim * sizeof(float));
+            }
+            /* scores[g][j] = q_g . k_j */
+            const int64_t row_bytes = head_dim * (kv_dtype == DT_F32 ? 4 : 2);
+            for (int64_t j = 0; j < n; j++) {
+                if (j + PREFETCH_ROWS < n) prefetch_row(k_head, kv_dtype, slots[j + PREFETCH_ROWS] * kv_slot_stride, row_bytes);
+#if defined(__AVX512F__)
+                if (head_dim % 16 == 0) {
+                    /* Registers, not a row buffer: the group's dot products are independent
+                     * chains the core overlaps, ending in one tree reduction each. */
+                    __m512 dots[MAX_GROUP];
+                    for (int64_t g = 0; g < group; g++) dots[g] = _mm512_setzero_ps();
+                    for (int64_t d = 0; d < head_dim; d += 16) {
+                        const __m512 kv = load16(k_head, kv_dtype, slots[j] * kv_slot_stride + d);
+                        for (int64_t g = 0; g < group; g++)
+                            dots[g] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(qf[g] + d), dots[g]);
+                    }
+                    for (int64_t g = 0; g < group; g++) scores[g * chunk + j] = _mm512_reduce_add_ps(dots[g]);
+                    continue;
+                }
+#endif
+                load_f32(k_head, kv_dtype, slots[j] * kv_slot_stride, head_dim, row);
+                for (int64_t g = 0; g < group; g++) scores[g * chunk + j] = dot_f32(qf[g], row, head_dim);
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *s = scores + g * chunk, m = -INFINITY;
+                for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+                float *st = partial + ((global_chunk * num_heads) + head0 + g) * state;
+                st[0] = m;
+                st[1] = exp_shifted_sum(s, n, m);
+            }
+            /* acc[g] = sum_j p[g][j] v_j, in L1-resident accumulators */
+            for (int64_t j = 0; j < n; j++) {
+                if (j + PREFETCH_ROWS < n) prefetch_row(v_head, kv_dtype, slots[j + PREFETCH_ROWS] * kv_slot_stride, row_bytes);
+#if defined(__AVX512F__)
+                if (head_dim % 16 == 0) {
+                    for (int64_t d = 0; d < head_dim; d += 16) {
+                        const __m512 vv = load16(v_head, kv_dtype, slots[j] * kv_slot_stride + d);
+                        for (int64_t g = 0; g < group; g++)
+                            _mm512_storeu_ps(acc[g] + d, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * chunk + j]), vv, _mm512_loadu_ps(acc[g] + d)));
+                    }
+                    continue;
+                }
+#endif
+                load_f32(v_head, kv_dtype, slots[j] * kv_slot_stride, head_dim, row);
+                for (int64_t g = 0; g < group; g++) {
+                    const float p = scores[g * chunk + j];
+                    float *a = acc[g];
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * row[d];
+                }
+            }
+            for (int64_t g = 0; g < group; g++)
+                memcpy(partial + ((global_chunk * num_heads) + head0 + g) * state + 2, acc[g],
+                       (size_t)head_dim * sizeof(float));
+        }
+        free(scores);
+
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < bs * num_heads; bh++) {
+            const int64_t b = bh / num_heads, h = bh % num_heads;
+            float m = -INFINITY, l = 0.f;
+            for (int64_t c = first_chunk[b]; c < first_chunk[b + 1]; c++)
+                m = partial[(c * num_heads + h) * state] > m ? partial[(c * num_heads + h) * state] : m;
+            for (int64_t d = 0; d < head_dim; d++) row[d] = 0.f;
+            for (int64_t c = first_chunk[b]; c < first_chunk[b + 1]; c++) {
+                const float *st = partial + (c * num_heads + h) * state;
+                const float w = expf(st[0] - m);
+                l += st[1] * w;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) row[d] += w * st[2 + d];
+            }
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            for (int64_t d = 0; d < head_dim; d++) row[d] *= inv;
+            store_f32(out, out_dtype, bh * head_dim, head_dim, row);
+        }
+    }
+    free(partial);
+    free(first_chunk);
+    return 0;
+}
+
+/* ---- small-M linear --------------------------------------------------------------------- */
+
+#define MAX_SMALL_M 8
+
+/* Dot products of one weight row (K elements of dtype w_dtype) with M rows of xf. */
+static inline __attribute__((always_inline)) void row_dots(
+    const void *w, int w_dtype, int64_t n, int64_t K, const float *xf, const int M, float *dots)
+{
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    __m512 acc[MAX_SMALL_M][2];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    if (w_dtype == DT_BF16) {
+        const uint16_t *wr = (const uint16_t *)w + n * K;
+        for (; k + 32 <= K; k += 32) {
+            const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wr + k))), 16));
+            const __m512 w1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wr + k + 16))), 16));
+            for (int m = 0; m < M; m++) {
+                acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xf + m * K + k), acc[m][0]);
+                acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xf + m * K + k + 16), acc[m][1]);
+            }
+        }
+    } else {
+        const float *wr = (const float *)w + n * K;
+        for (; k + 32 <= K; k += 32) {
+            const __m512 w0 = _mm512_loadu_ps(wr + k), w1 = _mm512_loadu_ps(wr + k + 16);
+            for (int m = 0; m < M; m++) {
+                acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xf + m * K + k), acc[m][0]);
+                acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xf + m * K + k + 16), acc[m][1]);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) dots[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+#else
+    for (int m = 0; m < M; m++) dots[m] = 0.f;
+#endif
+    if (k < K) { /* the tail, or everything without AVX-512 (auto-vectorized) */
+        float wf[K - k];
+        load_f32(w, w_dtype, n * K + k, K - k, wf);
+        for (int m = 0; m < M; m++) dots[m] += dot_f32(wf, xf + m * K + k, K - k);
+    }
+}
+
+#define ROWS(M_)                                                                          \
+    _Pragma("omp parallel for schedule(static)")                                          \
+    for (int64_t n = 0; n < N; n++) {                                                     \
+        float dots[MAX_SMALL_M];                                                          \
+        row_dots(w, w_dtype, n, K, xf, M_, dots);                                         \
+        const float b = bias ? (bias_dtype == DT_F32 ? ((const float *)bias)[n]           \
+                                                     : bf16_to_f32(((const uint16_t *)bias)[n])) \
+                             : 0.f;                                                       \
+        for (int m = 0; m < M_; m++) yf[m * N + n] = dots[m] + b;                         \
+    }
+
+/* y[M, N] = x[M, K] @ w[N, K]^T + bias[N]; all contiguous; 1 <= M <= MAX_SMALL_M. */
+int linear_small_m(const void *x, int x_dtype, int64_t M, int64_t K,
+                   const void *w, int w_dtype, int64_t N,
+                   const void *bias, int bias_dtype, void *y, int y_dtype)
+{
+    if (M < 1 || M > MAX_SMALL_M) return -1;
+    float *xf = malloc((size_t)(M * K) * sizeof(float));
+    float *yf = y_dtype == DT_F32 ? (float *)y : malloc((size_t)(M * N) * sizeof(float));
+    if (!xf || !yf) {
+        free(xf);
+        if (yf != y) free(yf);
+        return -2;
+    }
+    load_f32(x, x_dtype, 0, M * K, xf);
+    switch (M) { /* a constant M per case lets the compiler keep acc[][] in registers */
+        case 1: ROWS(1) break;
+        case 2: ROWS(2) break;
+        case 3: ROWS(3) break;
+        case 4: ROWS(4) break;
+        case 5: ROWS(5) break;
+        case 6: ROWS(6) break;
+        case 7: ROWS(7) break;
+        default: ROWS(8) break;
+    }
+    if (y_dtype != DT_F32) {
+#pragma omp parallel for schedule(static)
+        for (int64_t m = 0; m < M; m++) store_f32(y, y_dtype, m * N, N, yf + m * N);
+        free(yf);
+    }
+    free(xf);
+    return 0;
+}

@@ -1,0 +1,156 @@
+"""The CPU kernels of cpu_kernels.c: built once per machine with the system C compiler,
+cached, and called through ctypes with the tensors' data pointers.
+
+Why C and ctypes rather than a torch C++ extension: the file needs no torch headers, so it
+compiles in about a second where an extension takes a minute on two cores; and it is built
+with -march=native, so it uses whatever vector units this CPU has. The built library is
+cached under the streamserve cache folder, keyed by the source, the compiler command and the
+CPU's flags. Where no compiler is found, `load()` returns None, the engine serves with
+PyTorch's own ops, and one warning says so (STREAMSERVE_CPU_KERNELS=0 also turns them off).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from gpu_worker.models.gguf_convert import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+# linear_small_m handles at most this many rows (MAX_SMALL_M in the C file).
+MAX_SMALL_M = 8
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+class CpuKernels:
+    """The loaded library with typed entry points."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._attention = library.paged_decode_attention
+        self._attention.restype = _int
+        self._attention.argtypes = [
+            _ptr, _int, _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _ptr, _ptr,
+            _i64, _i64, _i64, _i64, _f32, _i64, _ptr, _int,
+        ]  # fmt: skip
+        self._linear = library.linear_small_m
+        self._linear.restype = _int
+        self._linear.argtypes = [_ptr, _int, _i64, _i64, _ptr, _int, _i64, _ptr, _int, _ptr, _int]
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,  # [bs, num_heads, head_dim] contiguous
+        k_cache: torch.Tensor,  # [kv_heads, slots, head_dim] (any strides, head_dim dense)
+        v_cache: torch.Tensor,
+        req_to_token: torch.Tensor,  # [rows, width] int64
+        req_pool_indices: torch.Tensor,  # [bs] int64
+        seq_lens: torch.Tensor,  # [bs] int64, on cpu
+        scale: float,
+        chunk: int,
+        out: torch.Tensor,  # [bs, num_heads, head_dim] contiguous
+    ) -> torch.Tensor:
+        bs, num_heads, head_dim = q.shape
+        assert q.is_contiguous() and out.is_contiguous() and k_cache.stride() == v_cache.stride()
+        assert k_cache.stride(2) == 1 and req_to_token.stride(1) == 1
+        status = self._attention(
+            q.data_ptr(), _DTYPE_CODES[q.dtype],
+            k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
+            k_cache.stride(0), k_cache.stride(1),
+            req_to_token.data_ptr(), req_to_token.stride(0),
+            req_pool_indices.data_ptr(), seq_lens.data_ptr(),
+            bs, num_heads, k_cache.shape[0], head_dim, scale, chunk,
+            out.data_ptr(), _DTYPE_CODES[out.dtype],
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"paged_decode_attention failed with status {status}")
+        return out
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, K] (M <= MAX_SMALL_M) @ weight[N, K]^T + bias, in x's dtype."""
+        x = x.contiguous()
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
+        status = self._linear(
+            x.data_ptr(), _DTYPE_CODES[x.dtype], x.shape[0], x.shape[1],
+            weight.data_ptr(), _DTYPE_CODES[weight.dtype], weight.shape[0],
+            None if bias is None else bias.data_ptr(),
+            0 if bias is None else _DTYPE_CODES[bias.dtype],
+            out.data_ptr(), _DTYPE_CODES[out.dtype],
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"linear_small_m failed with status {status}")
+        return out
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: on CPU, float32 or bfloat16."""
+    return all(t.device.type == "cpu" and t.dtype in _DTYPE_CODES for t in tensors)
+
+
+@cache
+def load() -> CpuKernels | None:
+    """The kernels, built on first use; None (with one warning) where they cannot be."""
+    if os.environ.get("STREAMSERVE_CPU_KERNELS", "1") == "0":
+        logger.info("CPU kernels off (STREAMSERVE_CPU_KERNELS=0): serving with torch ops")
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning(
+            "no C compiler found (set CC or install gcc): decode runs on PyTorch's generic "
+            "ops, about 2x slower on CPU"
+        )
+        return None
+    try:
+        return CpuKernels(ctypes.CDLL(str(_build(compiler))))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        logger.warning("could not build the CPU kernels (%s): serving with torch ops", detail)
+        return None
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode() + _cpu_flags())
+    target = default_cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("building the CPU kernels with %s (once per machine)", compiler)
+    # Build beside the target and rename: concurrent workers never load a half-written file.
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        subprocess.run(
+            [compiler, *CFLAGS, str(SOURCE), "-o", str(partial), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        partial.replace(target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
+
+
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags: a library built with -march=native runs only where they match."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.encode()
+    except OSError:
+        pass
+    return b""

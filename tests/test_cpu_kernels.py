@@ -1,0 +1,141 @@
+"""The CPU kernels (gpu_worker/kernels): each against a float64 reference, the engine with
+them against the engine without, and the fallback where they cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker import Engine
+from gpu_worker.kernels import cpu_kernels
+from gpu_worker.kernels.cpu_kernels import MAX_SMALL_M
+from gpu_worker.models.random_shapes import fill_random_weights
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = cpu_kernels.load()
+    assert loaded is not None, "the test machine has a C compiler: the kernels must build"
+    return loaded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", range(1, MAX_SMALL_M + 1))
+@pytest.mark.parametrize("in_features", [64, 100])  # 100: a tail past the vector loop
+def test_linear_matches_float64_reference(kernels, dtype, rows, in_features):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, in_features, dtype=dtype)
+    weight = torch.randn(70, in_features, dtype=dtype)
+    bias = torch.randn(70, dtype=dtype)
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    for b, want in ((bias, expected), (None, expected - bias.double())):
+        got = kernels.linear(x, weight, b)
+        assert got.dtype == dtype and got.shape == (rows, 70)
+        # float32: summation order only; bfloat16: one rounding of the output.
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance * 10)
+
+
+def _reference_decode(q, k_cache, v_cache, table, rows, lens, scale):
+    """Plain attention of one query per request over its slots, in float64."""
+    kv_heads = k_cache.shape[0]
+    out = []
+    for b in range(q.shape[0]):
+        slots = table[rows[b], : lens[b]]
+        keys, values = k_cache[:, slots].double(), v_cache[:, slots].double()
+        queries = q[b].double().view(kv_heads, -1, q.shape[-1])  # [kv_heads, group, dim]
+        probs = (torch.einsum("kgd,knd->kgn", queries, keys) * scale).softmax(-1)
+        out.append(torch.einsum("kgn,knd->kgd", probs, values).reshape(q.shape[1], -1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (40, 4, 4), (16, 8, 2)])
+@pytest.mark.parametrize("chunk", [1, 7, 32, 256])
+def test_paged_decode_attention_matches_reference(kernels, dtype, head_dim, heads, kv_heads, chunk):
+    rng = random.Random(chunk + head_dim)
+    torch.manual_seed(chunk)
+    slots = 3000
+    # Head-major like the pool, and a strided view of a wider buffer, as a layer's slice is.
+    k_cache = torch.randn(kv_heads, slots, head_dim + 8, dtype=dtype)[..., :head_dim]
+    v_cache = torch.randn(kv_heads, slots, head_dim + 8, dtype=dtype)[..., :head_dim]
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    table = torch.tensor([rng.sample(range(slots), 600) for _ in range(12)])
+    lens = torch.tensor([1, 2, 31, 33, 600, 257, 64])
+    rows = torch.tensor(rng.sample(range(12), len(lens)))
+    q = torch.randn(len(lens), heads, head_dim, dtype=dtype)
+    out = torch.empty_like(q)
+    kernels.paged_decode_attention(q, k_cache, v_cache, table, rows, lens, 0.3, chunk, out)
+    expected = _reference_decode(q, k_cache, v_cache, table, rows, lens, 0.3)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_paged_decode_attention_refuses_what_it_cannot_hold(kernels):
+    q = torch.randn(1, 32, 8)  # a group of 32 query heads per kv head: more than it holds
+    cache = torch.randn(1, 10, 8)
+    table = torch.zeros(1, 10, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="status -1"):
+        kernels.paged_decode_attention(
+            q, cache, cache, table, torch.zeros(1, dtype=torch.int64),
+            torch.tensor([4]), 1.0, 32, torch.empty_like(q),
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"page_size": 16, "chunked_prefill_size": 24}, {"speculative": "ngram"}],
+    ids=["default", "pages-chunked", "ngram"],
+)
+def test_engine_with_kernels_equals_engine_without(options):
+    """float32 greedy, mixed lengths (batch sizes above and below the kernel's row limit)."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 5, 17, 40, 3, 90, 2, 8, 60)]
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    outputs = {}
+    for enabled in (True, False):
+        engine = Engine("random:tiny-llama", dtype="float32", cpu_kernels=enabled, **options)
+        # A wide init makes the logits peaked: float32 summation order cannot flip a choice.
+        fill_random_weights(engine.runner.model, seed=0, std=0.2)
+        assert (engine.runner.cpu_kernels is not None) == enabled
+        expected_backend = "CpuKernelAttnBackend" if enabled else "TorchNativeAttnBackend"
+        assert type(engine.runner.attn_backend).__name__ == expected_backend
+        outputs[enabled] = [
+            r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)
+        ]
+    assert outputs[True] == outputs[False]
+
+
+def test_no_compiler_serves_on_torch_ops_with_one_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("STREAMSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    cpu_kernels.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="gpu_worker.kernels.cpu_kernels"):
+            engine = Engine("random:tiny-llama", dtype="float32")
+        assert engine.runner.cpu_kernels is None
+        assert type(engine.runner.attn_backend).__name__ == "TorchNativeAttnBackend"
+        assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+        assert "could not build the CPU kernels" in caplog.records[0].message
+        result = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 3})
+        assert len(result["output_ids"]) == 3
+    finally:
+        cpu_kernels.load.cache_clear()
+
+
+def test_kernels_can_be_turned_off_by_environment(monkeypatch):
+    monkeypatch.setenv("STREAMSERVE_CPU_KERNELS", "0")
+    cpu_kernels.load.cache_clear()
+    try:
+        assert cpu_kernels.load() is None
+    finally:
+        cpu_kernels.load.cache_clear()
+
+
+def test_cpu_kernel_backend_named_without_kernels_is_refused():
+    with pytest.raises(ValueError, match="needs the CPU kernels"):
+        Engine("random:tiny-llama", attention_backend="cpu_kernel", cpu_kernels=False)
