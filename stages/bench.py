@@ -122,6 +122,42 @@ def http_source(session: Any, base_url: str) -> Source:
     return stream
 
 
+def openai_source(session: Any, base_url: str, model: str) -> Source:
+    """OpenAI's /v1/completions with a token-id prompt, streamed: what any OpenAI-compatible
+    server (streamserve, vLLM, llama.cpp's) takes. A chunk carries text, not token ids, so
+    each chunk counts as one token until the final usage chunk says how many there were;
+    the difference is put on the last chunk."""
+
+    async def stream(prompt: list[int], sampling: dict[str, Any]) -> AsyncIterator[int]:
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": sampling["max_new_tokens"],
+            "temperature": sampling["temperature"],
+            "ignore_eos": sampling["ignore_eos"],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        counted = 0
+        async with session.post(base_url + "/v1/completions", json=body) as reply:
+            if reply.status != 200:
+                raise RuntimeError(f"/v1/completions answered {reply.status}: {await reply.text()}")
+            async for line in reply.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    missing = chunk["usage"]["completion_tokens"] - counted
+                    if missing:
+                        yield missing
+                    counted += missing
+                elif chunk.get("choices") and chunk["choices"][0].get("text"):
+                    counted += 1
+                    yield 1
+
+    return stream
+
+
 def redis_source(client: Any) -> Source:
     """Direct Redis jobs through bus.client.AsyncClient."""
 
@@ -164,9 +200,13 @@ async def run_source(args: argparse.Namespace, *workloads: Workload) -> list[dic
     async with aiohttp.ClientSession(
         timeout=timeout, connector=connector, headers=headers
     ) as session:
+        if args.api == "openai":
+            source = openai_source(session, args.url, args.model or "default")
+        else:
+            source = http_source(session, args.url)
         for workload in workloads:
-            figures = await run_workload(http_source(session, args.url), workload)
-            results.append({**figures, "system": "pipeline-http"})
+            figures = await run_workload(source, workload)
+            results.append({**figures, "system": args.system or f"pipeline-{args.api}"})
             print(json.dumps(results[-1]), flush=True)
     return results
 
@@ -180,6 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--url", default=DEFAULT_URL, help=f"ingress (default {DEFAULT_URL})")
     parser.add_argument("--redis-url", default=None, help="send direct Redis jobs instead")
     parser.add_argument("--workloads", default="mixed-64", help=f"comma list of {WORKLOADS}")
+    parser.add_argument(
+        "--api",
+        choices=("native", "openai"),
+        default="native",
+        help="native: streamserve's /generate; openai: /v1/completions, which any "
+        "OpenAI-compatible server answers (give --model its model name)",
+    )
+    parser.add_argument("--system", default=None, help="name the system in the JSON lines")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds without a byte")
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)  # from the CLI
     return parser
