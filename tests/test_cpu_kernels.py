@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from gpu_worker import Engine
 from gpu_worker.kernels import cpu_kernels
 from gpu_worker.kernels.cpu_kernels import MAX_SMALL_M
+from gpu_worker.models.layers import RMSNorm
 from gpu_worker.models.random_shapes import fill_random_weights
+from gpu_worker.models.rotary import RotaryEmbedding, apply_rotary
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +75,39 @@ def test_paged_decode_attention_matches_reference(kernels, dtype, head_dim, head
     expected = _reference_decode(q, k_cache, v_cache, table, rows, lens, 0.3)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 200])  # 200: past the size that goes parallel
+def test_rms_norm_matches_the_torch_layer(kernels, dtype, rows):
+    torch.manual_seed(rows)
+    norm = RMSNorm(576, 1e-5, dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3)
+    x = torch.randn(rows, 576, dtype=dtype) * 3
+    expected = norm(x)  # no kernels attached: transformers' op sequence
+    got = kernels.rms_norm(x, norm.weight.detach(), norm.eps)
+    # float32: summation order; bfloat16: the same roundings, so at most one ulp apart.
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_rotary_in_place_matches_apply_rotary(kernels, dtype, tokens):
+    torch.manual_seed(tokens)
+    heads, head_dim = 12, 64
+    rotary = RotaryEmbedding(head_dim, 10000.0, None)
+    cos, sin = rotary(torch.arange(tokens) * 7, dtype)
+    # A strided view, as q and k sit inside the fused qkv output.
+    qkv = torch.randn(tokens, heads * head_dim + 192, dtype=dtype)
+    x = qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim)
+    expected = apply_rotary(x.clone(), cos, sin)
+    untouched = qkv[:, heads * head_dim :].clone()
+    kernels.rotary_inplace(x, cos, sin)
+    tolerance = 1e-6 if dtype == torch.float32 else 0.0
+    torch.testing.assert_close(x, expected, rtol=tolerance, atol=tolerance)
+    assert torch.equal(qkv[:, heads * head_dim :], untouched)
 
 
 def test_paged_decode_attention_refuses_what_it_cannot_hold(kernels):

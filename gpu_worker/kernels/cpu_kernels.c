@@ -353,3 +353,62 @@ int linear_small_m(const void *x, int x_dtype, int64_t M, int64_t K,
     free(xf);
     return 0;
 }
+
+/* ---- RMSNorm and rotary, one pass each ---------------------------------------------------- */
+
+/* Round a float32 to the nearest bfloat16 and back: what a torch op in bfloat16 stores. */
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* out = weight * (x / rms(x)), as transformers' LlamaRMSNorm computes it: the normalized row
+ * is cast to x's dtype before the weight multiply, so bfloat16 rounds where torch does. */
+int rms_norm(const void *x, const void *weight, void *out, int dtype, int64_t rows,
+             int64_t hidden, float eps)
+{
+#pragma omp parallel for schedule(static) if (rows * hidden >= 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        float row[hidden], w[hidden];
+        load_f32(x, dtype, r * hidden, hidden, row);
+        load_f32(weight, dtype, 0, hidden, w);
+        const float inv = 1.f / sqrtf(dot_f32(row, row, hidden) / (float)hidden + eps);
+        if (dtype == DT_BF16) {
+            for (int64_t i = 0; i < hidden; i++) row[i] = w[i] * round_bf16(row[i] * inv);
+        } else {
+            for (int64_t i = 0; i < hidden; i++) row[i] = w[i] * (row[i] * inv);
+        }
+        store_f32(out, dtype, r * hidden, hidden, row);
+    }
+    return 0;
+}
+
+/* Neox-style rotary in place on x [tokens, heads, head_dim] (rows of `row_stride` elements):
+ * x * cos + rotate_half(x) * sin with cos, sin [tokens, head_dim], rounding each product and
+ * the sum to x's dtype as three bfloat16 torch ops would. */
+int rotary_inplace(void *x, const void *cos, const void *sin, int dtype, int64_t tokens,
+                   int64_t heads, int64_t head_dim, int64_t row_stride)
+{
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= 32768)
+    for (int64_t t = 0; t < tokens; t++) {
+        float c[head_dim], s[head_dim], v[head_dim];
+        load_f32(cos, dtype, t * head_dim, head_dim, c);
+        load_f32(sin, dtype, t * head_dim, head_dim, s);
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t offset = t * row_stride + h * head_dim;
+            load_f32(x, dtype, offset, head_dim, v);
+            float o[head_dim];
+            if (dtype == DT_BF16) {
+                for (int64_t i = 0; i < head_dim; i++) {
+                    const float rotated = i < half ? -v[i + half] : v[i - half];
+                    o[i] = round_bf16(v[i] * c[i]) + round_bf16(rotated * s[i]);
+                }
+            } else {
+                for (int64_t i = 0; i < head_dim; i++) {
+                    const float rotated = i < half ? -v[i + half] : v[i - half];
+                    o[i] = v[i] * c[i] + rotated * s[i];
+                }
+            }
+            store_f32(x, dtype, offset, head_dim, o);
+        }
+    }
+    return 0;
+}

@@ -48,6 +48,12 @@ class CpuKernels:
         self._linear = library.linear_small_m
         self._linear.restype = _int
         self._linear.argtypes = [_ptr, _int, _i64, _i64, _ptr, _int, _i64, _ptr, _int, _ptr, _int]
+        self._rms_norm = library.rms_norm
+        self._rms_norm.restype = _int
+        self._rms_norm.argtypes = [_ptr, _ptr, _ptr, _int, _i64, _i64, _f32]
+        self._rotary = library.rotary_inplace
+        self._rotary.restype = _int
+        self._rotary.argtypes = [_ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64]
 
     def paged_decode_attention(
         self,
@@ -93,6 +99,27 @@ class CpuKernels:
         if status != 0:
             raise RuntimeError(f"linear_small_m failed with status {status}")
         return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """transformers' LlamaRMSNorm of x [rows, hidden] (x and weight of one dtype)."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self._rms_norm(
+            x.data_ptr(), weight.data_ptr(), out.data_ptr(), _DTYPE_CODES[x.dtype],
+            x.shape[0], x.shape[1], eps,
+        )  # fmt: skip
+        return out
+
+    def rotary_inplace(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Neox rotary on x [tokens, heads, head_dim] (rows may be strided; heads and
+        head_dim dense), cos and sin [tokens, head_dim] contiguous, all of one dtype."""
+        tokens, heads, head_dim = x.shape
+        assert x.stride(2) == 1 and x.stride(1) == head_dim and cos.is_contiguous()
+        assert sin.is_contiguous() and cos.dtype == sin.dtype == x.dtype
+        self._rotary(
+            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), _DTYPE_CODES[x.dtype],
+            tokens, heads, head_dim, x.stride(0),
+        )  # fmt: skip
 
 
 def supports(*tensors: torch.Tensor) -> bool:

@@ -21,7 +21,7 @@ from gpu_worker.model_executor.cpu_malloc import keep_freed_memory_in_heap
 from gpu_worker.model_executor.forward_batch import ForwardBatch, ForwardMode
 from gpu_worker.model_executor.forward_context import ForwardContext, forward_context
 from gpu_worker.model_executor.hooks import ForwardHooks
-from gpu_worker.models.linear import attach_cpu_kernels
+from gpu_worker.models.layers import attach_cpu_kernels
 from gpu_worker.models.loader import load_model
 
 logger = logging.getLogger(__name__)

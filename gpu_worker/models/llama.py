@@ -14,26 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attention.layer import PagedAttention
+from gpu_worker.kernels.cpu_kernels import CpuKernels
 from gpu_worker.models.config import ModelConfig
-from gpu_worker.models.linear import Linear
+from gpu_worker.models.layers import Linear, RMSNorm
 from gpu_worker.models.rotary import RotaryEmbedding, apply_rotary
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Cast before the weight multiply, as transformers does, so bf16 rounding matches.
-        return self.weight * x.to(input_dtype)
-
-
 class LlamaAttention(nn.Module):
+    # Attached on CPU (layers.attach_cpu_kernels): rotary then runs in place in one pass.
+    cpu_kernels: CpuKernels | None = None
+
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype | None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -59,7 +49,13 @@ class LlamaAttention(nn.Module):
         qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads sit side by side: one rotary call covers both (fewer ops per layer).
         heads = self.num_heads + self.num_kv_heads
-        qk = apply_rotary(qk.reshape(num_tokens, heads, self.head_dim), cos, sin)
+        qk = qk.reshape(num_tokens, heads, self.head_dim)
+        # In place into qkv, this call's own tensor, unless a hook on qkv_proj kept it.
+        kernels = None if self.qkv_proj._forward_hooks else self.cpu_kernels
+        if kernels is not None and cos.dtype == qk.dtype:
+            kernels.rotary_inplace(qk, cos, sin)
+        else:
+            qk = apply_rotary(qk, cos, sin)
         q, k = qk.reshape(num_tokens, -1).split([self.q_size, self.kv_size], dim=-1)
         out = self.attn(q, k, v.contiguous())
         return self.o_proj(out)
