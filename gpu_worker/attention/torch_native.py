@@ -272,9 +272,10 @@ def _blocked_causal_attention(
         block = grouped[:, :, start:stop].reshape(kv_heads, group * rows, dim)
         scores = torch.matmul(block, keys[:, :visible].transpose(-1, -2))
         scores = scores.float().mul_(layer.scaling).view(kv_heads, group, rows, visible)
-        query_pos = torch.arange(prefix + start, prefix + stop, device=keys.device)
-        key_pos = torch.arange(visible, device=keys.device)
-        scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
+        # Every query of the block sees all keys before the block's own; only the block's
+        # own keys ([rows, rows] at the end) need the causal mask.
+        future = torch.ones(rows, rows, dtype=torch.bool, device=keys.device).triu_(1)
+        scores[..., visible - rows :].masked_fill_(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         attended = torch.matmul(probs.view(kv_heads, group * rows, visible), values[:, :visible])
         out[:, :, start:stop] = attended.view(kv_heads, group, rows, dim)

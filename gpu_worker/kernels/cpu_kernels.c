@@ -127,7 +127,9 @@ static inline float exp_shifted_sum(float *s, int64_t n, float m) {
 }
 
 /* Slots are indirect, so the hardware prefetcher cannot follow them: ask for rows ahead. */
+#ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8
+#endif
 static inline void prefetch_row(const void *base, int dtype, int64_t offset, int64_t bytes) {
     const char *p = (const char *)base + offset * (dtype == DT_F32 ? 4 : 2);
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);

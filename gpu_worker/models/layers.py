@@ -4,9 +4,9 @@ They stay nn.Modules of the usual kind, so forward hooks, state dicts and weight
 see what they expect; the ModelRunner attaches the kernels (gpu_worker/kernels) on CPU.
 
 - Linear: decoding computes one row per request, and for a few rows a matmul is a pass
-  over the weight: oneDNN's bf16 GEMV read it at 8-13 GB/s on a host that streams 28 GB/s,
-  the kernel at about 25. Past MAX_SMALL_M rows the product is compute-bound and oneDNN's
-  GEMM is the better one, on weights packed once into its blocked layout.
+  over the weight: oneDNN's bf16 GEMV on a plain weight read it at 8-13 GB/s on a host that
+  streams 28 GB/s, the kernel at about 25. For more rows oneDNN's GEMM on weights packed
+  once into its blocked layout is the better one.
 - RMSNorm: eight elementwise torch ops, each a pass over the rows, become one.
 """
 
@@ -19,6 +19,11 @@ from torch import nn
 from gpu_worker.kernels.cpu_kernels import MAX_SMALL_M, CpuKernels
 
 PACKING_ROWS_HINT = 64
+# On packed bfloat16 weights oneDNN streams the weight as fast for 3-8 rows as for one
+# (30 SmolLM2 layers: 10-12 ms at 3-8 rows), while the kernel's cost grows with the rows
+# (8.7 ms at 1, 12 at 2, 15 at 3): the kernel takes 1-2 rows there, up to MAX_SMALL_M in
+# float32 (no packed weight; MKL's sgemm took 2x the kernel's time at 8 rows).
+PACKED_GEMM_FROM_ROWS = 3
 
 
 class RMSNorm(nn.Module):
@@ -52,9 +57,10 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = self.cpu_kernels
         if kernels is not None and x.dim() == 2:
-            if x.shape[0] <= MAX_SMALL_M:
+            packed = self.packed_weight is not None and x.dtype == self.weight.dtype
+            if x.shape[0] <= (PACKED_GEMM_FROM_ROWS - 1 if packed else MAX_SMALL_M):
                 return kernels.linear(x, self.weight, self.bias)
-            if self.packed_weight is not None and x.dtype == self.weight.dtype:
+            if packed:
                 return torch.ops.mkldnn._linear_pointwise(
                     x, self.packed_weight, self.bias, "none", [], ""
                 )
