@@ -56,7 +56,10 @@ def _reference_decode(q, k_cache, v_cache, table, rows, lens, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (40, 4, 4), (16, 8, 2)])
+@pytest.mark.parametrize(
+    "head_dim,heads,kv_heads",
+    [(64, 9, 3), (64, 8, 2), (64, 4, 4), (64, 12, 2), (40, 4, 4), (16, 8, 2)],
+)
 @pytest.mark.parametrize("chunk", [1, 7, 32, 256])
 def test_paged_decode_attention_matches_reference(kernels, dtype, head_dim, heads, kv_heads, chunk):
     rng = random.Random(chunk + head_dim)

@@ -135,6 +135,54 @@ static inline void prefetch_row(const void *base, int dtype, int64_t offset, int
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
+#if defined(__AVX512F__)
+/* One chunk of keys for a group of G query heads with head_dim 64, every running sum in
+ * registers: with them in memory each key's update waited on the last one's store, and
+ * fewer rows were in flight than the memory system can serve. */
+static inline __attribute__((always_inline)) void attend_chunk_d64(
+    const float (*qf)[MAX_HEAD_DIM], const void *k_head, const void *v_head, int dtype,
+    const int64_t *slots, int64_t stride, int64_t n, float *scores, int64_t chunk, const int G,
+    float *state, int64_t state_stride)
+{
+    for (int64_t j = 0; j < n; j++) {
+        if (j + PREFETCH_ROWS < n) prefetch_row(k_head, dtype, slots[j + PREFETCH_ROWS] * stride, 128);
+        const int64_t off = slots[j] * stride;
+        const __m512 k0 = load16(k_head, dtype, off), k1 = load16(k_head, dtype, off + 16);
+        const __m512 k2 = load16(k_head, dtype, off + 32), k3 = load16(k_head, dtype, off + 48);
+        for (int g = 0; g < G; g++) {
+            __m512 d = _mm512_mul_ps(k0, _mm512_loadu_ps(qf[g]));
+            d = _mm512_fmadd_ps(k1, _mm512_loadu_ps(qf[g] + 16), d);
+            d = _mm512_fmadd_ps(k2, _mm512_loadu_ps(qf[g] + 32), d);
+            d = _mm512_fmadd_ps(k3, _mm512_loadu_ps(qf[g] + 48), d);
+            scores[g * chunk + j] = _mm512_reduce_add_ps(d);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float *sc = scores + g * chunk, m = -INFINITY;
+        for (int64_t j = 0; j < n; j++) m = sc[j] > m ? sc[j] : m;
+        state[g * state_stride] = m;
+        state[g * state_stride + 1] = exp_shifted_sum(sc, n, m);
+    }
+    __m512 acc[4][4];
+    for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        if (j + PREFETCH_ROWS < n) prefetch_row(v_head, dtype, slots[j + PREFETCH_ROWS] * stride, 128);
+        const int64_t off = slots[j] * stride;
+        const __m512 v0 = load16(v_head, dtype, off), v1 = load16(v_head, dtype, off + 16);
+        const __m512 v2 = load16(v_head, dtype, off + 32), v3 = load16(v_head, dtype, off + 48);
+        for (int g = 0; g < G; g++) {
+            const __m512 p = _mm512_set1_ps(scores[g * chunk + j]);
+            acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
+            acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
+            acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(state + g * state_stride + 2 + 16 * i, acc[g][i]);
+}
+#endif
+
 /* Work item (request b, kv head, key chunk c) -> partial softmax state per query head of the
  * group: max score m, sum of exp l, and acc = sum_j exp(s_j - m) v_j, combined afterwards
  * (split-K, as flash-decoding does, so one long request still uses every thread). */
@@ -187,6 +235,18 @@ int paged_decode_attention(
                 for (int64_t d = 0; d < head_dim; d++) qf[g][d] *= scale;
                 memset(acc[g], 0, (size_t)head_dim * sizeof(float));
             }
+#if defined(__AVX512F__)
+            if (head_dim == 64 && group <= 4) { /* a constant G per call: registers */
+                float *st = partial + ((global_chunk * num_heads) + head0) * state;
+                switch (group) {
+                    case 1: attend_chunk_d64(qf, k_head, v_head, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 1, st, state); break;
+                    case 2: attend_chunk_d64(qf, k_head, v_head, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 2, st, state); break;
+                    case 3: attend_chunk_d64(qf, k_head, v_head, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 3, st, state); break;
+                    default: attend_chunk_d64(qf, k_head, v_head, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 4, st, state); break;
+                }
+                continue;
+            }
+#endif
             /* scores[g][j] = q_g . k_j */
             const int64_t row_bytes = head_dim * (kv_dtype == DT_F32 ? 4 : 2);
             for (int64_t j = 0; j < n; j++) {
