@@ -124,8 +124,8 @@ def measure(system: System, workloads: list[Workload], port: int, log: Path) -> 
                     system.name,
                 ]  # fmt: skip
             )
-            asyncio.run(bench.run_source(options, WARM_UP))
-            rows = asyncio.run(bench.run_source(options, *workloads))
+            asyncio.run(bench.run_source(options, WARM_UP, echo=False))
+            rows = asyncio.run(bench.run_source(options, *workloads, echo=False))
             return [{**row, "startup_s": round(startup_s, 1)} for row in rows]
         finally:
             os.killpg(process.pid, signal.SIGTERM)

@@ -174,9 +174,9 @@ async def run(args: argparse.Namespace) -> list[dict]:
     return await run_source(args, *(make_workload(name) for name in names))
 
 
-async def run_source(args: argparse.Namespace, *workloads: Workload) -> list[dict]:
-    """Run `workloads` in turn over HTTP (args.url) or Redis (args.redis_url); print and
-    return one figures dict each."""
+async def run_source(args: argparse.Namespace, *workloads: Workload, echo: bool = True) -> list[dict]:
+    """Run `workloads` in turn over HTTP (args.url) or Redis (args.redis_url); return one
+    figures dict each, also printed as a JSON line when `echo`."""
     results = []
     if args.redis_url:
         from bus.client import AsyncClient
@@ -186,6 +186,8 @@ async def run_source(args: argparse.Namespace, *workloads: Workload) -> list[dic
             for workload in workloads:
                 figures = await run_workload(redis_source(client), workload)
                 results.append({**figures, "system": "pipeline-redis"})
+                if echo:
+                    if echo:
                 print(json.dumps(results[-1]), flush=True)
         finally:
             await client.close()
@@ -207,7 +209,8 @@ async def run_source(args: argparse.Namespace, *workloads: Workload) -> list[dic
         for workload in workloads:
             figures = await run_workload(source, workload)
             results.append({**figures, "system": args.system or f"pipeline-{args.api}"})
-            print(json.dumps(results[-1]), flush=True)
+            if echo:
+                print(json.dumps(results[-1]), flush=True)
     return results
 
 
