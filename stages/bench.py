@@ -174,7 +174,9 @@ async def run(args: argparse.Namespace) -> list[dict]:
     return await run_source(args, *(make_workload(name) for name in names))
 
 
-async def run_source(args: argparse.Namespace, *workloads: Workload, echo: bool = True) -> list[dict]:
+async def run_source(
+    args: argparse.Namespace, *workloads: Workload, echo: bool = True
+) -> list[dict]:
     """Run `workloads` in turn over HTTP (args.url) or Redis (args.redis_url); return one
     figures dict each, also printed as a JSON line when `echo`."""
     results = []
@@ -187,8 +189,7 @@ async def run_source(args: argparse.Namespace, *workloads: Workload, echo: bool 
                 figures = await run_workload(redis_source(client), workload)
                 results.append({**figures, "system": "pipeline-redis"})
                 if echo:
-                    if echo:
-                print(json.dumps(results[-1]), flush=True)
+                    print(json.dumps(results[-1]), flush=True)
         finally:
             await client.close()
         return results
