@@ -35,11 +35,12 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_pipeline import wait_healthy  # noqa: E402
 
 from benchmarks.jsonl import emit  # noqa: E402
 from gpu_worker.config import EngineConfig  # noqa: E402
@@ -85,21 +86,6 @@ def _systems(args: argparse.Namespace, port: int) -> dict[str, System]:
     }
 
 
-def _wait_ready(url: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode} before it was up")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the server was not up in time")
-
-
 def measure(system: System, workloads: list[Workload], port: int, log: Path) -> list[dict]:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, **system.env}
@@ -110,7 +96,7 @@ def measure(system: System, workloads: list[Workload], port: int, log: Path) -> 
         )  # fmt: skip
         try:
             started = time.monotonic()
-            _wait_ready(url, process)
+            wait_healthy(url, process, READY_TIMEOUT_S)
             startup_s = time.monotonic() - started
             options = bench.build_parser().parse_args(
                 [

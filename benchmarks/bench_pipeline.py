@@ -47,11 +47,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _wait_healthy(url: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
+def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Until `url`/health answers 200 (a worker is live); raise if `process` exits first."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError("streamserve up exited before it was healthy")
+            raise RuntimeError(f"the server exited with {process.returncode} before it was up")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as reply:
                 if reply.status == 200:
@@ -74,7 +75,7 @@ def measure_pipeline(args: argparse.Namespace, via: str, name: str) -> dict:
                    f"--worker-arg=--dtype={args.dtype}"]  # fmt: skip
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
         try:
-            _wait_healthy(url, process)
+            wait_healthy(url, process)
             options = bench.build_parser().parse_args(
                 ["--url", url] + (["--redis-url", server.url] if via == "redis" else [])
             )

@@ -106,25 +106,30 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1000 * seconds, 2)
 
 
+async def sse_events(session: Any, url: str, body: dict[str, Any]) -> AsyncIterator[dict]:
+    """POST `body` and yield each server-sent event's JSON payload, up to [DONE]."""
+    async with session.post(url, json=body) as reply:
+        if reply.status != 200:
+            raise RuntimeError(f"{url} answered {reply.status}: {await reply.text()}")
+        async for line in reply.content:
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                yield json.loads(line[6:])
+
+
 def http_source(session: Any, base_url: str) -> Source:
     """Native /generate with token ids, streamed as server-sent events."""
 
     async def stream(prompt: list[int], sampling: dict[str, Any]) -> AsyncIterator[int]:
         body = {"input_ids": prompt, "sampling_params": sampling, "stream": True}
-        async with session.post(base_url + "/generate", json=body) as reply:
-            if reply.status != 200:
-                raise RuntimeError(f"/generate answered {reply.status}: {await reply.text()}")
-            async for line in reply.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                yield len(json.loads(line[6:])["output_ids"])
+        async for event in sse_events(session, base_url + "/generate", body):
+            yield len(event["output_ids"])
 
     return stream
 
 
 def openai_source(session: Any, base_url: str, model: str) -> Source:
     """OpenAI's /v1/completions with a token-id prompt, streamed: what any OpenAI-compatible
-    server (streamserve, vLLM, llama.cpp's) takes. A chunk carries text, not token ids, so
+    server (streamserve, vLLM) takes. A chunk carries text, not token ids, so
     each chunk counts as one token until the final usage chunk says how many there were;
     the difference is put on the last chunk."""
 
@@ -139,21 +144,15 @@ def openai_source(session: Any, base_url: str, model: str) -> Source:
             "stream_options": {"include_usage": True},
         }
         counted = 0
-        async with session.post(base_url + "/v1/completions", json=body) as reply:
-            if reply.status != 200:
-                raise RuntimeError(f"/v1/completions answered {reply.status}: {await reply.text()}")
-            async for line in reply.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    missing = chunk["usage"]["completion_tokens"] - counted
-                    if missing:
-                        yield missing
-                    counted += missing
-                elif chunk.get("choices") and chunk["choices"][0].get("text"):
-                    counted += 1
-                    yield 1
+        async for chunk in sse_events(session, base_url + "/v1/completions", body):
+            if chunk.get("usage"):
+                missing = chunk["usage"]["completion_tokens"] - counted
+                if missing:
+                    yield missing
+                counted += missing
+            elif chunk.get("choices") and chunk["choices"][0].get("text"):
+                counted += 1
+                yield 1
 
     return stream
 
