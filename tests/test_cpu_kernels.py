@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from gpu_worker import Engine
 from gpu_worker.kernels import cpu_kernels
 from gpu_worker.kernels.cpu_kernels import MAX_SMALL_M
+from gpu_worker.memory.kv_pool import TokenToKVPool
 from gpu_worker.models.layers import RMSNorm
 from gpu_worker.models.random_shapes import fill_random_weights
 from gpu_worker.models.rotary import RotaryEmbedding, apply_rotary
@@ -111,6 +112,25 @@ def test_rotary_in_place_matches_apply_rotary(kernels, dtype, tokens):
     tolerance = 1e-6 if dtype == torch.float32 else 0.0
     torch.testing.assert_close(x, expected, rtol=tolerance, atol=tolerance)
     assert torch.equal(qkv[:, heads * head_dim :], untouched)
+
+
+@pytest.mark.parametrize("new_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_what_set_kv_buffer_stores(kernels, new_dtype, pool_dtype):
+    torch.manual_seed(0)
+    kv_heads, head_dim, tokens = 3, 64, 5
+    # k and v as the model hands them over: column slices of the fused qkv output.
+    qkv = torch.randn(tokens, 9 * head_dim + 2 * kv_heads * head_dim, dtype=new_dtype)
+    k = qkv[:, 9 * head_dim : (9 + kv_heads) * head_dim]
+    v = qkv[:, (9 + kv_heads) * head_dim :]
+    loc = torch.tensor([7, 3, 40, 41, 12])
+    expected = TokenToKVPool(64, 1, pool_dtype, 1, kv_heads, head_dim, "cpu")
+    got = TokenToKVPool(64, 1, pool_dtype, 1, kv_heads, head_dim, "cpu")
+    expected.set_kv_buffer(0, loc, k.view(tokens, kv_heads, head_dim),
+                           v.view(tokens, kv_heads, head_dim))  # fmt: skip
+    kernels.write_kv(k, v, loc, *got.get_kv_buffer(0))
+    assert torch.equal(got.k_buffer[0], expected.k_buffer[0])
+    assert torch.equal(got.v_buffer[0], expected.v_buffer[0])
 
 
 def test_paged_decode_attention_refuses_what_it_cannot_hold(kernels):

@@ -55,10 +55,8 @@ class CpuKernelAttnBackend(TorchNativeAttnBackend):
         if forward_batch.forward_mode != ForwardMode.DECODE:
             return super().forward(q, k, v, layer, forward_batch)
         bs = q.shape[0]
-        k = k.view(bs, layer.num_kv_heads, layer.head_dim)
-        v = v.view(bs, layer.num_kv_heads, layer.head_dim)
-        self.kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer.layer_id)
+        self.kernels.write_kv(k, v, forward_batch.out_cache_loc, k_buffer, v_buffer)
         q = q.reshape(bs, layer.num_heads, layer.head_dim).contiguous()
         out = torch.empty_like(q)
         self.kernels.paged_decode_attention(

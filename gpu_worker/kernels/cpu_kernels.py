@@ -48,6 +48,11 @@ class CpuKernels:
         self._linear = library.linear_small_m
         self._linear.restype = _int
         self._linear.argtypes = [_ptr, _int, _i64, _i64, _ptr, _int, _i64, _ptr, _int, _ptr, _int]
+        self._write_kv = library.write_kv
+        self._write_kv.restype = _int
+        self._write_kv.argtypes = [
+            _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _int, _i64, _i64,
+        ]  # fmt: skip
         self._rms_norm = library.rms_norm
         self._rms_norm.restype = _int
         self._rms_norm.argtypes = [_ptr, _ptr, _ptr, _int, _i64, _i64, _f32]
@@ -82,6 +87,26 @@ class CpuKernels:
         if status != 0:
             raise RuntimeError(f"paged_decode_attention failed with status {status}")
         return out
+
+    def write_kv(
+        self,
+        k: torch.Tensor,  # [tokens, kv_heads * head_dim], rows may be strided
+        v: torch.Tensor,
+        loc: torch.Tensor,  # [tokens] int64 slots
+        k_cache: torch.Tensor,  # [kv_heads, slots, head_dim], head_dim dense
+        v_cache: torch.Tensor,
+    ) -> None:
+        """Store each token's K and V rows at its slot, cast to the pool's dtype."""
+        kv_heads, _, head_dim = k_cache.shape
+        assert k.dtype == v.dtype and k.stride(1) == 1 and v.stride(1) == 1
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
+        assert loc.dtype == torch.int64 and loc.is_contiguous()
+        self._write_kv(
+            k.data_ptr(), v.data_ptr(), _DTYPE_CODES[k.dtype], k.stride(0), v.stride(0),
+            loc.data_ptr(), k.shape[0], kv_heads, head_dim,
+            k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
+            k_cache.stride(0), k_cache.stride(1),
+        )  # fmt: skip
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
