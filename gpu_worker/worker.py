@@ -423,7 +423,8 @@ def _engine_option_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         kind = str(f.type)
         if kind == "bool":
-            parser.add_argument(flag, action="store_true", default=None)
+            # --flag / --no-flag: a bool that defaults to True can be turned off too.
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
         elif f.name == "forward_hooks":
             parser.add_argument(flag, type=json.loads, default=None, help="JSON list")
         else:

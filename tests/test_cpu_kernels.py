@@ -197,3 +197,15 @@ def test_kernels_can_be_turned_off_by_environment(monkeypatch):
 def test_cpu_kernel_backend_named_without_kernels_is_refused():
     with pytest.raises(ValueError, match="needs the CPU kernels"):
         Engine("random:tiny-llama", attention_backend="cpu_kernel", cpu_kernels=False)
+
+
+def test_worker_flags_turn_a_default_true_option_off():
+    import argparse
+
+    from gpu_worker.worker import _engine_option_arguments
+
+    parser = argparse.ArgumentParser()
+    _engine_option_arguments(parser)
+    assert parser.parse_args(["--no-cpu-kernels"]).cpu_kernels is False
+    assert parser.parse_args(["--disable-radix-cache"]).disable_radix_cache is True
+    assert parser.parse_args([]).cpu_kernels is None  # unset: EngineConfig's default

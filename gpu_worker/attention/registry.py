@@ -15,7 +15,8 @@ from gpu_worker.memory.req_to_token_pool import ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
-# name -> "module:class"; every backend takes (req_to_token_pool, kv_pool).
+# name -> "module:class"; every backend takes (req_to_token_pool, kv_pool), and those in
+# _NEEDS_CPU_KERNELS the loaded CPU kernels too.
 _BACKENDS: dict[str, str] = {
     "torch_native": "gpu_worker.attention.torch_native:TorchNativeAttnBackend",
     "cpu_kernel": "gpu_worker.attention.cpu_kernel:CpuKernelAttnBackend",
