@@ -1,0 +1,1 @@
+"""Kernels for the engine that PyTorch does not provide in the form a CPU decode step needs."""
