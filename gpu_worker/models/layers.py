@@ -52,6 +52,8 @@ class Linear(nn.Linear):
     cpu_kernels: CpuKernels | None = None
     # The weight in oneDNN's blocked layout, for bfloat16 products of many rows: oneDNN
     # reorders a plain weight on every call otherwise (M=64 decode: 42 against 50 ms a step).
+    # A copy made at attach time: it doubles the bf16 weights' memory, and weights changed
+    # afterwards need attach_cpu_kernels again.
     packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
