@@ -166,6 +166,16 @@ def test_the_reply_stream_is_deleted_on_shutdown(redis_client, redis_url):
     assert not redis_client.exists(stream)
 
 
+def test_a_worker_that_beats_just_after_a_check_found_none_is_not_refused(ingress, redis_client):
+    """A replica that answered /health before the first beat caches "no worker" for a
+    second; a request right after the worker's beat must still be admitted."""
+    assert ingress.request("GET", "/health")[0] == 503  # caches a count of zero
+    add_worker(redis_client, ingress.config)
+    body = {"model": MODEL, "prompt": "a"}
+    with Upstream(ingress.config.redis_url, ingress.config, lambda r: deltas(r.rid, [("a", [1])])):
+        assert ingress.post("/v1/completions", body)[0] == 200
+
+
 def test_a_heartbeat_gap_shorter_than_its_ttl_does_not_refuse_requests(ingress, redis_client):
     """A late beat (a paused host) is not a dead fleet: jobs go to the scheduler, which
     holds them until a worker beats again."""

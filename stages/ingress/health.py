@@ -83,4 +83,8 @@ class WorkerHealth:
         jobs until a worker is live again, and fails them after no_worker_timeout_s."""
         if await self.live_workers():
             return True
+        # A cached zero may predate a worker's first beat (another caller checked while the
+        # fleet was starting): refuse only on a fresh look.
+        if await self.live_workers(fresh=True):
+            return True
         return time.monotonic() - self._live_at < self.config.heartbeat_ttl_s
