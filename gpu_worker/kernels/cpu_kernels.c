@@ -233,7 +233,6 @@ int paged_decode_attention(
             for (int64_t g = 0; g < group; g++) {
                 load_f32(q, q_dtype, (b * num_heads + head0 + g) * head_dim, head_dim, qf[g]);
                 for (int64_t d = 0; d < head_dim; d++) qf[g][d] *= scale;
-                memset(acc[g], 0, (size_t)head_dim * sizeof(float));
             }
 #if defined(__AVX512F__)
             if (head_dim == 64 && group <= 4) { /* a constant G per call: registers */
@@ -247,6 +246,7 @@ int paged_decode_attention(
                 continue;
             }
 #endif
+            for (int64_t g = 0; g < group; g++) memset(acc[g], 0, (size_t)head_dim * sizeof(float));
             /* scores[g][j] = q_g . k_j */
             const int64_t row_bytes = head_dim * (kv_dtype == DT_F32 ? 4 : 2);
             for (int64_t j = 0; j < n; j++) {

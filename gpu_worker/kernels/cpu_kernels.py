@@ -147,11 +147,6 @@ class CpuKernels:
         )  # fmt: skip
 
 
-def supports(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these tensors: on CPU, float32 or bfloat16."""
-    return all(t.device.type == "cpu" and t.dtype in _DTYPE_CODES for t in tensors)
-
-
 @cache
 def load() -> CpuKernels | None:
     """The kernels, built on first use; None (with one warning) where they cannot be."""

@@ -69,16 +69,13 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def attach_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> int:
+def attach_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
     """Give every module of `model` that has a kernel path (a `cpu_kernels` attribute) the
-    kernels (None detaches), and pack Linears' bfloat16 weights for oneDNN; returns how
-    many modules took them."""
-    count = 0
+    kernels (None detaches), and pack Linears' bfloat16 weights for oneDNN."""
     for module in model.modules():
         if not hasattr(module, "cpu_kernels"):
             continue
         module.cpu_kernels = kernels
-        count += 1
         if isinstance(module, Linear):
             module.packed_weight = None
             if kernels is not None and module.weight.dtype == torch.bfloat16:
@@ -86,4 +83,3 @@ def attach_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> int:
                 module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
                     module.weight.detach(), PACKING_ROWS_HINT
                 )
-    return count
