@@ -1,4 +1,4 @@
-"""Attention on CPU with decode in one C kernel over the paged pool (kernels/cpu_kernels.c).
+"""Attention on CPU with decode in one C kernel over the paged pool (kernels/attention.c).
 
 Decode is where a CPU step spends its attention time: the torch path gathers every
 request's keys and values into padded copies and multiplies those, so the cached bytes

@@ -1,7 +1,8 @@
-"""The CPU kernels of cpu_kernels.c: built once per machine with the system C compiler,
-cached, and called through ctypes with the tensors' data pointers.
+"""The CPU kernels (attention.c, layers.c, common.h beside this file): built once per machine
+into one library with the system C compiler, cached, and called through ctypes with the
+tensors' data pointers.
 
-Why C and ctypes rather than a torch C++ extension: the file needs no torch headers, so it
+Why C and ctypes rather than a torch C++ extension: the files need no torch headers, so it
 compiles in about a second where an extension takes a minute on two cores; and it is built
 with -march=native, so it uses whatever vector units this CPU has. The built library is
 cached under the streamserve cache folder, keyed by the source, the compiler command and the
@@ -27,9 +28,10 @@ from gpu_worker.models.gguf_convert import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("attention.c", "layers.c")]
+HEADERS = [Path(__file__).with_name("common.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
-# linear_small_m handles at most this many rows (MAX_SMALL_M in the C file).
+# linear_small_m handles at most this many rows (MAX_SMALL_M in layers.c).
 MAX_SMALL_M = 8
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -169,7 +171,7 @@ def load() -> CpuKernels | None:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode() + _cpu_flags())
     target = default_cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -181,7 +183,7 @@ def _build(compiler: str) -> Path:
         partial = Path(tmp.name)
     try:
         subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", str(partial), "-lm"],
+            [compiler, *CFLAGS, *map(str, SOURCES), "-o", str(partial), "-lm"],
             check=True,
             capture_output=True,
             text=True,

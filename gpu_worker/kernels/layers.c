@@ -1,0 +1,154 @@
+/* The dense layers' CPU kernels: a linear for a few rows, RMSNorm, rotary in place.
+ *
+ * linear_small_m: y = x W^T (+ b) for a few rows of x. Decoding one or a few tokens streams
+ * the whole weight from memory for a handful of multiply-adds per element; oneDNN's bf16
+ * GEMV reached 8-13 GB/s of this host's ~28 GB/s read bandwidth, while a loop that loads
+ * each weight row once and FMAs it into every row of x keeps up with it.
+ */
+#include "common.h"
+
+#define MAX_SMALL_M 8
+
+/* Dot products of one weight row (K elements of dtype w_dtype) with M rows of xf. */
+static inline __attribute__((always_inline)) void row_dots(
+    const void *w, int w_dtype, int64_t n, int64_t K, const float *xf, const int M, float *dots)
+{
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    __m512 acc[MAX_SMALL_M][2];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    if (w_dtype == DT_BF16) {
+        const uint16_t *wr = (const uint16_t *)w + n * K;
+        for (; k + 32 <= K; k += 32) {
+            const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wr + k))), 16));
+            const __m512 w1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wr + k + 16))), 16));
+            for (int m = 0; m < M; m++) {
+                acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xf + m * K + k), acc[m][0]);
+                acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xf + m * K + k + 16), acc[m][1]);
+            }
+        }
+    } else {
+        const float *wr = (const float *)w + n * K;
+        for (; k + 32 <= K; k += 32) {
+            const __m512 w0 = _mm512_loadu_ps(wr + k), w1 = _mm512_loadu_ps(wr + k + 16);
+            for (int m = 0; m < M; m++) {
+                acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xf + m * K + k), acc[m][0]);
+                acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xf + m * K + k + 16), acc[m][1]);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) dots[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+#else
+    for (int m = 0; m < M; m++) dots[m] = 0.f;
+#endif
+    if (k < K) { /* the tail, or everything without AVX-512 (auto-vectorized) */
+        float wf[K - k];
+        load_f32(w, w_dtype, n * K + k, K - k, wf);
+        for (int m = 0; m < M; m++) dots[m] += dot_f32(wf, xf + m * K + k, K - k);
+    }
+}
+
+#define ROWS(M_)                                                                          \
+    _Pragma("omp parallel for schedule(static)")                                          \
+    for (int64_t n = 0; n < N; n++) {                                                     \
+        float dots[MAX_SMALL_M];                                                          \
+        row_dots(w, w_dtype, n, K, xf, M_, dots);                                         \
+        const float b = bias ? (bias_dtype == DT_F32 ? ((const float *)bias)[n]           \
+                                                     : bf16_to_f32(((const uint16_t *)bias)[n])) \
+                             : 0.f;                                                       \
+        for (int m = 0; m < M_; m++) yf[m * N + n] = dots[m] + b;                         \
+    }
+
+/* y[M, N] = x[M, K] @ w[N, K]^T + bias[N]; all contiguous; 1 <= M <= MAX_SMALL_M. */
+int linear_small_m(const void *x, int x_dtype, int64_t M, int64_t K,
+                   const void *w, int w_dtype, int64_t N,
+                   const void *bias, int bias_dtype, void *y, int y_dtype)
+{
+    if (M < 1 || M > MAX_SMALL_M) return -1;
+    float *xf = malloc((size_t)(M * K) * sizeof(float));
+    float *yf = y_dtype == DT_F32 ? (float *)y : malloc((size_t)(M * N) * sizeof(float));
+    if (!xf || !yf) {
+        free(xf);
+        if (yf != y) free(yf);
+        return -2;
+    }
+    load_f32(x, x_dtype, 0, M * K, xf);
+    switch (M) { /* a constant M per case lets the compiler keep acc[][] in registers */
+        case 1: ROWS(1) break;
+        case 2: ROWS(2) break;
+        case 3: ROWS(3) break;
+        case 4: ROWS(4) break;
+        case 5: ROWS(5) break;
+        case 6: ROWS(6) break;
+        case 7: ROWS(7) break;
+        default: ROWS(8) break;
+    }
+    if (y_dtype != DT_F32) {
+#pragma omp parallel for schedule(static)
+        for (int64_t m = 0; m < M; m++) store_f32(y, y_dtype, m * N, N, yf + m * N);
+        free(yf);
+    }
+    free(xf);
+    return 0;
+}
+
+/* ---- RMSNorm and rotary, one pass each ---------------------------------------------------- */
+
+/* Round a float32 to the nearest bfloat16 and back: what a torch op in bfloat16 stores. */
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* out = weight * (x / rms(x)), as transformers' LlamaRMSNorm computes it: the normalized row
+ * is cast to x's dtype before the weight multiply, so bfloat16 rounds where torch does. */
+int rms_norm(const void *x, const void *weight, void *out, int dtype, int64_t rows,
+             int64_t hidden, float eps)
+{
+#pragma omp parallel for schedule(static) if (rows * hidden >= 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        float row[hidden], w[hidden];
+        load_f32(x, dtype, r * hidden, hidden, row);
+        load_f32(weight, dtype, 0, hidden, w);
+        const float inv = 1.f / sqrtf(dot_f32(row, row, hidden) / (float)hidden + eps);
+        if (dtype == DT_BF16) {
+            for (int64_t i = 0; i < hidden; i++) row[i] = w[i] * round_bf16(row[i] * inv);
+        } else {
+            for (int64_t i = 0; i < hidden; i++) row[i] = w[i] * (row[i] * inv);
+        }
+        store_f32(out, dtype, r * hidden, hidden, row);
+    }
+    return 0;
+}
+
+/* Neox-style rotary in place on x [tokens, heads, head_dim] (rows of `row_stride` elements):
+ * x * cos + rotate_half(x) * sin with cos, sin [tokens, head_dim], rounding each product and
+ * the sum to x's dtype as three bfloat16 torch ops would. */
+int rotary_inplace(void *x, const void *cos, const void *sin, int dtype, int64_t tokens,
+                   int64_t heads, int64_t head_dim, int64_t row_stride)
+{
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= 32768)
+    for (int64_t t = 0; t < tokens; t++) {
+        float c[head_dim], s[head_dim], v[head_dim];
+        load_f32(cos, dtype, t * head_dim, head_dim, c);
+        load_f32(sin, dtype, t * head_dim, head_dim, s);
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t offset = t * row_stride + h * head_dim;
+            load_f32(x, dtype, offset, head_dim, v);
+            float o[head_dim];
+            if (dtype == DT_BF16) {
+                for (int64_t i = 0; i < head_dim; i++) {
+                    const float rotated = i < half ? -v[i + half] : v[i - half];
+                    o[i] = round_bf16(v[i] * c[i]) + round_bf16(rotated * s[i]);
+                }
+            } else {
+                for (int64_t i = 0; i < head_dim; i++) {
+                    const float rotated = i < half ? -v[i + half] : v[i - half];
+                    o[i] = v[i] * c[i] + rotated * s[i];
+                }
+            }
+            store_f32(x, dtype, offset, head_dim, o);
+        }
+    }
+    return 0;
+}
