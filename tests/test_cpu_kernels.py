@@ -15,7 +15,7 @@ from gpu_worker.kernels import cpu_kernels
 from gpu_worker.kernels.cpu_kernels import MAX_SMALL_M
 from gpu_worker.memory.kv_pool import TokenToKVPool
 from gpu_worker.models.layers import RMSNorm
-from gpu_worker.models.random_shapes import fill_random_weights
+from gpu_worker.models.random_shapes import RANDOM_SHAPES, fill_random_weights
 from gpu_worker.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -77,6 +77,58 @@ def test_paged_decode_attention_matches_reference(kernels, dtype, head_dim, head
     out = torch.empty_like(q)
     kernels.paged_decode_attention(q, k_cache, v_cache, table, rows, lens, 0.3, chunk, out)
     expected = _reference_decode(q, k_cache, v_cache, table, rows, lens, 0.3)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def _reference_extend(q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, scale):
+    """Causal attention of each request's new queries over its slots, in float64."""
+    kv_heads, out, start = k_cache.shape[0], [], 0
+    requests = zip(rows.tolist(), prefix_lens.tolist(), extend_lens.tolist(), strict=True)
+    for row, prefix, new in requests:
+        slots = table[row, : prefix + new]
+        keys, values = k_cache[:, slots].double(), v_cache[:, slots].double()
+        queries = q[start : start + new].double()  # [new, heads, dim]
+        queries = queries.view(new, kv_heads, -1, q.shape[-1]).permute(1, 2, 0, 3)
+        scores = torch.einsum("kgnd,kmd->kgnm", queries, keys) * scale
+        seen = torch.arange(prefix + new)[None, :] <= (prefix + torch.arange(new))[:, None]
+        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        attended = torch.einsum("kgnm,kmd->kgnd", probs, values)
+        out.append(attended.permute(2, 0, 1, 3).reshape(new, q.shape[1], q.shape[2]))
+        start += new
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "head_dim,heads,kv_heads",
+    [(64, 9, 3), (64, 8, 8), (64, 8, 2), (128, 16, 2), (16, 4, 2), (80, 4, 1), (64, 32, 4)],
+)
+def test_extend_attention_matches_reference(kernels, dtype, head_dim, heads, kv_heads):
+    rng = random.Random(head_dim * heads)
+    torch.manual_seed(heads)
+    slots = 4000
+    k_cache = torch.randn(kv_heads, slots, head_dim, dtype=dtype)
+    v_cache = torch.randn(kv_heads, slots, head_dim, dtype=dtype)
+    table = torch.tensor([rng.sample(range(slots), 700) for _ in range(6)])
+    # Fresh prompts and chunk continuations, lengths on and off the 8-query and 32-key blocks.
+    prefix_lens = torch.tensor([0, 0, 40, 300, 0, 17])
+    extend_lens = torch.tensor([1, 37, 8, 65, 256, 3])
+    rows = torch.tensor(rng.sample(range(6), 6))
+    tokens = int(extend_lens.sum())
+    # q as the model hands it over: a column slice of the fused qkv output.
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    out = torch.empty(tokens, heads, head_dim, dtype=dtype)
+    handled = kernels.extend_attention(
+        q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, 0.125, out
+    )
+    if heads // kv_heads > 8:
+        assert not handled  # more query heads per kv head than the kernel holds: the caller
+        return  # attends on the torch path (test_engine_with_kernels_equals_engine_without)
+        return
+    assert handled
+    expected = _reference_extend(q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, 0.125)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
 
@@ -145,18 +197,26 @@ def test_paged_decode_attention_refuses_what_it_cannot_hold(kernels):
 
 
 @pytest.mark.parametrize(
-    "options",
-    [{}, {"page_size": 16, "chunked_prefill_size": 24}, {"speculative": "ngram"}],
-    ids=["default", "pages-chunked", "ngram"],
+    "shape,options",
+    [
+        ("tiny-llama", {}),
+        ("tiny-llama", {"page_size": 16, "chunked_prefill_size": 24}),
+        ("tiny-llama", {"speculative": "ngram"}),
+        ("tiny-mqa", {"chunked_prefill_size": 24}),  # 16 query heads per kv head
+    ],
+    ids=["default", "pages-chunked", "ngram", "extend-on-torch"],
 )
-def test_engine_with_kernels_equals_engine_without(options):
+def test_engine_with_kernels_equals_engine_without(monkeypatch, shape, options):
     """float32 greedy, mixed lengths (batch sizes above and below the kernel's row limit)."""
+    # More query heads per kv head than the extend kernel holds: extends go to the torch path.
+    tiny_mqa = {**RANDOM_SHAPES["tiny-llama"], "num_attention_heads": 16, "num_key_value_heads": 1}
+    monkeypatch.setitem(RANDOM_SHAPES, "tiny-mqa", {**tiny_mqa, "head_dim": 16})
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 5, 17, 40, 3, 90, 2, 8, 60)]
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     outputs = {}
     for enabled in (True, False):
-        engine = Engine("random:tiny-llama", dtype="float32", cpu_kernels=enabled, **options)
+        engine = Engine(f"random:{shape}", dtype="float32", cpu_kernels=enabled, **options)
         # A wide init makes the logits peaked: float32 summation order cannot flip a choice.
         fill_random_weights(engine.runner.model, seed=0, std=0.2)
         assert (engine.runner.cpu_kernels is not None) == enabled
@@ -165,6 +225,8 @@ def test_engine_with_kernels_equals_engine_without(options):
         outputs[enabled] = [
             r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)
         ]
+        if enabled:
+            assert engine.runner.attn_backend._extend_on_torch == (shape == "tiny-mqa")
     assert outputs[True] == outputs[False]
 
 

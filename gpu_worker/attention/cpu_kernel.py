@@ -1,10 +1,14 @@
-"""Attention on CPU with decode in one C kernel over the paged pool (kernels/attention.c).
+"""Attention on CPU in C kernels over the paged pool (kernels/attention.c and
+kernels/extend_attention.c).
 
-Decode is where a CPU step spends its attention time: the torch path gathers every
-request's keys and values into padded copies and multiplies those, so the cached bytes
-move three times; the kernel reads each cached row once, straight from the pool, splitting
-long requests into key chunks so every thread has work. Extend (prefill, chunks, draft
-verification) is compute-bound and stays on the torch path this class inherits.
+Decode: the torch path gathers every request's keys and values into padded copies and
+multiplies those, so the cached bytes move three times; the kernel reads each cached row
+once, straight from the pool, splitting long requests into key chunks so every thread has
+work. Extend (prefill, chunks, draft verification): the torch path attends one request at a
+time with copies, masks and small matmuls; the kernel does every request in one call, each
+row's softmax over exactly the keys it sees. Shapes the extend kernel does not take (head_dim
+not a multiple of 16, more than 8 query heads per kv head) go to the torch path this class
+inherits.
 """
 
 from __future__ import annotations
@@ -32,10 +36,17 @@ class CpuKernelAttnBackend(TorchNativeAttnBackend):
         self.kernels = kernels
         self._seq_lens = torch.empty(0, dtype=torch.int64)  # on cpu, for the kernel
         self._chunk = MAX_CHUNK
+        self._prefix_lens = torch.empty(0, dtype=torch.int64)
+        self._extend_lens = torch.empty(0, dtype=torch.int64)
+        # Set once the extend kernel declined this model's shape: the torch path from then on.
+        self._extend_on_torch = False
 
     def prepare_metadata(self, forward_batch: ForwardBatch) -> None:
         if forward_batch.forward_mode != ForwardMode.DECODE:
-            super().prepare_metadata(forward_batch)
+            if self._extend_on_torch:
+                super().prepare_metadata(forward_batch)
+            self._prefix_lens = torch.tensor(forward_batch.extend_prefix_lens_cpu)
+            self._extend_lens = torch.tensor(forward_batch.extend_seq_lens_cpu)
             return
         lens = forward_batch.seq_lens_cpu
         self._seq_lens = torch.tensor(lens, dtype=torch.int64)
@@ -53,7 +64,7 @@ class CpuKernelAttnBackend(TorchNativeAttnBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         if forward_batch.forward_mode != ForwardMode.DECODE:
-            return super().forward(q, k, v, layer, forward_batch)
+            return self._forward_extend(q, k, v, layer, forward_batch)
         bs = q.shape[0]
         k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer.layer_id)
         self.kernels.write_kv(k, v, forward_batch.out_cache_loc, k_buffer, v_buffer)
@@ -71,3 +82,32 @@ class CpuKernelAttnBackend(TorchNativeAttnBackend):
             out,
         )
         return out.view(bs, layer.num_heads * layer.head_dim)
+
+    def _forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: PagedAttention,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        if not self._extend_on_torch:
+            tokens = q.shape[0]
+            k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer.layer_id)
+            self.kernels.write_kv(k, v, forward_batch.out_cache_loc, k_buffer, v_buffer)
+            out = torch.empty(tokens, layer.num_heads, layer.head_dim, dtype=q.dtype)
+            if self.kernels.extend_attention(
+                q.view(tokens, layer.num_heads, layer.head_dim),
+                k_buffer,
+                v_buffer,
+                self.req_to_token_pool.req_to_token,
+                forward_batch.req_pool_indices,
+                self._prefix_lens,
+                self._extend_lens,
+                layer.scaling,
+                out,
+            ):
+                return out.view(tokens, layer.num_heads * layer.head_dim)
+            self._extend_on_torch = True
+            super().prepare_metadata(forward_batch)
+        return super().forward(q, k, v, layer, forward_batch)

@@ -66,3 +66,57 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     for (; i < n; i++) sum += a[i] * b[i];
     return sum;
 }
+
+#if defined(__AVX512F__)
+/* exp(x) for x <= 0 (scores minus their max): 2^n * e^r with n = round(x / ln 2) and
+ * |r| <= ln(2) / 2, e^r by its Taylor series to degree 7 (truncation < 6e-9, below float32's
+ * rounding). libm's expf is scalar: on a decode step it cost more than reading the keys. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f)); /* exp(-87) is 0 to float32 softmax */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147182f), x);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* The largest of s[0..n) (-inf for n = 0). */
+static inline float max_f32(const float *s, int64_t n) {
+    float m = -INFINITY;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= n; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+    m = _mm512_reduce_max_ps(top);
+#endif
+    for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
+/* s[0..n) = exp(s - m) in place; returns their sum. */
+static inline float exp_shifted_sum(float *s, int64_t n, float m) {
+    float sum = 0.f;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    __m512 total = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(m)));
+        _mm512_storeu_ps(s + j, e);
+        total = _mm512_add_ps(total, e);
+    }
+    sum = _mm512_reduce_add_ps(total);
+#endif
+    for (; j < n; j++) {
+        s[j] = expf(s[j] - m);
+        sum += s[j];
+    }
+    return sum;
+}

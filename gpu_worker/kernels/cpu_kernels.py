@@ -1,6 +1,6 @@
-"""The CPU kernels (attention.c, layers.c, common.h beside this file): built once per machine
-into one library with the system C compiler, cached, and called through ctypes with the
-tensors' data pointers.
+"""The CPU kernels (attention.c, extend_attention.c, layers.c and common.h beside this file):
+built once per machine into one library with the system C compiler, cached, and called
+through ctypes with the tensors' data pointers.
 
 Why C and ctypes rather than a torch C++ extension: the files need no torch headers, so it
 compiles in about a second where an extension takes a minute on two cores; and it is built
@@ -28,7 +28,9 @@ from gpu_worker.models.gguf_convert import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("attention.c", "layers.c")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("attention.c", "extend_attention.c", "layers.c")
+]
 HEADERS = [Path(__file__).with_name("common.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # linear_small_m handles at most this many rows (MAX_SMALL_M in layers.c).
@@ -46,6 +48,12 @@ class CpuKernels:
         self._attention.argtypes = [
             _ptr, _int, _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _ptr, _ptr,
             _i64, _i64, _i64, _i64, _f32, _i64, _ptr, _int,
+        ]  # fmt: skip
+        self._extend = library.extend_attention
+        self._extend.restype = _int
+        self._extend.argtypes = [
+            _ptr, _int, _i64, _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr,
+            _i64, _i64, _i64, _i64, _f32, _ptr, _int,
         ]  # fmt: skip
         self._linear = library.linear_small_m
         self._linear.restype = _int
@@ -89,6 +97,41 @@ class CpuKernels:
         if status != 0:
             raise RuntimeError(f"paged_decode_attention failed with status {status}")
         return out
+
+    def extend_attention(
+        self,
+        q: torch.Tensor,  # [tokens, num_heads, head_dim]; tokens may be strided
+        k_cache: torch.Tensor,  # [kv_heads, slots, head_dim] (any strides, head_dim dense)
+        v_cache: torch.Tensor,
+        req_to_token: torch.Tensor,  # [rows, width] int64
+        req_pool_indices: torch.Tensor,  # [bs] int64
+        prefix_lens: torch.Tensor,  # [bs] int64, on cpu: keys cached before the new tokens
+        extend_lens: torch.Tensor,  # [bs] int64, on cpu: new tokens, consecutive in q
+        scale: float,
+        out: torch.Tensor,  # [tokens, num_heads, head_dim] contiguous
+    ) -> bool:
+        """Causal attention of each request's new tokens over its prefix and themselves, with
+        every key and value read from the pool (the new ones already written). False where
+        the kernel does not handle the shape (head_dim not a multiple of 16, or more than 8
+        query heads per kv head, or no AVX-512): the caller attends another way."""
+        tokens, num_heads, head_dim = q.shape
+        assert q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous()
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
+        assert req_to_token.stride(1) == 1 and prefix_lens.is_contiguous()
+        status = self._extend(
+            q.data_ptr(), _DTYPE_CODES[q.dtype], q.stride(0),
+            k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
+            k_cache.stride(0), k_cache.stride(1),
+            req_to_token.data_ptr(), req_to_token.stride(0),
+            req_pool_indices.data_ptr(), prefix_lens.data_ptr(), extend_lens.data_ptr(),
+            len(extend_lens), num_heads, k_cache.shape[0], head_dim, scale,
+            out.data_ptr(), _DTYPE_CODES[out.dtype],
+        )  # fmt: skip
+        if status == -1:
+            return False
+        if status != 0:
+            raise RuntimeError(f"extend_attention failed with status {status}")
+        return True
 
     def write_kv(
         self,
