@@ -166,6 +166,21 @@ def test_rotary_in_place_matches_apply_rotary(kernels, dtype, tokens):
     assert torch.equal(qkv[:, heads * head_dim :], untouched)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300: past the size that goes parallel
+def test_silu_and_mul_matches_torch_ops(kernels, rows):
+    torch.manual_seed(rows)
+    inter = 1536 + 8  # a tail past the vector loop
+    # A strided view, as from a fused gate_up output; wide values reach both of silu's branches.
+    gate_up = (torch.randn(rows, 2 * inter + 64) * 6).to(torch.bfloat16)[:, : 2 * inter]
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate).mul(up)  # torch's two bfloat16 ops
+    got = kernels.silu_and_mul(gate_up)
+    # The same two roundings; exp's last float32 bit may move a rounding by one bfloat16 ulp.
+    torch.testing.assert_close(got, expected, rtol=8e-3, atol=1e-6)
+    assert (got != expected).float().mean() < 0.01
+    assert kernels.silu_and_mul(gate_up.float()) is None  # float32 stays on torch's ops
+
+
 @pytest.mark.parametrize("new_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_stores_what_set_kv_buffer_stores(kernels, new_dtype, pool_dtype):

@@ -8,16 +8,6 @@
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 
-#if defined(__AVX512F__)
-/* 16 elements from element `offset` of `base` as float32. */
-static inline __m512 load16(const void *base, int dtype, int64_t offset) {
-    if (dtype == DT_F32) return _mm512_loadu_ps((const float *)base + offset);
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-#endif
-
 /* Slots are indirect, so the hardware prefetcher cannot follow them: ask for rows ahead. */
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8

@@ -88,6 +88,31 @@ static inline __m512 exp_nonpositive(__m512 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* 16 elements from element `offset` of `base` as float32. */
+static inline __m512 load16(const void *base, int dtype, int64_t offset) {
+    if (dtype == DT_F32) return _mm512_loadu_ps((const float *)base + offset);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+#endif
+
+#if defined(__AVX512F__)
+/* 16 floats to bfloat16, rounded to nearest even as f32_to_bf16 (quiet NaNs stay NaN). */
+static inline __m256i f32_to_bf16_16(__m512 x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+/* x rounded to bfloat16 and back: what a bfloat16 torch op stores, as float32. */
+static inline __m512 round_to_bf16_16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f32_to_bf16_16(x)), 16));
+}
+#endif
+
 /* The largest of s[0..n) (-inf for n = 0). */
 static inline float max_f32(const float *s, int64_t n) {
     float m = -INFINITY;

@@ -66,6 +66,9 @@ class CpuKernels:
         self._rms_norm = library.rms_norm
         self._rms_norm.restype = _int
         self._rms_norm.argtypes = [_ptr, _ptr, _ptr, _int, _i64, _i64, _f32]
+        self._silu_and_mul = library.silu_and_mul
+        self._silu_and_mul.restype = _int
+        self._silu_and_mul.argtypes = [_ptr, _i64, _ptr, _int, _i64, _i64]
         self._rotary = library.rotary_inplace
         self._rotary.restype = _int
         self._rotary.argtypes = [_ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64]
@@ -179,6 +182,18 @@ class CpuKernels:
             x.shape[0], x.shape[1], eps,
         )  # fmt: skip
         return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of x [rows, 2 * inter] = [gate | up] (rows may be strided), rounded
+        as torch's two bfloat16 ops round; None for a dtype the kernel leaves to torch
+        (float32, or a CPU without AVX-512)."""
+        rows, width = x.shape
+        assert x.stride(1) == 1 and width % 2 == 0
+        out = torch.empty(rows, width // 2, dtype=x.dtype)
+        status = self._silu_and_mul(
+            x.data_ptr(), x.stride(0), out.data_ptr(), _DTYPE_CODES[x.dtype], rows, width // 2
+        )
+        return out if status == 0 else None
 
     def rotary_inplace(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Neox rotary on x [tokens, heads, head_dim] (rows may be strided; heads and

@@ -79,6 +79,72 @@ static void pv_4_rows_all(const float *p, int64_t p_stride, const float *v, int6
 }
 #endif
 
+#if defined(__AVX512BF16__)
+/* bfloat16 queries and pool, with AVX512-BF16's vdpbf16ps: two dimensions per instruction,
+ * exact products summed in float32. Keys sit in 32-key blocks of dimension pairs
+ * ([head_dim / 2][32][2]), values in key pairs ([keys / 2][head_dim][2]); probabilities are
+ * rounded to bfloat16 for P V, as the torch path's bfloat16 matmul does. */
+static void scores_8_rows_bf16(const uint16_t *q, int64_t head_dim, const uint16_t *kp,
+                               int64_t keys, float scale, float *scores, int64_t score_stride) {
+    const uint32_t *qp = (const uint32_t *)q; /* a (d, d + 1) pair per element */
+    const int64_t pairs = head_dim / 2;
+    for (int64_t kb = 0; kb * KEY_BLOCK < keys; kb++) {
+        const uint16_t *block = kp + kb * head_dim * KEY_BLOCK;
+        __m512 acc[8][2];
+        for (int r = 0; r < 8; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int64_t dp = 0; dp < pairs; dp++) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(block + dp * 2 * KEY_BLOCK);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(block + dp * 2 * KEY_BLOCK + 32);
+            for (int r = 0; r < 8; r++) {
+                const __m512bh qd = (__m512bh)_mm512_set1_epi32((int)qp[r * pairs + dp]);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, qd);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, qd);
+            }
+        }
+        const __m512 sc = _mm512_set1_ps(scale);
+        for (int r = 0; r < 8; r++) {
+            float *dst = scores + r * score_stride + kb * KEY_BLOCK;
+            _mm512_storeu_ps(dst, _mm512_mul_ps(acc[r][0], sc));
+            _mm512_storeu_ps(dst + 16, _mm512_mul_ps(acc[r][1], sc));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void pv_4_rows_bf16(
+    const uint16_t *p, int64_t p_stride, const uint16_t *vp, int64_t head_dim, int64_t keys,
+    int64_t dim0, float *out, int64_t out_stride, const int WIDTH)
+{
+    __m512 acc[4][4];
+    __m512bh vj[4];
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < WIDTH; i++) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t jp = 0; jp < (keys + 1) / 2; jp++) {
+        for (int i = 0; i < WIDTH; i++)
+            vj[i] = (__m512bh)_mm512_loadu_si512(vp + (jp * head_dim + dim0 + 16 * i) * 2);
+        for (int r = 0; r < 4; r++) {
+            const uint32_t pair = ((const uint32_t *)(p + r * p_stride))[jp];
+            const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int i = 0; i < WIDTH; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], vj[i], pj);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < WIDTH; i++) _mm512_storeu_ps(out + r * out_stride + 16 * i, acc[r][i]);
+}
+
+static void pv_4_rows_all_bf16(const uint16_t *p, int64_t p_stride, const uint16_t *vp,
+                               int64_t head_dim, int64_t keys, float *out, int64_t out_stride) {
+    for (int64_t dim0 = 0; dim0 < head_dim; dim0 += 64) {
+        float *o = out + dim0;
+        switch ((head_dim - dim0) >= 64 ? 4 : (int)(head_dim - dim0) / 16) {
+            case 4: pv_4_rows_bf16(p, p_stride, vp, head_dim, keys, dim0, o, out_stride, 4); break;
+            case 3: pv_4_rows_bf16(p, p_stride, vp, head_dim, keys, dim0, o, out_stride, 3); break;
+            case 2: pv_4_rows_bf16(p, p_stride, vp, head_dim, keys, dim0, o, out_stride, 2); break;
+            default: pv_4_rows_bf16(p, p_stride, vp, head_dim, keys, dim0, o, out_stride, 1); break;
+        }
+    }
+}
+#endif
+
 /* q: [tokens, num_heads, head_dim] with token stride q_token_stride (elements); out the same
  * shape, contiguous. Request b's new tokens are extend_lens[b] consecutive tokens, at
  * positions prefix_lens[b] ..; its keys (prefix and new, already written) are in the pool at
@@ -98,7 +164,13 @@ int extend_attention(const void *q, int q_dtype, int64_t q_token_stride,
 #else
     const int64_t group = num_heads / num_kv_heads;
     if (head_dim % 16 != 0 || head_dim > MAX_EXT_HEAD_DIM || group > MAX_EXT_GROUP) return -1;
-    /* Per request: where its new tokens start, and where its widened keys/values go. */
+#if defined(__AVX512BF16__)
+    const int bf16 = q_dtype == DT_BF16 && kv_dtype == DT_BF16;
+#else
+    const int bf16 = 0;
+#endif
+    const size_t element = bf16 ? sizeof(uint16_t) : sizeof(float); /* of the K/V copies */
+    /* Per request: where its new tokens start, and where its keys/values are copied to. */
     int64_t *token0 = malloc((size_t)(bs + 1) * sizeof(int64_t));
     int64_t *kv0 = malloc((size_t)(bs + 1) * sizeof(int64_t));
     int64_t *item0 = malloc((size_t)(bs + 1) * sizeof(int64_t));
@@ -113,13 +185,13 @@ int extend_attention(const void *q, int q_dtype, int64_t q_token_stride,
         const int64_t padded = (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
         max_keys = padded > max_keys ? padded : max_keys;
         token0[b + 1] = token0[b] + extend_lens[b];
-        kv0[b + 1] = kv0[b] + padded * head_dim; /* per kv head */
+        kv0[b + 1] = kv0[b] + padded * head_dim; /* elements per kv head */
         item0[b + 1] = item0[b] + (extend_lens[b] + QUERY_BLOCK - 1) / QUERY_BLOCK;
     }
-    float *kt = malloc((size_t)(kv0[bs] * num_kv_heads) * sizeof(float));
-    float *vf = malloc((size_t)(kv0[bs] * num_kv_heads) * sizeof(float));
-    if (!kt || !vf) {
-        free(kt), free(vf), free(token0), free(kv0), free(item0);
+    char *kt = malloc((size_t)(kv0[bs] * num_kv_heads) * element);
+    char *vt = malloc((size_t)(kv0[bs] * num_kv_heads) * element);
+    if (!kt || !vt) {
+        free(kt), free(vt), free(token0), free(kv0), free(item0);
         return -2;
     }
     const int64_t rows = group * QUERY_BLOCK;
@@ -127,34 +199,52 @@ int extend_attention(const void *q, int q_dtype, int64_t q_token_stride,
 
 #pragma omp parallel
     {
-        /* 1: each request's keys, transposed into key blocks, and values, as float32. */
+        /* 1: each request's keys, transposed into key blocks, and its values: float32, or
+         * bfloat16 in dimension pairs for vdpbf16ps. Padding keys are zeros: finite scores
+         * that no row reads. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < bs * num_kv_heads; item++) {
             const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
             const int64_t keys = prefix_lens[b] + extend_lens[b];
-            const int64_t *slots = req_to_token + req_pool_indices[b] * table_stride;
-            float *kt_h = kt + kv0[b] * num_kv_heads + h * (kv0[b + 1] - kv0[b]);
-            float *vf_h = vf + kv0[b] * num_kv_heads + h * (kv0[b + 1] - kv0[b]);
-            float row[MAX_EXT_HEAD_DIM];
-            for (int64_t j = 0; j < keys; j++) {
-                const int64_t offset = h * kv_head_stride + slots[j] * kv_slot_stride;
-                load_f32(k_cache, kv_dtype, offset, head_dim, row);
-                float *block = kt_h + (j / KEY_BLOCK) * head_dim * KEY_BLOCK + j % KEY_BLOCK;
-                for (int64_t d = 0; d < head_dim; d++) block[d * KEY_BLOCK] = row[d];
-                load_f32(v_cache, kv_dtype, offset, head_dim, vf_h + j * head_dim);
-            }
             const int64_t padded = (kv0[b + 1] - kv0[b]) / head_dim;
-            for (int64_t j = keys; j < padded; j++) { /* zero keys: finite scores, never read */
-                float *block = kt_h + (j / KEY_BLOCK) * head_dim * KEY_BLOCK + j % KEY_BLOCK;
-                for (int64_t d = 0; d < head_dim; d++) block[d * KEY_BLOCK] = 0.f;
+            const int64_t *slots = req_to_token + req_pool_indices[b] * table_stride;
+            const int64_t base = kv0[b] * num_kv_heads + h * (kv0[b + 1] - kv0[b]);
+            if (bf16) {
+                uint16_t *kp = (uint16_t *)kt + base, *vp = (uint16_t *)vt + base;
+                memset(kp + (keys / KEY_BLOCK) * head_dim * KEY_BLOCK, 0,
+                       (size_t)((padded - keys / KEY_BLOCK * KEY_BLOCK) * head_dim) * element);
+                memset(vp + keys / 2 * 2 * head_dim, 0, (size_t)((padded - keys / 2 * 2) * head_dim) * element);
+                for (int64_t j = 0; j < keys; j++) {
+                    const int64_t offset = h * kv_head_stride + slots[j] * kv_slot_stride;
+                    const uint16_t *k = (const uint16_t *)k_cache + offset;
+                    const uint16_t *v = (const uint16_t *)v_cache + offset;
+                    uint16_t *kblock = kp + (j / KEY_BLOCK) * head_dim * KEY_BLOCK + (j % KEY_BLOCK) * 2;
+                    uint16_t *vpair = vp + (j / 2) * head_dim * 2 + j % 2;
+                    for (int64_t d = 0; d < head_dim; d++) {
+                        kblock[(d / 2) * 2 * KEY_BLOCK + d % 2] = k[d];
+                        vpair[d * 2] = v[d];
+                    }
+                }
+                continue;
+            }
+            float *kf = (float *)kt + base, *vf = (float *)vt + base;
+            float row[MAX_EXT_HEAD_DIM];
+            for (int64_t j = 0; j < padded; j++) {
+                const int64_t offset = h * kv_head_stride + slots[j < keys ? j : 0] * kv_slot_stride;
+                if (j < keys) load_f32(k_cache, kv_dtype, offset, head_dim, row);
+                else memset(row, 0, (size_t)head_dim * sizeof(float));
+                float *block = kf + (j / KEY_BLOCK) * head_dim * KEY_BLOCK + j % KEY_BLOCK;
+                for (int64_t d = 0; d < head_dim; d++) block[d * KEY_BLOCK] = row[d];
+                if (j < keys) load_f32(v_cache, kv_dtype, offset, head_dim, vf + j * head_dim);
             }
         }
 
         /* 2: per (request, kv head, block of new queries): scores, softmax, P V. */
         float *qf = malloc((size_t)(rows * head_dim) * sizeof(float));
         float *scores = malloc((size_t)(rows * max_keys) * sizeof(float));
+        uint16_t *p16 = malloc((size_t)(rows * max_keys) * sizeof(uint16_t));
         float *acc = malloc((size_t)(rows * head_dim) * sizeof(float));
-        if (!qf || !scores || !acc) {
+        if (!qf || !scores || !p16 || !acc) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -171,38 +261,69 @@ int extend_attention(const void *q, int q_dtype, int64_t q_token_stride,
             const int64_t first = (block_item - item0[b]) * QUERY_BLOCK;
             const int64_t count = extend_lens[b] - first < QUERY_BLOCK ? extend_lens[b] - first : QUERY_BLOCK;
             const int64_t visible = prefix + first + count; /* keys the block's last query sees */
-            const float *kt_h = kt + kv0[b] * num_kv_heads + h * (kv0[b + 1] - kv0[b]);
-            const float *vf_h = vf + kv0[b] * num_kv_heads + h * (kv0[b + 1] - kv0[b]);
-            /* Row g * QUERY_BLOCK + i: query head h * group + g of new token first + i. */
+            const int64_t base = kv0[b] * num_kv_heads + h * (kv0[b + 1] - kv0[b]);
+            /* Row g * QUERY_BLOCK + i: query head h * group + g of new token first + i; as
+             * float32 pre-scaled, or as the bfloat16 it is (qf's bytes hold either). */
             for (int64_t g = 0; g < group; g++)
                 for (int64_t i = 0; i < QUERY_BLOCK; i++) {
-                    float *dst = qf + (g * QUERY_BLOCK + i) * head_dim;
+                    const int64_t r = g * QUERY_BLOCK + i;
+                    const int64_t src = (token0[b] + first + i) * q_token_stride + (h * group + g) * head_dim;
+                    if (bf16) {
+                        uint16_t *dst = (uint16_t *)qf + r * head_dim;
+                        if (i < count) memcpy(dst, (const uint16_t *)q + src, (size_t)head_dim * 2);
+                        else memset(dst, 0, (size_t)head_dim * 2);
+                        continue;
+                    }
+                    float *dst = qf + r * head_dim;
                     if (i >= count) {
                         memset(dst, 0, (size_t)head_dim * sizeof(float));
                         continue;
                     }
-                    const int64_t token = token0[b] + first + i;
-                    load_f32(q, q_dtype, token * q_token_stride + (h * group + g) * head_dim, head_dim, dst);
+                    load_f32(q, q_dtype, src, head_dim, dst);
                     for (int64_t d = 0; d < head_dim; d++) dst[d] *= scale;
                 }
-            for (int64_t r = 0; r < rows; r += 8)
-                scores_8_rows(qf + r * head_dim, head_dim, kt_h, visible, scores + r * max_keys, max_keys);
+            for (int64_t r = 0; r < rows; r += 8) {
+#if defined(__AVX512BF16__)
+                if (bf16) {
+                    scores_8_rows_bf16((const uint16_t *)qf + r * head_dim, head_dim,
+                                       (const uint16_t *)kt + base, visible, scale,
+                                       scores + r * max_keys, max_keys);
+                    continue;
+                }
+#endif
+                scores_8_rows(qf + r * head_dim, head_dim, (const float *)kt + base, visible,
+                              scores + r * max_keys, max_keys);
+            }
             float inv[MAX_EXT_GROUP * QUERY_BLOCK];
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t i = r % QUERY_BLOCK;
                 float *s = scores + r * max_keys;
-                if (i >= count) {
-                    memset(s, 0, (size_t)visible * sizeof(float));
-                    inv[r] = 0.f;
+                const int64_t seen = i < count ? prefix + first + i + 1 : 0;
+                inv[r] = seen ? 1.f / exp_shifted_sum(s, seen, max_f32(s, seen)) : 0.f;
+                /* Up to an even count of keys: P V takes bfloat16 probabilities in pairs. */
+                for (int64_t j = seen; j < visible + (visible & 1); j++) s[j] = 0.f;
+#if defined(__AVX512BF16__)
+                if (bf16) {
+                    uint16_t *p = p16 + r * max_keys;
+                    int64_t j = 0;
+                    for (; j + 16 <= visible; j += 16)
+                        _mm256_storeu_si256((__m256i *)(p + j),
+                                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j)));
+                    for (; j < visible + (visible & 1); j++) p[j] = f32_to_bf16(s[j]);
+                }
+#endif
+            }
+            for (int64_t r = 0; r < rows; r += 4) {
+#if defined(__AVX512BF16__)
+                if (bf16) {
+                    pv_4_rows_all_bf16(p16 + r * max_keys, max_keys, (const uint16_t *)vt + base,
+                                       head_dim, visible, acc + r * head_dim, head_dim);
                     continue;
                 }
-                const int64_t seen = prefix + first + i + 1;
-                inv[r] = 1.f / exp_shifted_sum(s, seen, max_f32(s, seen));
-                for (int64_t j = seen; j < visible; j++) s[j] = 0.f;
+#endif
+                pv_4_rows_all(scores + r * max_keys, max_keys, (const float *)vt + base, head_dim,
+                              visible, acc + r * head_dim, head_dim);
             }
-            for (int64_t r = 0; r < rows; r += 4)
-                pv_4_rows_all(scores + r * max_keys, max_keys, vf_h, head_dim, visible,
-                              acc + r * head_dim, head_dim);
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t g = r / QUERY_BLOCK, i = r % QUERY_BLOCK;
                 if (i >= count) continue;
@@ -212,9 +333,9 @@ int extend_attention(const void *q, int q_dtype, int64_t q_token_stride,
                 store_f32(out, out_dtype, (token * num_heads + h * group + g) * head_dim, head_dim, row);
             }
         }
-        free(qf), free(scores), free(acc);
+        free(qf), free(scores), free(p16), free(acc);
     }
-    free(kt), free(vf), free(token0), free(kv0), free(item0);
+    free(kt), free(vt), free(token0), free(kv0), free(item0);
     return failed ? -2 : 0;
 #endif
 }

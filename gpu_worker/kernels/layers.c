@@ -152,3 +152,42 @@ int rotary_inplace(void *x, const void *cos, const void *sin, int dtype, int64_t
     }
     return 0;
 }
+
+/* out[r] = silu(gate[r]) * up[r] for bfloat16 rows x[r] = [gate | up] (x rows strided), as
+ * torch's F.silu then mul_ compute it: silu in float32 rounded to bfloat16, then the product
+ * rounded again. One pass where the two torch ops made two over the [tokens, 2 x
+ * intermediate] activations: 123 against ~25 ms per 4096-token SmolLM2 prefill chunk. Float32
+ * stays on torch's ops (-1), so a float32 model keeps transformers' exact op results. */
+int silu_and_mul(const void *x, int64_t x_row_stride, void *out, int dtype, int64_t rows,
+                 int64_t inter)
+{
+#if defined(__AVX512F__)
+    if (dtype != DT_BF16) return -1;
+#pragma omp parallel for schedule(static) if (rows * inter >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = (const uint16_t *)x + r * x_row_stride, *up = gate + inter;
+        uint16_t *dst = (uint16_t *)out + r * inter;
+        int64_t i = 0;
+        for (; i + 16 <= inter; i += 16) {
+            const __m512 g = load16(gate, DT_BF16, i), u = load16(up, DT_BF16, i);
+            /* sigmoid from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below. */
+            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+            const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 numerator = _mm512_mask_blend_ps(negative, _mm512_set1_ps(1.f), e);
+            const __m512 silu = _mm512_div_ps(_mm512_mul_ps(g, numerator),
+                                              _mm512_add_ps(_mm512_set1_ps(1.f), e));
+            /* the two bfloat16 roundings of torch's two ops */
+            const __m512 product = _mm512_mul_ps(round_to_bf16_16(silu), u);
+            _mm256_storeu_si256((__m256i *)(dst + i), f32_to_bf16_16(product));
+        }
+        for (; i < inter; i++) {
+            const float g = bf16_to_f32(gate[i]), u = bf16_to_f32(up[i]);
+            dst[i] = f32_to_bf16(round_bf16(g / (1.f + expf(-g))) * u);
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)x_row_stride, (void)out, (void)dtype, (void)rows, (void)inter;
+    return -1;
+#endif
+}

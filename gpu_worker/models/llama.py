@@ -62,6 +62,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    # Attached by the ModelRunner on CPU (attach_cpu_kernels): bfloat16 silu * up in one pass.
+    cpu_kernels: CpuKernels | None = None
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
         self.gate_up_proj = Linear(
@@ -72,7 +75,13 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernels = self.cpu_kernels
+        if kernels is not None and gate_up.dim() == 2:
+            activated = kernels.silu_and_mul(gate_up)
+            if activated is not None:
+                return self.down_proj(activated)
+        gate, up = gate_up.chunk(2, dim=-1)
         # In place: both halves are this call's own intermediates, and a fresh tensor of
         # prefill size costs more in page faults than the arithmetic (45 vs 30 ms on CPU).
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
