@@ -43,6 +43,9 @@ class CpuKernels:
     """The loaded library with typed entry points."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        # Built with -march=native: without AVX-512 the extend attention and silu_and_mul
+        # kernels refuse and their callers keep torch's ops.
+        self.avx512 = bool(library.kernel_features() & 1)
         self._attention = library.paged_decode_attention
         self._attention.restype = _int
         self._attention.argtypes = [

@@ -3,13 +3,16 @@
  * each other.
  *
  * The torch path attends one request at a time with a gather, a copy per operand and dtype,
- * a materialized mask and two matmuls per block of queries: on a 4096-token prefill chunk of
- * SmolLM2 that was ~0.85 s of 3.1. Here, per (request, kv head), the keys are widened to
- * float32 once and laid out as key-blocks of [head_dim][32], so a block of 8 query rows
- * computes 8 x 32 scores with one broadcast-FMA per row and dimension; a row's softmax is
- * taken over exactly the keys it may see (prefix + its own position), and P V runs four rows
- * at a time with the output kept in registers. Float32 throughout, so a float32 model gets
- * float32 attention.
+ * a materialized mask and two matmuls per block of queries: on a 3,790-token prefill chunk
+ * of SmolLM2 that was ~0.85 s of 3.1. Here every request of the batch is attended in one
+ * call: per (request, kv head) the keys are copied once into blocks of 32 keys laid out
+ * dimension-major, so a block of 8 query rows computes 8 x 32 scores with one broadcast-FMA
+ * per row and dimension; a row's softmax is taken over exactly the keys it may see (prefix +
+ * its own position); P V runs four rows at a time with the output in registers.
+ *
+ * Two precisions: float32 throughout (a float32 model gets float32 attention; 0.42 s for the
+ * chunk above), or, for a bfloat16 query and pool on a CPU with AVX512-BF16, vdpbf16ps on
+ * pairs of bfloat16 values with float32 sums (0.20 s).
  */
 #include "common.h"
 
@@ -67,13 +70,12 @@ static inline __attribute__((always_inline)) void pv_4_rows(
 static void pv_4_rows_all(const float *p, int64_t p_stride, const float *v, int64_t head_dim,
                           int64_t keys, float *out, int64_t out_stride) {
     for (int64_t dim0 = 0; dim0 < head_dim; dim0 += 64) {
-        const float *vd = v;
         float *o = out + dim0;
         switch ((head_dim - dim0) >= 64 ? 4 : (int)(head_dim - dim0) / 16) {
-            case 4: pv_4_rows(p, p_stride, vd, head_dim, keys, dim0, o, out_stride, 4); break;
-            case 3: pv_4_rows(p, p_stride, vd, head_dim, keys, dim0, o, out_stride, 3); break;
-            case 2: pv_4_rows(p, p_stride, vd, head_dim, keys, dim0, o, out_stride, 2); break;
-            default: pv_4_rows(p, p_stride, vd, head_dim, keys, dim0, o, out_stride, 1); break;
+            case 4: pv_4_rows(p, p_stride, v, head_dim, keys, dim0, o, out_stride, 4); break;
+            case 3: pv_4_rows(p, p_stride, v, head_dim, keys, dim0, o, out_stride, 3); break;
+            case 2: pv_4_rows(p, p_stride, v, head_dim, keys, dim0, o, out_stride, 2); break;
+            default: pv_4_rows(p, p_stride, v, head_dim, keys, dim0, o, out_stride, 1); break;
         }
     }
 }

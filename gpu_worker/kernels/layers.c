@@ -7,6 +7,19 @@
  */
 #include "common.h"
 
+/* What this build's vector paths use (bit 0: AVX-512F, bit 1: AVX512-BF16): the kernels
+ * without them refuse (extend attention, silu_and_mul) or take their generic loops. */
+int kernel_features(void) {
+    int features = 0;
+#if defined(__AVX512F__)
+    features |= 1;
+#endif
+#if defined(__AVX512BF16__)
+    features |= 2;
+#endif
+    return features;
+}
+
 #define MAX_SMALL_M 8
 
 /* Dot products of one weight row (K elements of dtype w_dtype) with M rows of xf. */
