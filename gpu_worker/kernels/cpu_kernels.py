@@ -190,6 +190,8 @@ class CpuKernels:
         """silu(gate) * up of x [rows, 2 * inter] = [gate | up] (rows may be strided), rounded
         as torch's two bfloat16 ops round; None for a dtype the kernel leaves to torch
         (float32, or a CPU without AVX-512)."""
+        if x.dtype != torch.bfloat16 or not self.avx512:
+            return None  # before allocating: this runs on every MLP of a float32 model
         rows, width = x.shape
         assert x.stride(1) == 1 and width % 2 == 0
         out = torch.empty(rows, width // 2, dtype=x.dtype)
