@@ -63,12 +63,21 @@ class CpuKernelAttnBackend(TorchNativeAttnBackend):
         layer: PagedAttention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
-        if forward_batch.forward_mode != ForwardMode.DECODE:
-            return self._forward_extend(q, k, v, layer, forward_batch)
-        bs = q.shape[0]
+        decode = forward_batch.forward_mode == ForwardMode.DECODE
+        if not decode and self._extend_on_torch:
+            return super().forward(q, k, v, layer, forward_batch)
+        tokens = q.shape[0]
         k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer.layer_id)
         self.kernels.write_kv(k, v, forward_batch.out_cache_loc, k_buffer, v_buffer)
-        q = q.reshape(bs, layer.num_heads, layer.head_dim).contiguous()
+        q = q.view(tokens, layer.num_heads, layer.head_dim)
+        if decode:
+            out = self._attend_decode_kernel(q, k_buffer, v_buffer, layer, forward_batch)
+        else:
+            out = self._attend_extend_kernel(q, k_buffer, v_buffer, layer, forward_batch)
+        return out.view(tokens, layer.num_heads * layer.head_dim)
+
+    def _attend_decode_kernel(self, q, k_buffer, v_buffer, layer, forward_batch) -> torch.Tensor:
+        q = q.contiguous()  # the kernel reads [bs, heads, head_dim] densely
         out = torch.empty_like(q)
         self.kernels.paged_decode_attention(
             q,
@@ -81,33 +90,23 @@ class CpuKernelAttnBackend(TorchNativeAttnBackend):
             self._chunk,
             out,
         )
-        return out.view(bs, layer.num_heads * layer.head_dim)
+        return out
 
-    def _forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: PagedAttention,
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
-        if not self._extend_on_torch:
-            tokens = q.shape[0]
-            k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer.layer_id)
-            self.kernels.write_kv(k, v, forward_batch.out_cache_loc, k_buffer, v_buffer)
-            out = torch.empty(tokens, layer.num_heads, layer.head_dim, dtype=q.dtype)
-            if self.kernels.extend_attention(
-                q.view(tokens, layer.num_heads, layer.head_dim),
-                k_buffer,
-                v_buffer,
-                self.req_to_token_pool.req_to_token,
-                forward_batch.req_pool_indices,
-                self._prefix_lens,
-                self._extend_lens,
-                layer.scaling,
-                out,
-            ):
-                return out.view(tokens, layer.num_heads * layer.head_dim)
-            self._extend_on_torch = True
-            super().prepare_metadata(forward_batch)
-        return super().forward(q, k, v, layer, forward_batch)
+    def _attend_extend_kernel(self, q, k_buffer, v_buffer, layer, forward_batch) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if self.kernels.extend_attention(
+            q,
+            k_buffer,
+            v_buffer,
+            self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            self._prefix_lens,
+            self._extend_lens,
+            layer.scaling,
+            out,
+        ):
+            return out
+        # The kernel declined this model's shape: the torch path from here on.
+        self._extend_on_torch = True
+        super().prepare_metadata(forward_batch)
+        return self._attend_extend(q, k_buffer, v_buffer, layer)
