@@ -73,8 +73,9 @@ def test_paged_decode_attention_matches_reference(kernels, dtype, head_dim, head
     table = torch.tensor([rng.sample(range(slots), 600) for _ in range(12)])
     lens = torch.tensor([1, 2, 31, 33, 600, 257, 64])
     rows = torch.tensor(rng.sample(range(12), len(lens)))
-    q = torch.randn(len(lens), heads, head_dim, dtype=dtype)
-    out = torch.empty_like(q)
+    # Rows strided, as q is a slice of the layer's fused qkv output.
+    q = torch.randn(len(lens), heads + 2, head_dim, dtype=dtype)[:, :heads]
+    out = torch.empty(q.shape, dtype=dtype)
     kernels.paged_decode_attention(q, k_cache, v_cache, table, rows, lens, 0.3, chunk, out)
     expected = _reference_decode(q, k_cache, v_cache, table, rows, lens, 0.3)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
@@ -184,6 +185,18 @@ def test_silu_and_mul_matches_torch_ops(kernels, rows):
     torch.testing.assert_close(got, expected, rtol=8e-3, atol=1e-6)
     assert (got != expected).float().mean() < 0.01
     assert kernels.silu_and_mul(gate_up.float()) is None  # float32 stays on torch's ops
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 5), (3, 49152 + 7), (64, 1000)])
+def test_argmax_equals_torch_argmax_on_ties_nan_and_infinities(kernels, rows, cols):
+    torch.manual_seed(cols)
+    # bfloat16 values in float32 rows, as the logits are: ties are common. Rows strided.
+    x = torch.randn(rows, cols + 9).bfloat16().float()[:, :cols]
+    x[0, cols // 2] = x[0, cols - 1] = x[0].max() + 1  # a tie: the first position wins
+    if rows > 2:
+        x[1] = float("-inf")  # every value -inf: position 0, as torch says
+        x[2, cols // 3] = x[2, cols // 5] = float("nan")  # NaN is the maximum: the first one
+    assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("new_dtype", [torch.float32, torch.bfloat16])

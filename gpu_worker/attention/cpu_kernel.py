@@ -77,8 +77,7 @@ class CpuKernelAttnBackend(TorchNativeAttnBackend):
         return out.view(tokens, layer.num_heads * layer.head_dim)
 
     def _attend_decode_kernel(self, q, k_buffer, v_buffer, layer, forward_batch) -> torch.Tensor:
-        q = q.contiguous()  # the kernel reads [bs, heads, head_dim] densely
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)  # q's rows are strided views into qkv
         self.kernels.paged_decode_attention(
             q,
             k_buffer,

@@ -69,7 +69,7 @@ static inline __attribute__((always_inline)) void attend_chunk_d64(
  * group: max score m, sum of exp l, and acc = sum_j exp(s_j - m) v_j, combined afterwards
  * (split-K, as flash-decoding does, so one long request still uses every thread). */
 int paged_decode_attention(
-    const void *q, int q_dtype,                /* [bs, num_heads, head_dim] contiguous */
+    const void *q, int q_dtype, int64_t q_row_stride, /* [bs, num_heads, head_dim], rows strided */
     const void *k_cache, const void *v_cache, int kv_dtype,
     int64_t kv_head_stride, int64_t kv_slot_stride, /* elements; head_dim is contiguous */
     const int64_t *req_to_token, int64_t table_stride,
@@ -113,7 +113,7 @@ int paged_decode_attention(
             const void *k_head = (const char *)k_cache + kvh * kv_head_stride * (kv_dtype == DT_F32 ? 4 : 2);
             const void *v_head = (const char *)v_cache + kvh * kv_head_stride * (kv_dtype == DT_F32 ? 4 : 2);
             for (int64_t g = 0; g < group; g++) {
-                load_f32(q, q_dtype, (b * num_heads + head0 + g) * head_dim, head_dim, qf[g]);
+                load_f32(q, q_dtype, b * q_row_stride + (head0 + g) * head_dim, head_dim, qf[g]);
                 for (int64_t d = 0; d < head_dim; d++) qf[g][d] *= scale;
             }
 #if defined(__AVX512F__)

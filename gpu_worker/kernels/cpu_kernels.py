@@ -1,6 +1,6 @@
-"""The CPU kernels (attention.c, extend_attention.c, layers.c and common.h beside this file):
-built once per machine into one library with the system C compiler, cached, and called
-through ctypes with the tensors' data pointers.
+"""The CPU kernels (attention.c, extend_attention.c, layers.c, sampling.c and common.h beside
+this file): built once per machine into one library with the system C compiler, cached, and
+called through ctypes with the tensors' data pointers.
 
 Why C and ctypes rather than a torch C++ extension: the files need no torch headers, so it
 compiles in about a second where an extension takes a minute on two cores; and it is built
@@ -29,7 +29,8 @@ from gpu_worker.models.gguf_convert import default_cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).with_name(name) for name in ("attention.c", "extend_attention.c", "layers.c")
+    Path(__file__).with_name(name)
+    for name in ("attention.c", "extend_attention.c", "layers.c", "sampling.c")
 ]
 HEADERS = [Path(__file__).with_name("common.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -49,7 +50,7 @@ class CpuKernels:
         self._attention = library.paged_decode_attention
         self._attention.restype = _int
         self._attention.argtypes = [
-            _ptr, _int, _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _ptr, _ptr,
+            _ptr, _int, _i64, _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _ptr, _ptr,
             _i64, _i64, _i64, _i64, _f32, _i64, _ptr, _int,
         ]  # fmt: skip
         self._extend = library.extend_attention
@@ -75,10 +76,13 @@ class CpuKernels:
         self._rotary = library.rotary_inplace
         self._rotary.restype = _int
         self._rotary.argtypes = [_ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64]
+        self._argmax = library.argmax_rows
+        self._argmax.restype = _int
+        self._argmax.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
 
     def paged_decode_attention(
         self,
-        q: torch.Tensor,  # [bs, num_heads, head_dim] contiguous
+        q: torch.Tensor,  # [bs, num_heads, head_dim]; rows may be strided
         k_cache: torch.Tensor,  # [kv_heads, slots, head_dim] (any strides, head_dim dense)
         v_cache: torch.Tensor,
         req_to_token: torch.Tensor,  # [rows, width] int64
@@ -89,10 +93,11 @@ class CpuKernels:
         out: torch.Tensor,  # [bs, num_heads, head_dim] contiguous
     ) -> torch.Tensor:
         bs, num_heads, head_dim = q.shape
-        assert q.is_contiguous() and out.is_contiguous() and k_cache.stride() == v_cache.stride()
-        assert k_cache.stride(2) == 1 and req_to_token.stride(1) == 1
+        assert q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous()
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
+        assert req_to_token.stride(1) == 1
         status = self._attention(
-            q.data_ptr(), _DTYPE_CODES[q.dtype],
+            q.data_ptr(), _DTYPE_CODES[q.dtype], q.stride(0),
             k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
             k_cache.stride(0), k_cache.stride(1),
             req_to_token.data_ptr(), req_to_token.stride(0),
@@ -210,6 +215,14 @@ class CpuKernels:
             x.data_ptr(), cos.data_ptr(), sin.data_ptr(), _DTYPE_CODES[x.dtype],
             tokens, heads, head_dim, x.stride(0),
         )  # fmt: skip
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, dim=-1) of float32 rows x [rows, cols] (rows may be strided)."""
+        rows, cols = x.shape
+        assert x.dtype == torch.float32 and x.stride(1) == 1 and cols > 0
+        out = torch.empty(rows, dtype=torch.int64)
+        self._argmax(x.data_ptr(), rows, cols, x.stride(0), out.data_ptr())
+        return out
 
 
 @cache

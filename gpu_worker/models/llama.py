@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
         else:
             qk = apply_rotary(qk, cos, sin)
         q, k = qk.reshape(num_tokens, -1).split([self.q_size, self.kv_size], dim=-1)
-        out = self.attn(q, k, v.contiguous())
+        out = self.attn(q, k, v)  # row-strided views into qkv: backends read them in place
         return self.o_proj(out)
 
 

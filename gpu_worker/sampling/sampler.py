@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from bus.sampling_params import SamplingParams
+from gpu_worker.kernels.cpu_kernels import CpuKernels
 from gpu_worker.sampling.logprobs import TopLogprobs, gather_logprobs
 from gpu_worker.sampling.penalties import LogitAdjustments
 
@@ -100,6 +101,7 @@ def sample(
     logits: torch.Tensor,  # [bs, vocab] float32
     batch: SamplingBatch,
     default_generator: torch.Generator,  # on cpu; draws for rows without a seed
+    cpu_kernels: CpuKernels | None = None,  # their argmax reads CPU logits at memory speed
 ) -> SampleOutput:
     if logits.shape[-1] != batch.vocab_size:
         raise ValueError(f"logits have {logits.shape[-1]} columns, expected {batch.vocab_size}")
@@ -111,7 +113,10 @@ def sample(
     if len(batch.sampled_rows) == logits.shape[0]:
         next_ids = _sample_rows(processed, batch, default_generator)
     else:
-        next_ids = processed.argmax(dim=-1)
+        if cpu_kernels is not None and processed.device.type == "cpu":
+            next_ids = cpu_kernels.argmax(processed)
+        else:
+            next_ids = processed.argmax(dim=-1)
         if batch.sampled_rows:
             drawn = _sample_rows(processed[batch.sampled_index], batch, default_generator)
             next_ids[batch.sampled_index] = drawn

@@ -312,7 +312,7 @@ class Scheduler:
     def _sample(self, logits: torch.Tensor, reqs: list[Req], outputs: list[list[int]]):
         """One token per row; row i belongs to reqs[i] with output tokens outputs[i]."""
         batch = self._sampling_batch(reqs, outputs, logits.device)
-        return sample(logits, batch, self.default_generator)
+        return sample(logits, batch, self.default_generator, self.runner.cpu_kernels)
 
     def _sampling_batch(self, reqs: list[Req], outputs: list[list[int]], device) -> SamplingBatch:
         return SamplingBatch.build(

@@ -174,7 +174,7 @@ class DraftModelDrafter(Drafter):
             logits.device,
         )
         q = sampling_probs(logits, sampling)
-        tokens = sample(logits, sampling, self.generator).next_token_ids
+        tokens = sample(logits, sampling, self.generator, self.runner.cpu_kernels).next_token_ids
         for i, seq in enumerate(seqs):
             seq.drafts.append(tokens[i])
             probs[i].append(q[i])
