@@ -6,11 +6,13 @@
 #   docker build -t streamserve:cuda --build-arg TORCH_INDEX_URL=https://pypi.org/simple .
 #
 # TORCH_INDEX_URL picks the torch build: the CPU wheel by default; PyPI's Linux wheels bundle
-# CUDA, and https://download.pytorch.org/whl/cuXXX picks one CUDA version.
+# CUDA, and https://download.pytorch.org/whl/cuXXX picks one CUDA version. EXTRAS=gpu adds
+# pyproject's `gpu` extra (FlashInfer) to a CUDA image.
 FROM python:3.12-slim
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
+ARG EXTRAS=
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -41,7 +43,7 @@ ENV PIP_CONSTRAINT=/etc/pip-constraints.txt
 
 COPY pyproject.toml ./
 RUN --mount=type=cache,target=/root/.cache/pip \
-    python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+    python -c "import sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + [d for e in sys.argv[1:] for d in p['optional-dependencies'][e]]))" ${EXTRAS} \
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt

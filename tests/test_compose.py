@@ -171,9 +171,9 @@ def test_every_streamserve_service_is_built_from_the_one_dockerfile(services):
     for name in STREAMSERVE_SERVICES:
         build = services[name]["build"]
         assert (build["context"], build["dockerfile"]) == (".", "Dockerfile"), name
-        assert set(build.get("args", {})) <= {"TORCH_INDEX_URL", "TORCH_VERSION"}, name
+        assert set(build.get("args", {})) <= {"TORCH_INDEX_URL", "TORCH_VERSION", "EXTRAS"}, name
     assert DOCKERFILE.is_file()
-    for arg in ("TORCH_INDEX_URL", "TORCH_VERSION"):
+    for arg in ("TORCH_INDEX_URL", "TORCH_VERSION", "EXTRAS"):
         assert re.search(rf"^ARG {arg}=", DOCKERFILE.read_text(), re.MULTILINE), arg
 
 
@@ -200,6 +200,9 @@ def test_gpu_worker_reserves_an_nvidia_gpu_in_the_gpu_profile(services):
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
     assert option(worker["command"], "--device") == "cuda"  # fail loudly, never fall back
     assert "pypi.org" in worker["build"]["args"]["TORCH_INDEX_URL"]  # a CUDA torch build
+    assert worker["build"]["args"]["EXTRAS"] == "gpu"  # FlashInfer, from pyproject's extra
+    extras = (ROOT / "pyproject.toml").read_text().partition("[project.optional-dependencies]")[2]
+    assert re.search(r'^gpu = \["flashinfer-python==', extras, re.MULTILINE)
 
 
 def test_cpu_worker_runs_on_cpu_in_the_cpu_profile_without_a_gpu(services):

@@ -76,7 +76,14 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"page_size": 16, "chunked_prefill_size": 32}, {"disable_radix_cache": True}]
+    "options",
+    [
+        {},
+        {"page_size": 16, "chunked_prefill_size": 32},
+        {"disable_radix_cache": True},
+        # FlashInfer's page table and pool views, the plain-torch kernel in its place.
+        {"attention_backend": "flashinfer_reference", "page_size": 16, "chunked_prefill_size": 32},
+    ],
 )
 def test_tiny_model_greedy_equals_transformers(tiny_model_dir, options):
     path, hf_model = tiny_model_dir

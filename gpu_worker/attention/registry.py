@@ -20,9 +20,14 @@ logger = logging.getLogger(__name__)
 _BACKENDS: dict[str, str] = {
     "torch_native": "gpu_worker.attention.torch_native:TorchNativeAttnBackend",
     "cpu_kernel": "gpu_worker.attention.cpu_kernel:CpuKernelAttnBackend",
+    # FlashInfer's paged kernels (CUDA and the `gpu` extra), and the same path with a
+    # plain-torch kernel in their place, which runs anywhere (it is how CPU checks it).
+    "flashinfer": "gpu_worker.attention.flashinfer_backend:FlashInferAttnBackend",
+    "flashinfer_reference": "gpu_worker.attention.flashinfer_backend:flashinfer_reference_backend",
 }
 # Backends that take the CPU kernels as a third argument.
 _NEEDS_CPU_KERNELS = {"cpu_kernel"}
+_NEEDS_CUDA = {"flashinfer"}
 
 
 def available_backends() -> list[str]:
@@ -38,6 +43,12 @@ def resolve_backend_name(name: str, device: torch.device, cpu_kernels: bool) -> 
         raise ValueError(
             f"attention_backend {name!r} needs the CPU kernels on a CPU device; they are off "
             "or could not be built here (see the log), or the device is not a CPU"
+        )
+    if name in _NEEDS_CUDA and device.type != "cuda":
+        raise ValueError(
+            f"attention_backend {name!r} needs a CUDA device and flashinfer-python (pip "
+            "install 'streamserve[gpu]'); 'flashinfer_reference' runs its page table and "
+            "KV layout with a plain-torch kernel on any device"
         )
     if name not in _BACKENDS:
         raise ValueError(

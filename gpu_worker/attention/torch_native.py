@@ -171,8 +171,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         num_tokens = q.shape[0]
-        k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
-        v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         self.kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer.layer_id)
         if forward_batch.forward_mode == ForwardMode.DECODE:

@@ -52,7 +52,10 @@ class TokenToKVPool:
     def set_kv_buffer(
         self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Store k, v ([T, kv_heads, head_dim]) at slots loc ([T]), cast to the pool dtype."""
+        """Store k, v ([T, kv_heads, head_dim], or the projections' [T, kv_heads * head_dim])
+        at slots loc ([T]), cast to the pool dtype."""
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         if k.dtype != self.dtype:
             k = k.to(self.dtype)
         if v.dtype != self.dtype:

@@ -1,0 +1,132 @@
+"""Attention through FlashInfer's paged kernels, with everything around them checkable on CPU.
+
+Per forward the backend builds the batch's page table (paged_metadata.py: device-agnostic
+torch), plans once on the first layer, and each layer writes its new K/V into the pool and
+runs the planned kernel over the pool read in place (an NHD view of the head-major
+buffers: FlashInfer takes the strides). Extends, cached prefix or not, and draft
+verification go through the paged prefill kernel with a causal mask aligned to the end of
+the keys; decode through the paged decode kernel.
+
+The kernels are a small object with `plan` and `run`. `FlashInferKernels` holds the only
+lines that need CUDA and flashinfer-python (the `gpu` extra; imported when it is built, so a
+CPU machine never imports it). `ReferenceKernels` runs paged_reference.py instead, on any
+device: the backend named `flashinfer_reference` is this whole path with that kernel,
+which is how the CPU suite checks the page table, the views and the writes end to end
+against transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.attention.base import AttentionBackend
+from gpu_worker.attention.layer import PagedAttention
+from gpu_worker.attention.paged_metadata import (
+    PagedKVMetadata,
+    build_paged_kv_metadata,
+    paged_kv_view,
+)
+from gpu_worker.attention.paged_reference import paged_attention_reference
+from gpu_worker.memory.kv_pool import TokenToKVPool
+from gpu_worker.memory.req_to_token_pool import ReqToTokenPool
+from gpu_worker.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+# FlashInfer's float workspace (split-K partial results); its docs allocate 128 MB.
+WORKSPACE_BYTES = 128 * 2**20
+
+
+class ReferenceKernels:
+    """plan/run with the plain-torch reference: FlashInfer's contract on any device."""
+
+    def plan(self, meta: PagedKVMetadata, decode: bool, layer: PagedAttention, dtype) -> None:
+        self._meta, self._scale = meta, layer.scaling
+
+    def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
+        return paged_attention_reference(q, k_pages, v_pages, self._meta, self._scale)
+
+
+class FlashInferKernels:
+    """FlashInfer's batch decode and prefill wrappers over one workspace (CUDA only)."""
+
+    def __init__(self, device: torch.device) -> None:
+        import flashinfer  # the `gpu` extra; only ever imported on CUDA
+
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self._wrapper = self._decode
+
+    def plan(self, meta: PagedKVMetadata, decode: bool, layer: PagedAttention, dtype) -> None:
+        heads, kv_heads, dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        if decode:
+            self._decode.plan(
+                meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, heads, kv_heads, dim,
+                meta.page_size, q_data_type=dtype, kv_data_type=dtype, sm_scale=layer.scaling,
+            )  # fmt: skip
+            self._wrapper = self._decode
+        else:
+            self._prefill.plan(
+                meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, heads,
+                kv_heads, dim, meta.page_size, causal=True, sm_scale=layer.scaling,
+                q_data_type=dtype, kv_data_type=dtype,
+            )  # fmt: skip
+            self._wrapper = self._prefill
+
+    def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
+        return self._wrapper.run(q.contiguous(), (k_pages, v_pages))
+
+
+class FlashInferAttnBackend(AttentionBackend):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: TokenToKVPool,
+        kernels: ReferenceKernels | FlashInferKernels | None = None,
+    ) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_pool = kv_pool
+        self.kernels = kernels if kernels is not None else FlashInferKernels(kv_pool.device)
+        self.metadata: PagedKVMetadata | None = None
+        self._decode = False
+        self._planned = False
+
+    def prepare_metadata(self, forward_batch: ForwardBatch) -> None:
+        self.metadata = build_paged_kv_metadata(
+            self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens_cpu,
+            forward_batch.extend_seq_lens_cpu,
+            self.kv_pool.page_size,
+        )
+        self._decode = forward_batch.forward_mode == ForwardMode.DECODE
+        # Planned on the first layer, which brings the head counts and the scale.
+        self._planned = False
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: PagedAttention,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        self.kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        if not self._planned:
+            self.kernels.plan(self.metadata, self._decode, layer, self.kv_pool.dtype)
+            self._planned = True
+        k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer.layer_id)
+        page_size = self.kv_pool.page_size
+        tokens = q.shape[0]
+        out = self.kernels.run(
+            q.view(tokens, layer.num_heads, layer.head_dim).to(self.kv_pool.dtype),
+            paged_kv_view(k_buffer, page_size),
+            paged_kv_view(v_buffer, page_size),
+        )
+        return out.reshape(tokens, layer.num_heads * layer.head_dim).to(q.dtype)
+
+
+def flashinfer_reference_backend(
+    req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool
+) -> FlashInferAttnBackend:
+    """The FlashInfer path with the plain-torch kernel: runs anywhere, slowly."""
+    return FlashInferAttnBackend(req_to_token_pool, kv_pool, ReferenceKernels())
