@@ -39,8 +39,9 @@ class EngineConfig:
     # earlier first tokens and shorter stalls; through `up` on CPU, mixed-64's TTFT p50 was
     # 7.1 s at 2048 against 8.3 s at 4096 for 3% less throughput (benchmarks/NOTES.md).
     chunked_prefill_size: int = 2048
-    # KV pool size in tokens. When None: sized from kv_cache_memory_gb on CPU, or from free
-    # GPU memory times mem_fraction_static on CUDA.
+    # KV pool size in tokens. When None: sized from kv_cache_memory_gb on CPU, or on CUDA
+    # from the memory free after the weights, keeping 1 - mem_fraction_static of the device
+    # (or more, if the largest forward needs more) as headroom (memory/gpu_memory.py).
     max_total_tokens: int | None = None
     kv_cache_memory_gb: float = 2.0
     mem_fraction_static: float = 0.85

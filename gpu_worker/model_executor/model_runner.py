@@ -15,6 +15,7 @@ from gpu_worker.attention.registry import create_attention_backend, resolve_back
 from gpu_worker.config import EngineConfig
 from gpu_worker.kernels.cpu_kernels import load as load_cpu_kernels
 from gpu_worker.memory.allocator import PagedTokenAllocator
+from gpu_worker.memory.gpu_memory import forward_activation_bytes, plan_gpu_kv_pool
 from gpu_worker.memory.kv_pool import TokenToKVPool
 from gpu_worker.memory.req_to_token_pool import ReqToTokenPool
 from gpu_worker.model_executor.cpu_malloc import keep_freed_memory_in_heap
@@ -91,8 +92,11 @@ class ModelRunner:
             tokens = self.config.max_total_tokens
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            reserved_for_activations = total * (1 - self.config.mem_fraction_static)
-            tokens = int(max(free - reserved_for_activations, 0) // per_token)
+            plan = plan_gpu_kv_pool(
+                total, free, self.config.mem_fraction_static, per_token,
+                self._peak_activation_bytes(), 0, self.page_size,
+            )  # fmt: skip
+            tokens = plan.kv_tokens
         else:
             tokens = int(self.config.kv_cache_memory_gb * 2**30 // per_token)
         tokens -= tokens % self.page_size
@@ -102,6 +106,21 @@ class ModelRunner:
                 "budget (kv_cache_memory_gb / mem_fraction_static)"
             )
         return tokens
+
+    def _peak_activation_bytes(self) -> int:
+        """The largest forward the scheduler can form: a full prefill chunk, a full decode
+        batch, or a full batch verifying drafts (logits for every token)."""
+        config, dtype_bytes = self.config, self.dtype.itemsize
+        rows = config.max_running_requests
+        forwards = [(config.chunked_prefill_size, min(rows, config.chunked_prefill_size))]
+        forwards.append((rows, rows))
+        if config.speculative is not None:
+            verify_tokens = rows * (config.num_draft_tokens + 1)
+            forwards.append((verify_tokens, verify_tokens))
+        return max(
+            forward_activation_bytes(self.model_config, dtype_bytes, tokens, logit_rows)
+            for tokens, logit_rows in forwards
+        )
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
