@@ -45,6 +45,9 @@ class EngineConfig:
     max_total_tokens: int | None = None
     kv_cache_memory_gb: float = 2.0
     mem_fraction_static: float = 0.85
+    # CUDA: decode through captured CUDA graphs (model_executor/graph_runner.py) where the
+    # attention backend supports capture; off with forward hooks. No backend does yet.
+    cuda_graphs: bool = True
     # Longest prompt + output accepted; None means the model's max_position_embeddings.
     context_length: int | None = None
     disable_radix_cache: bool = False
@@ -97,8 +100,9 @@ class EngineConfig:
             raise ValueError(
                 "draft_model names the draft model of speculative='draft', and only of it"
             )
-        if not isinstance(self.cpu_kernels, bool):
-            raise ValueError(f"cpu_kernels must be true or false, got {self.cpu_kernels!r}")
+        for name in ("cpu_kernels", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 

@@ -64,3 +64,14 @@ def test_each_thread_sees_its_own_context():
         thread.join()
         assert get_forward_context().attn_backend == "main"
     assert seen == [False]
+
+
+def test_capture_context_is_what_traced_code_reads_and_goes_away_after():
+    from gpu_worker.model_executor import forward_context as module
+
+    captured = ForwardContext("captured", "b")
+    with module.capture_forward_context(captured):
+        assert module._capturing is captured  # what TorchDynamo-traced code reads
+        assert get_forward_context() is captured  # and eager code, through the ContextVar
+    assert module._capturing is None
+    assert not has_forward_context()

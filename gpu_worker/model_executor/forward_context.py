@@ -6,6 +6,11 @@ one and restores the previous one on exit, so nested overrides compose.
 
 Threading: the context lives in a `contextvars.ContextVar`, so each thread (and each
 asyncio task) sees its own. A forward runs on the thread that entered the context.
+
+Capture: TorchDynamo cannot read a ContextVar, so a forward traced for capture (a CUDA
+graph, or the CPU suite's fullgraph compile of the decode step) runs inside
+`capture_forward_context`, which also publishes the context in a plain module attribute
+that the traced code reads. Capturing happens once, on one thread, before serving.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 if TYPE_CHECKING:
     from gpu_worker.attention.base import AttentionBackend
@@ -29,6 +36,7 @@ class ForwardContext:
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("forward_context", default=None)
+_capturing: ForwardContext | None = None  # see "Capture" above
 
 
 @contextmanager
@@ -48,8 +56,20 @@ def override_forward_context(**changes: Any) -> Iterator[ForwardContext]:
         yield context
 
 
+@contextmanager
+def capture_forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
+    """`forward_context` for a forward that TorchDynamo traces (see "Capture" above)."""
+    global _capturing
+    previous, _capturing = _capturing, context
+    try:
+        with forward_context(context):
+            yield context
+    finally:
+        _capturing = previous
+
+
 def get_forward_context() -> ForwardContext:
-    context = _current.get()
+    context = _capturing if torch.compiler.is_compiling() else _current.get()
     if context is None:
         raise RuntimeError(
             "no ForwardContext is set: run the model through ModelRunner.forward, or wrap "

@@ -20,7 +20,12 @@ from gpu_worker.memory.kv_pool import TokenToKVPool
 from gpu_worker.memory.req_to_token_pool import ReqToTokenPool
 from gpu_worker.model_executor.cpu_malloc import keep_freed_memory_in_heap
 from gpu_worker.model_executor.forward_batch import ForwardBatch, ForwardMode
-from gpu_worker.model_executor.forward_context import ForwardContext, forward_context
+from gpu_worker.model_executor.forward_context import (
+    ForwardContext,
+    capture_forward_context,
+    forward_context,
+)
+from gpu_worker.model_executor.graph_runner import DecodeGraphRunner, capture_sizes
 from gpu_worker.model_executor.hooks import ForwardHooks
 from gpu_worker.models.layers import attach_cpu_kernels
 from gpu_worker.models.loader import load_model
@@ -72,6 +77,7 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(
             backend_name, self.req_to_token_pool, self.kv_pool, self.cpu_kernels
         )
+        self.graph_runner = self._capture_decode_graphs()
         logger.info(
             "model %s on %s/%s: KV pool %d tokens (page %d), attention %s, CPU kernels %s",
             self.model_source,
@@ -82,6 +88,21 @@ class ModelRunner:
             backend_name,
             "on" if self.cpu_kernels is not None else "off",
         )
+
+    def _capture_decode_graphs(self) -> DecodeGraphRunner | None:
+        """CUDA graphs for decode where they can be had; None (eager), with a line why."""
+        if self.device.type != "cuda" or not self.config.cuda_graphs:
+            return None
+        if self.config.forward_hooks:
+            logger.info("CUDA graphs off: forward hooks are configured (a replay skips them)")
+            return None
+        graphs = DecodeGraphRunner(self, capture_sizes(self.config.max_running_requests))
+        try:
+            graphs.capture()
+        except NotImplementedError as reason:
+            logger.info("CUDA graphs off: %s; decoding eager", reason)
+            return None
+        return graphs
 
     def _kv_pool_tokens(self) -> int:
         cfg = self.model_config
@@ -125,10 +146,25 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits of each request's last new token, [bs, vocab] float32; in TARGET_VERIFY
-        mode, of every new token, [num_tokens, vocab]."""
+        mode, of every new token, [num_tokens, vocab]. Decode batches go through the CUDA
+        graphs when they are captured and the batch fits one."""
         if forward_batch.forward_mode == ForwardMode.IDLE:
             return torch.empty((0, self.model_config.vocab_size), device=self.device)
+        if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):
+            return self.graph_runner.run(forward_batch)
+        return self.forward_eager(forward_batch)
+
+    @torch.inference_mode()
+    def forward_eager(self, forward_batch: ForwardBatch) -> torch.Tensor:
         with forward_context(ForwardContext(self.attn_backend, forward_batch)):
             self.attn_backend.prepare_metadata(forward_batch)
-            hidden = self.model(forward_batch.input_ids, forward_batch.positions)
-            return self.model.compute_logits(hidden[forward_batch.last_token_indices()])
+            return self._logits(forward_batch)
+
+    def forward_captured(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """The forward a CUDA graph records: the metadata is prepared outside it."""
+        with capture_forward_context(ForwardContext(self.attn_backend, forward_batch)):
+            return self._logits(forward_batch)
+
+    def _logits(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(forward_batch.input_ids, forward_batch.positions)
+        return self.model.compute_logits(hidden[forward_batch.last_token_indices()])
