@@ -27,6 +27,7 @@ from gpu_worker.model_executor.forward_context import (
 )
 from gpu_worker.model_executor.graph_runner import DecodeGraphRunner, capture_sizes
 from gpu_worker.model_executor.hooks import ForwardHooks
+from gpu_worker.model_executor.self_check import SAFE_BACKEND, checked_backend
 from gpu_worker.models.layers import attach_cpu_kernels
 from gpu_worker.models.loader import load_model
 
@@ -77,6 +78,11 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(
             backend_name, self.req_to_token_pool, self.kv_pool, self.cpu_kernels
         )
+        # What serves attention, for the start-up line; on CUDA a fast backend serves only
+        # once it agrees with torch_native on this device (model_executor/self_check.py).
+        self.attention_path = backend_name
+        if self.device.type == "cuda" and backend_name != SAFE_BACKEND:
+            self.attn_backend, self.attention_path = checked_backend(self, backend_name)
         self.graph_runner = self._capture_decode_graphs()
         logger.info(
             "model %s on %s/%s: KV pool %d tokens (page %d), attention %s, CPU kernels %s",
@@ -85,7 +91,7 @@ class ModelRunner:
             self.dtype,
             self.max_total_tokens,
             self.page_size,
-            backend_name,
+            self.attention_path,
             "on" if self.cpu_kernels is not None else "off",
         )
 
