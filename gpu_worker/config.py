@@ -46,7 +46,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = 2.0
     mem_fraction_static: float = 0.85
     # CUDA: decode through captured CUDA graphs (model_executor/graph_runner.py) where the
-    # attention backend supports capture; off with forward hooks. No backend does yet.
+    # attention backend supports capture (flashinfer); off with forward hooks.
     cuda_graphs: bool = True
     # Longest prompt + output accepted; None means the model's max_position_embeddings.
     context_length: int | None = None

@@ -65,7 +65,16 @@ def test_a_padded_batch_lives_in_the_same_buffers_with_one_key_padding_rows(tiny
     assert graphs.input_ids[1:8].tolist() == [11, 12, 13, 14, 0, 0, 0]
 
 
-@pytest.mark.parametrize("options", [{}, {"page_size": 16}], ids=["page-1", "page-16"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"page_size": 16},
+        # Metadata prepared into fixed buffers outside the forward, as a replay reads it.
+        {"attention_backend": "flashinfer_reference", "page_size": 16},
+    ],
+    ids=["page-1", "page-16", "flashinfer-fixed-buffers"],
+)
 def test_decoding_through_the_runner_equals_eager(options):
     """Seven requests finishing at different steps: batches of 7, 6 and 5 (eager, past the
     largest size), 3 (padded to 4), 2 and 1 (exact)."""
@@ -80,6 +89,8 @@ def test_decoding_through_the_runner_equals_eager(options):
         fill_random_weights(engine.runner.model, seed=0, std=0.2)
         if use_graphs:
             graphs = DecodeGraphRunner(engine.runner, [1, 2, 4])
+            fixed_buffers = options.get("attention_backend") == "flashinfer_reference"
+            assert (graphs.unsupported is None) == fixed_buffers
             pad = graphs.padded_batch
 
             def padded_batch(batch, pad=pad):
@@ -96,7 +107,28 @@ def test_decoding_through_the_runner_equals_eager(options):
     assert all(bs <= 4 for bs, _ in padded)  # 5, 6 and 7 ran eager
 
 
-def test_capture_needs_cuda(tiny_engine):
+def test_capture_needs_cuda_and_a_backend_with_fixed_buffers(tiny_engine):
     assert tiny_engine.runner.graph_runner is None  # on CPU the engine decodes eager
+    graphs = DecodeGraphRunner(tiny_engine.runner, [1, 2])
+    assert "does not support CUDA graphs" in graphs.unsupported  # cpu_kernel
     with pytest.raises(RuntimeError, match="CUDA"):
-        DecodeGraphRunner(tiny_engine.runner, [1, 2]).capture()
+        graphs.capture()
+
+
+def test_replays_read_one_set_of_fixed_buffers():
+    engine = Engine("random:tiny-llama", dtype="float32", attention_backend="flashinfer_reference")
+    graphs = DecodeGraphRunner(engine.runner, [1, 2, 4])
+    engine.runner.graph_runner = graphs
+    backend = engine.runner.attn_backend
+    seen = set()
+    plan = backend.kernels.plan_graph
+
+    def plan_graph(meta, layer, dtype):
+        seen.add((meta.kv_indptr.data_ptr(), meta.kv_indices.data_ptr()))
+        plan(meta, layer, dtype)
+
+    backend.kernels.plan_graph = plan_graph
+    params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    engine.generate(input_ids=[[5, 6, 7], [8, 9], [10]], sampling_params=params)
+    fixed = backend._fixed
+    assert seen == {(fixed.kv_indptr.data_ptr(), fixed.kv_indices.data_ptr())}

@@ -44,6 +44,12 @@ class ReferenceKernels:
     def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
         return paged_attention_reference(q, k_pages, v_pages, self._meta, self._scale)
 
+    def init_graphs(self, fixed: PagedKVMetadata) -> None:
+        pass  # it reads whatever metadata it was planned with: the fixed buffers' views
+
+    def plan_graph(self, meta: PagedKVMetadata, layer: PagedAttention, dtype) -> None:
+        self.plan(meta, True, layer, dtype)
+
 
 class FlashInferKernels:
     """FlashInfer's batch decode and prefill wrappers over one workspace (CUDA only)."""
@@ -51,10 +57,13 @@ class FlashInferKernels:
     def __init__(self, device: torch.device) -> None:
         import flashinfer  # the `gpu` extra; only ever imported on CUDA
 
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self._flashinfer = flashinfer
+        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._wrapper = self._decode
+        self._fixed: PagedKVMetadata | None = None
+        self._graph_wrappers: dict[int, object] = {}
 
     def plan(self, meta: PagedKVMetadata, decode: bool, layer: PagedAttention, dtype) -> None:
         heads, kv_heads, dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
@@ -75,6 +84,29 @@ class FlashInferKernels:
     def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
         return self._wrapper.run(q.contiguous(), (k_pages, v_pages))
 
+    def init_graphs(self, fixed: PagedKVMetadata) -> None:
+        self._fixed = fixed
+
+    def plan_graph(self, meta: PagedKVMetadata, layer: PagedAttention, dtype) -> None:
+        """Plan a captured decode: one CUDA-graph wrapper per batch size, over the fixed
+        buffers, which its plan fills (the graph reads them at replay)."""
+        bs = meta.batch_size
+        wrapper = self._graph_wrappers.get(bs)
+        if wrapper is None:
+            wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True,
+                paged_kv_indptr_buffer=self._fixed.kv_indptr[: bs + 1],
+                paged_kv_indices_buffer=self._fixed.kv_indices,
+                paged_kv_last_page_len_buffer=self._fixed.kv_last_page_len[:bs],
+            )  # fmt: skip
+            self._graph_wrappers[bs] = wrapper
+        decode = self._decode
+        try:
+            self._decode = wrapper
+            self.plan(meta, True, layer, dtype)
+        finally:
+            self._decode = decode
+
 
 class FlashInferAttnBackend(AttentionBackend):
     def __init__(
@@ -89,6 +121,8 @@ class FlashInferAttnBackend(AttentionBackend):
         self.metadata: PagedKVMetadata | None = None
         self._decode = False
         self._planned = False
+        self._layer: PagedAttention | None = None  # the geometry to plan captures with
+        self._fixed: PagedKVMetadata | None = None  # CUDA graphs: buffers replays read
 
     def prepare_metadata(self, forward_batch: ForwardBatch) -> None:
         self.metadata = build_paged_kv_metadata(
@@ -114,6 +148,7 @@ class FlashInferAttnBackend(AttentionBackend):
         if not self._planned:
             self.kernels.plan(self.metadata, self._decode, layer, self.kv_pool.dtype)
             self._planned = True
+            self._layer = layer
         k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer.layer_id)
         page_size = self.kv_pool.page_size
         tokens = q.shape[0]
@@ -123,6 +158,43 @@ class FlashInferAttnBackend(AttentionBackend):
             paged_kv_view(v_buffer, page_size),
         )
         return out.reshape(tokens, layer.num_heads * layer.head_dim).to(q.dtype)
+
+    # ---- CUDA graphs: decode metadata in fixed buffers, planned outside the graph ----------
+
+    def init_capture_graph(self, max_batch_size: int) -> None:
+        device, page_size = self.kv_pool.device, self.kv_pool.page_size
+        pages_per_request = -(-self.req_to_token_pool.max_context_len // page_size)
+
+        def zeros(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=device)
+
+        self._fixed = PagedKVMetadata(
+            zeros(max_batch_size + 1), zeros(max_batch_size + 1),
+            zeros(max_batch_size * pages_per_request), zeros(max_batch_size), page_size,
+        )  # fmt: skip
+        self.kernels.init_graphs(self._fixed)
+
+    def prepare_for_capture(self, forward_batch: ForwardBatch) -> None:
+        self.prepare_for_replay(forward_batch)
+
+    def prepare_for_replay(self, forward_batch: ForwardBatch) -> None:
+        """The batch's page table copied into the fixed buffers and planned, so the
+        captured forward runs without planning (it reads only those buffers)."""
+        if self._fixed is None or self._layer is None:
+            raise RuntimeError("init_capture_graph and one eager forward come before capture")
+        self.prepare_metadata(forward_batch)
+        built, fixed, bs = self.metadata, self._fixed, forward_batch.batch_size
+        pages = built.kv_indices.shape[0]
+        fixed.qo_indptr[: bs + 1].copy_(built.qo_indptr)
+        fixed.kv_indptr[: bs + 1].copy_(built.kv_indptr)
+        fixed.kv_indices[:pages].copy_(built.kv_indices)
+        fixed.kv_last_page_len[:bs].copy_(built.kv_last_page_len)
+        self.metadata = PagedKVMetadata(
+            fixed.qo_indptr[: bs + 1], fixed.kv_indptr[: bs + 1], fixed.kv_indices[:pages],
+            fixed.kv_last_page_len[:bs], fixed.page_size,
+        )  # fmt: skip
+        self.kernels.plan_graph(self.metadata, self._layer, self.kv_pool.dtype)
+        self._planned = True
 
 
 def flashinfer_reference_backend(

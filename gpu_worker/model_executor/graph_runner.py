@@ -10,10 +10,11 @@ one-key request that writes its K/V into slot 0 of the padding page (which no re
 owns) and reads row 0's first slot, and its logits are dropped.
 
 The bucketing, padding and buffers are device-agnostic and run on CPU in the suite, where
-an eager forward over the static buffers stands in for `graph.replay()`. The capture
-itself needs an attention backend that prepares its metadata into fixed buffers
-(`init_capture_graph` / `prepare_for_replay`, as FlashInfer's CUDA-graph wrappers do);
-none does yet, so `capture()` refuses with that reason and the engine decodes eager.
+a forward over the static buffers stands in for `graph.replay()`. The capture needs an
+attention backend that prepares its metadata into fixed buffers (`init_capture_graph`,
+`prepare_for_replay`): the FlashInfer backend does, through FlashInfer's CUDA-graph
+wrappers (with its reference kernel on CPU, so the suite runs that path too); the others
+raise NotImplementedError, and the engine decodes eager.
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ class DecodeGraphRunner:
         self.out_cache_loc = torch.zeros(largest, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # Whether the attention backend prepares its metadata into fixed buffers, which a
+        # capture needs; the reason where it does not.
+        self.unsupported: str | None = None
+        try:
+            runner.attn_backend.init_capture_graph(largest)
+        except NotImplementedError as reason:
+            self.unsupported = str(reason)
 
     def padded_size(self, batch_size: int) -> int | None:
         """The smallest captured size that holds the batch; None past the largest."""
@@ -66,12 +74,16 @@ class DecodeGraphRunner:
         )
 
     def run(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Logits [bs, vocab] of a decode batch, through the graph of its padded size."""
+        """Logits [bs, vocab] of a decode batch, through the graph of its padded size. On
+        CPU a forward on the static buffers stands in for the replay: with the metadata
+        prepared into the backend's fixed buffers where it has them, as a replay reads it."""
         padded = self.padded_batch(forward_batch)
-        graph = self.graphs.get(padded.batch_size)
-        if graph is None:  # CPU: an eager forward on the static buffers stands in for replay
+        if self.unsupported is not None:
             return self.runner.forward_eager(padded)[: forward_batch.batch_size]
         self.runner.attn_backend.prepare_for_replay(padded)
+        graph = self.graphs.get(padded.batch_size)
+        if graph is None:
+            return self.runner.forward_captured(padded)[: forward_batch.batch_size]
         graph.replay()
         return self.outputs[padded.batch_size][: forward_batch.batch_size]
 
@@ -108,14 +120,15 @@ class DecodeGraphRunner:
         """Record one graph per size, largest first, in one memory pool (CUDA only)."""
         if self.runner.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
+        if self.unsupported is not None:
+            raise NotImplementedError(self.unsupported)
         backend = self.runner.attn_backend
-        backend.init_capture_graph(self.sizes[-1])  # NotImplementedError: none supports it yet
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             batch = self.padded_batch(_empty_decode_batch(size, self.runner.device))
-            backend.prepare_for_capture(batch)
             for _ in range(2):  # warm up: lazy inits and autotuning stay out of the graph
                 self.runner.forward_eager(batch)
+            backend.prepare_for_capture(batch)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
