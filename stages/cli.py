@@ -4,6 +4,7 @@
   streamserve stage <name>           one replica of ingress, tokenizer, scheduler, detokenizer
   streamserve worker [engine flags]  one GPU worker (python -m gpu_worker.worker)
   streamserve bench                  the shared workloads against a running system
+  streamserve gpu-check              the GPU path checked and timed on this machine's GPU
 
 Every command takes the Redis URL from --redis-url or $REDIS_URL, and the model from
 --model or $STREAMSERVE_MODEL.
@@ -21,6 +22,7 @@ from bus.config import BusConfig
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_PORT = 8000
 WORKER_MODULE = "gpu_worker.worker"  # started by name: stages never import gpu_worker
+GPU_CHECK_MODULE = "gpu_worker.gpu_check"
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="run the shared workloads against a running system")
     _common(bench)
+    commands.add_parser(
+        "gpu-check", add_help=False,
+        help="check and time the GPU path on this machine (flags: streamserve gpu-check --help)",
+    )  # fmt: skip
     return parser
 
 
@@ -90,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command == "gpu-check":  # its own flags, parsed by the module
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, "-m", GPU_CHECK_MODULE, *extra])
     if extra and args.command not in ("worker", "bench"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")

@@ -1,0 +1,251 @@
+"""`streamserve gpu-check`: the GPU path checked and measured on the GPU at hand.
+
+    streamserve gpu-check [--out gpu-check.json] [--skip-throughput]
+
+1. Greedy tokens equal transformers' on the same GPU for small random Llama, Qwen2 and
+   Mistral models, on each attention path (FlashInfer with CUDA graphs, FlashInfer eager,
+   torch_native), with pages of 1 and 16 tokens and a batch that crosses captured sizes.
+2. The device's two ceilings: device-to-device copy bandwidth and a large bf16 matmul.
+3. The `single` decode step on the Llama-3.1-8B shape (random bf16 weights) against the
+   bandwidth floor (weight bytes / copy bandwidth), with CUDA graphs on and off.
+4. `gpu-throughput` (shared/BENCHMARKS.md) against transformers' padded batches.
+
+A table on stdout, every row as JSON in --out. Without CUDA it says so and exits 2. Each
+part is a function of a device, so the CPU suite runs them small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_worker.engine import Engine
+from gpu_worker.models.random_shapes import RANDOM_SHAPES
+
+# Attention paths: engine options on top of the model's.
+GPU_PATHS = {
+    "flashinfer+graphs": {"attention_backend": "flashinfer", "cuda_graphs": True},
+    "flashinfer": {"attention_backend": "flashinfer", "cuda_graphs": False},
+    "torch_native": {"attention_backend": "torch_native", "cuda_graphs": False},
+}
+# 13 requests: past captured sizes 8 and 12, padded to 16.
+PROMPT_LENS = (1, 3, 7, 12, 25, 40, 61, 90, 130, 5, 9, 17, 33)
+MAX_NEW = 16
+HF_BATCH = 16  # transformers' padded batches for gpu-throughput: more would not fit
+# shared/BENCHMARKS.md's `single` (128 prompt tokens, 256 generated) and `gpu-throughput`
+# (500 requests, prompts 256..4096, outputs 64..1024, lengths drawn first). Drawn here: the
+# worker side cannot import stages/workloads.py.
+SINGLE = (128, 256)
+GPU_THROUGHPUT_REQUESTS = 500
+
+
+def gpu_throughput_workload(requests: int = GPU_THROUGHPUT_REQUESTS, seed: int = 0):
+    """(prompts, output lengths) of `gpu-throughput`."""
+    rng = random.Random(seed)
+    prompt_lens = [rng.randint(256, 4096) for _ in range(requests)]
+    output_lens = [rng.randint(64, 1024) for _ in range(requests)]
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in prompt_lens]
+    return prompts, output_lens
+
+
+def _tiny_hf_model(architecture: str, dtype: torch.dtype, device: str):
+    import transformers
+
+    shape = dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.2, tie_word_embeddings=False,
+    )  # fmt: skip
+    config = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "mistral": transformers.MistralConfig,
+    }[architecture](**shape)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.to(device).eval()
+
+
+def _hf_greedy(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    device = next(model.parameters()).device
+    outputs = []
+    with torch.inference_mode():
+        for ids in prompts:  # one at a time: no padding to perturb it
+            out = model.generate(
+                torch.tensor([ids], device=device), max_new_tokens=max_new, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+            )  # fmt: skip
+            outputs.append(out[0, len(ids) :].tolist())
+    return outputs
+
+
+def check_greedy(
+    device: str, dtype: torch.dtype, paths: dict[str, dict], page_sizes=(1, 16)
+) -> list[dict]:
+    """One row per (architecture, path, page size): greedy equal to transformers?"""
+    rows = []
+    prompts = [[(7 * i + n) % 500 + 3 for i in range(n)] for n in PROMPT_LENS]
+    for architecture in ("llama", "qwen2", "mistral"):
+        hf_model = _tiny_hf_model(architecture, dtype, device)
+        expected = _hf_greedy(hf_model, prompts, MAX_NEW)
+        with tempfile.TemporaryDirectory() as folder:
+            hf_model.save_pretrained(folder)
+            for path, options in paths.items():
+                for page_size in page_sizes:
+                    engine = Engine(
+                        folder, device=device, dtype=str(dtype).removeprefix("torch."),
+                        page_size=page_size, **options,
+                    )  # fmt: skip
+                    params = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+                    results = engine.generate(input_ids=prompts, sampling_params=params)
+                    got = [r["output_ids"] for r in results]
+                    differing = sum(g != e for g, e in zip(got, expected, strict=True))
+                    rows.append({
+                        "check": "greedy", "model": architecture, "path": path,
+                        "page_size": page_size, "serving": engine.runner.attention_path,
+                        "equal": differing == 0, "requests_differing": differing,
+                    })  # fmt: skip
+    return rows
+
+
+def _seconds(fn, device: str, repeats: int) -> float:
+    fn()  # warm-up
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def measure_ceilings(device: str, copy_bytes: int = 2**30, matmul_n: int = 8192) -> dict:
+    """Copy bandwidth (GB/s: bytes read plus written) and bf16 matmul rate (TFLOPS)."""
+    source = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    copy_s = _seconds(lambda: target.copy_(source), device, 10)
+    a = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device=device)
+    b = torch.randn_like(a)
+    matmul_s = _seconds(lambda: a @ b, device, 10)
+    return {
+        "check": "ceilings",
+        "copy_gb_s": 2 * copy_bytes / copy_s / 1e9,
+        "bf16_tflops": 2 * matmul_n**3 / matmul_s / 1e12,
+    }
+
+
+def measure_single_decode(device: str, model: str, copy_gb_s: float, graphs: bool) -> dict:
+    """The `single` workload's decode step against reading every weight once."""
+    engine = Engine(model, device=device, dtype="bfloat16", cuda_graphs=graphs)
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    prompt_len, max_new = SINGLE
+    prompt = [[100 + i for i in range(prompt_len)]]
+    params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 8})
+    times = [
+        time.perf_counter()
+        for _ in engine.generate_stream(input_ids=prompt, sampling_params=params)
+    ]
+    step_ms = 1000 * (times[-1] - times[1]) / (len(times) - 2)  # after the first token
+    floor_ms = 1000 * weight_bytes / (copy_gb_s * 1e9 / 2)  # a copy moves each byte twice
+    return {
+        "check": "single-decode", "model": model, "graphs": graphs,
+        "serving": engine.runner.attention_path, "step_ms": step_ms, "floor_ms": floor_ms,
+        "vs_floor": step_ms / floor_ms,
+    }  # fmt: skip
+
+
+def measure_throughput(
+    device: str, model: str, prompts: list[list[int]], output_lens: list[int]
+) -> list[dict]:
+    """Output tok/s of the engine and of transformers' padded batches of HF_BATCH, on the
+    same model shape (random weights: speed does not depend on their values)."""
+    engine = Engine(model, device=device, dtype="bfloat16")
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in output_lens]
+    start = time.perf_counter()
+    engine.generate(input_ids=prompts, sampling_params=params)
+    engine_s = time.perf_counter() - start
+    del engine
+    hf_s = _hf_batches_seconds(_hf_model_like(model, device), prompts, output_lens)
+    tokens = sum(output_lens)
+    return [
+        {"check": "throughput", "system": "engine", "output_tok_s": tokens / engine_s},
+        {"check": "throughput", "system": "hf-batch", "output_tok_s": tokens / hf_s,
+         "engine_vs_hf": hf_s / engine_s},
+    ]  # fmt: skip
+
+
+def _hf_model_like(model: str, device: str):
+    import transformers
+
+    if model.startswith("random:"):
+        config = transformers.AutoConfig.for_model(
+            "llama", **RANDOM_SHAPES[model.removeprefix("random:")]
+        )
+        with torch.device(device):
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    return hf.to(device).eval()
+
+
+def _hf_batches_seconds(hf, prompts: list[list[int]], output_lens: list[int]) -> float:
+    device = next(hf.parameters()).device
+    total = 0.0
+    for start in range(0, len(prompts), HF_BATCH):
+        batch = prompts[start : start + HF_BATCH]
+        max_new = max(output_lens[start : start + HF_BATCH])
+        width = max(len(p) for p in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(batch):  # left padding, as transformers generates
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        begin = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=max_new,
+                        min_new_tokens=max_new, do_sample=False, pad_token_id=0)  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        total += time.perf_counter() - begin
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="streamserve gpu-check", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("gpu-check.json"))
+    parser.add_argument("--model", default="random:llama-3.1-8b", help="for the timings")
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        build = f"torch {torch.__version__}, CUDA build {torch.version.cuda}"
+        print(f"gpu-check needs a CUDA device; torch sees none here ({build})", file=sys.stderr)
+        return 2
+    rows = check_greedy("cuda", torch.bfloat16, GPU_PATHS)
+    ceilings = measure_ceilings("cuda")
+    rows.append(ceilings)
+    for graphs in (True, False):
+        rows.append(measure_single_decode("cuda", args.model, ceilings["copy_gb_s"], graphs))
+    if not args.skip_throughput:
+        rows += measure_throughput("cuda", args.model, *gpu_throughput_workload())
+    args.out.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    for row in rows:
+        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in row.items()))  # fmt: skip
+    return 0 if all(row.get("equal", True) for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
