@@ -368,7 +368,9 @@ class Heartbeat(Message):
     FIELDS = {
         "worker_id": _STR, "stream": _STR, "model": _STR, "running": _INT, "waiting": _INT,
         "free_kv_tokens": _INT, "total_kv_tokens": _INT, "admitted": _INT, "time": _FLOAT,
+        "attention": _STR,
     }  # fmt: skip
+    OPTIONAL = frozenset({"attention"})  # workers from before it was added leave it out
 
     worker_id: str
     stream: str
@@ -379,6 +381,8 @@ class Heartbeat(Message):
     total_kv_tokens: int
     admitted: int  # jobs read from its stream since it started
     time: float
+    # What serves attention, e.g. "flashinfer (self-check passed: ...), CUDA graphs"
+    attention: str | None = None
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {

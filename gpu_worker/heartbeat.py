@@ -49,6 +49,7 @@ class HeartbeatThread(threading.Thread):
         model: str,
         max_total_tokens: int,
         on_stall: Callable[[], None] | None = None,
+        attention: str | None = None,  # what serves attention, announced with the load
     ) -> None:
         super().__init__(name=f"heartbeat-{worker_id}", daemon=True)
         self.client = client
@@ -57,6 +58,7 @@ class HeartbeatThread(threading.Thread):
         self.stream = stream
         self.model = model
         self.max_total_tokens = max_total_tokens
+        self.attention = attention
         self.on_stall = on_stall or _exit_hung
         self.load = Load(0, 0, max_total_tokens, 0)
         self.stop = threading.Event()
@@ -73,6 +75,7 @@ class HeartbeatThread(threading.Thread):
         heartbeat = Heartbeat(
             self.worker_id, self.stream, self.model, load.running, load.waiting,
             load.free_kv_tokens, self.max_total_tokens, load.admitted, time.time(),
+            self.attention,
         )  # fmt: skip
         pipe = self.client.pipeline(transaction=True)
         pipe.sismember(self.config.workers_key(), self.worker_id)

@@ -124,8 +124,9 @@ class Worker:
         self.fence_key = config.fence_key(worker_id)
         self._fence: bytes | None = None  # the fence token our writes are valid under
         self.heartbeat = HeartbeatThread(
-            client, config, worker_id, self.stream, model, engine.runner.max_total_tokens
-        )
+            client, config, worker_id, self.stream, model, engine.runner.max_total_tokens,
+            attention=engine.runner.serving_path(),
+        )  # fmt: skip
 
     # ---- the loop ------------------------------------------------------------------------
 

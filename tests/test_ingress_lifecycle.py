@@ -31,7 +31,12 @@ def test_health_is_503_without_a_worker_heartbeat_and_200_with_one(ingress, redi
     assert status == 503
     add_worker(redis_client, ingress.config, "w1")
     status, _, data = ingress.request("GET", "/health")
-    assert status == 200 and json.loads(data) == {"status": "ok", "workers": 1}
+    # A heartbeat from before workers announced their attention path: null.
+    assert status == 200 and json.loads(data) == {
+        "status": "ok",
+        "workers": 1,
+        "serving": {"w1": None},
+    }
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

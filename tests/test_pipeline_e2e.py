@@ -226,10 +226,17 @@ def test_n_choices_and_stop_strings(client):
 
 def test_health_and_models(pipeline, client):
     assert [m.id for m in client.models.list()] == [MODEL]
+    import json
     import urllib.request
 
     with urllib.request.urlopen(pipeline.url + "/health", timeout=5) as reply:
         assert reply.status == 200
+        health = json.loads(reply.read())
+    # Each worker says what serves its attention (the CPU kernels, on this machine).
+    assert len(health["serving"]) == health["workers"]
+    assert all(
+        path.startswith(("cpu_kernel", "torch_native")) for path in health["serving"].values()
+    )
 
 
 def test_logprobs_name_each_token_and_its_alternatives(client):

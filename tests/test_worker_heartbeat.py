@@ -21,7 +21,10 @@ def config(redis_url) -> BusConfig:
 
 
 def _thread(client, config, on_stall=None) -> HeartbeatThread:
-    return HeartbeatThread(client, config, "w1", config.worker_stream("w1"), "m", 1000, on_stall)
+    return HeartbeatThread(
+        client, config, "w1", config.worker_stream("w1"), "m", 1000, on_stall,
+        attention="flashinfer (self-check passed), CUDA graphs",
+    )  # fmt: skip
 
 
 def test_it_beats_with_the_last_reported_load_while_the_loop_is_busy(redis_client, config):
@@ -32,6 +35,7 @@ def test_it_beats_with_the_last_reported_load_while_the_loop_is_busy(redis_clien
         time.sleep(0.6)  # three TTLs without a report: one long engine step
         beat = decode(redis_client.get(config.heartbeat_key("w1")), Heartbeat)
         assert (beat.running, beat.waiting, beat.free_kv_tokens, beat.admitted) == (3, 2, 500, 7)
+        assert beat.attention == "flashinfer (self-check passed), CUDA graphs"  # for /health
         assert redis_client.sismember(config.workers_key(), "w1")
     finally:
         heartbeat.goodbye()

@@ -91,9 +91,14 @@ class ModelRunner:
             self.dtype,
             self.max_total_tokens,
             self.page_size,
-            self.attention_path,
+            self.serving_path(),
             "on" if self.cpu_kernels is not None else "off",
         )
+
+    def serving_path(self) -> str:
+        """What serves attention and decode, as the heartbeat and /health show it."""
+        graphs = ", CUDA graphs" if self.graph_runner is not None else ""
+        return f"{self.attention_path}{graphs}"
 
     def _capture_decode_graphs(self) -> DecodeGraphRunner | None:
         """CUDA graphs for decode where they can be had; None (eager), with a line why."""

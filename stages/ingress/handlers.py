@@ -24,6 +24,7 @@ from bus.replies import AsyncReplyReader
 from stages.ingress import resume
 from stages.ingress.body import read_object
 from stages.ingress.errors import ApiError, redis_unavailable
+from stages.ingress.health import serving_paths
 from stages.ingress.openai_format import ChatFormat, Choice, CompletionFormat, OpenAIFormat, usage
 from stages.ingress.params import Job, check_model, parse_chat, parse_completion, parse_generate
 from stages.ingress.state import STATE, IngressState
@@ -329,7 +330,8 @@ async def health(request: web.Request) -> web.Response:
             None,
             "no_worker",
         )
-    return web.json_response({"status": "ok", "workers": live})
+    paths = await serving_paths(state.redis, state.config)
+    return web.json_response({"status": "ok", "workers": live, "serving": paths})
 
 
 async def metrics(request: web.Request) -> web.Response:

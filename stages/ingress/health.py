@@ -1,4 +1,5 @@
-"""What admission and /health ask of Redis: how many workers are alive, how long the queue is.
+"""What admission and /health ask of Redis: how many workers are alive (and what serves on
+each), how long the queue is.
 
 A worker is alive while its heartbeat key exists (it expires ``heartbeat_ttl_s`` after the
 last beat). Admission reads the count at most once per ``ttl_s``: every request asking
@@ -13,6 +14,7 @@ import time
 import redis.asyncio as aredis
 
 from bus.config import BusConfig
+from bus.protocol import Heartbeat, ProtocolError, decode
 
 WORKERS_CHECK_INTERVAL_S = 1.0
 
@@ -25,6 +27,23 @@ async def count_live_workers(client: aredis.Redis, config: BusConfig) -> int:
     for worker_id in ids:
         pipe.exists(config.heartbeat_key(worker_id))
     return sum(await pipe.execute())
+
+
+async def serving_paths(client: aredis.Redis, config: BusConfig) -> dict[str, str | None]:
+    """Each live worker's attention path, from its heartbeat (None: it does not say)."""
+    ids = sorted(member.decode() for member in await client.smembers(config.workers_key()))
+    if not ids:
+        return {}
+    values = await client.mget([config.heartbeat_key(worker_id) for worker_id in ids])
+    paths = {}
+    for worker_id, value in zip(ids, values, strict=True):
+        if value is None:
+            continue  # lapsed: not live
+        try:
+            paths[worker_id] = decode(value, Heartbeat).attention
+        except ProtocolError:
+            paths[worker_id] = None
+    return paths
 
 
 async def queue_depth(client: aredis.Redis, config: BusConfig) -> int:

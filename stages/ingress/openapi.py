@@ -260,7 +260,10 @@ def openapi_document(model: str) -> dict[str, Any]:
             "/v1/models": _get("The served model, as a list", "application/json", 401),
             "/v1/models/{model}": model_path,
             "/health": _get(
-                "200 when Redis answers and a worker is alive", "application/json", 503
+                "200 when Redis answers and a worker is alive: the live workers' count, and "
+                "what serves attention on each (`serving`)",
+                "application/json",
+                503,
             ),  # fmt: skip
             "/metrics": _get("Prometheus metrics", "text/plain"),
             "/openapi.json": _get("This description"),
