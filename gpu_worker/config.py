@@ -26,7 +26,8 @@ class EngineConfig:
     # bfloat16 matmuls (no AVX512-BF16 or AMX), where bfloat16 prefill runs ~80x slower than
     # float32 and float32 is served instead. "float32" for exact comparisons.
     dtype: str = "auto"
-    # "auto": cpu_kernel on CPU when the CPU kernels are built, else torch_native.
+    # "auto": cpu_kernel on CPU when the CPU kernels are built; on CUDA flashinfer where it
+    # is installed (served only if it passes the start-up self-check); else torch_native.
     attention_backend: str = "auto"
     # On CPU, attention, few-row matmuls and some elementwise ops run in C kernels built with
     # the system compiler (gpu_worker/kernels); False keeps every op on PyTorch's own kernels.

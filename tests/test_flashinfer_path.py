@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gpu_worker import Engine
+from gpu_worker.attention import registry
 from gpu_worker.attention.flashinfer_backend import flashinfer_reference_backend
 from gpu_worker.attention.layer import PagedAttention
 from gpu_worker.attention.paged_metadata import build_paged_kv_metadata, paged_kv_view
@@ -111,6 +112,18 @@ def test_reference_over_the_page_table_equals_torch_native(page_size, mode):
             backend.prepare_metadata(batch)
             outputs.append(backend.forward(q, k, v, layer, batch))
         torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_auto_picks_flashinfer_on_cuda_only_where_it_is_installed(monkeypatch):
+    cuda = torch.device("cuda")
+    installed = {"flashinfer": True}
+    monkeypatch.setattr(
+        registry.importlib.util, "find_spec", lambda name: object() if installed[name] else None
+    )
+    assert resolve_backend_name("auto", cuda, cpu_kernels=False) == "flashinfer"
+    installed["flashinfer"] = False
+    assert resolve_backend_name("auto", cuda, cpu_kernels=False) == "torch_native"
+    assert resolve_backend_name("auto", torch.device("cpu"), cpu_kernels=True) == "cpu_kernel"
 
 
 def test_flashinfer_needs_cuda_and_says_what_runs_instead():

@@ -13,7 +13,12 @@ from gpu_worker import Engine
 from gpu_worker.attention import registry
 from gpu_worker.attention.torch_native import TorchNativeAttnBackend
 from gpu_worker.model_executor.forward_batch import ForwardMode
-from gpu_worker.model_executor.self_check import checked_backend, compare_backends
+from gpu_worker.model_executor.graph_runner import DecodeGraphRunner
+from gpu_worker.model_executor.self_check import (
+    checked_backend,
+    compare_backends,
+    verified_graphs,
+)
 from gpu_worker.models.random_shapes import fill_random_weights
 
 
@@ -96,3 +101,25 @@ def test_a_backend_that_cannot_start_is_replaced_too(runner, monkeypatch):
     backend, path = checked_backend(runner, "unbuildable")
     assert type(backend) is TorchNativeAttnBackend
     assert "failed its self-check: ImportError: No module named 'flashinfer'" in path
+
+
+class PaddingIntoALiveSlot(DecodeGraphRunner):
+    """Pads with the first request's KV slot instead of the padding page's."""
+
+    def padded_batch(self, forward_batch):
+        padded = super().padded_batch(forward_batch)
+        padded.out_cache_loc[forward_batch.batch_size :] = forward_batch.out_cache_loc[0]
+        return padded
+
+
+@pytest.mark.parametrize("cls", [DecodeGraphRunner, PaddingIntoALiveSlot])
+def test_graph_replays_are_checked_against_eager_decoding(cls):
+    engine = Engine("random:tiny-llama", dtype="float32", attention_backend="flashinfer_reference")
+    fill_random_weights(engine.runner.model, seed=0, std=0.2)
+    runner = engine.runner
+    graphs = cls(runner, [1, 2, 4])  # the check's 3 requests pad to 4
+    assert graphs.unsupported is None  # fixed buffers: the replay path, on CPU
+    kept = verified_graphs(runner, graphs)
+    assert (kept is graphs) == (cls is DecodeGraphRunner)
+    assert runner.graph_runner is None  # the runner decides what to keep
+    assert not runner.req_to_token_pool.req_to_token.any()

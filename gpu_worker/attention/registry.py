@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from collections.abc import Callable
 
@@ -38,7 +39,13 @@ def resolve_backend_name(name: str, device: torch.device, cpu_kernels: bool) -> 
     """Turn "auto" into a concrete backend for the device; reject unknown names and
     backends this device cannot run."""
     if name == "auto":
-        return "cpu_kernel" if device.type == "cpu" and cpu_kernels else "torch_native"
+        if device.type == "cpu" and cpu_kernels:
+            return "cpu_kernel"
+        # On CUDA FlashInfer where the `gpu` extra is installed (not imported here); the
+        # runner serves it only once it passes its start-up self-check.
+        if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+            return "flashinfer"
+        return "torch_native"
     if name in _NEEDS_CPU_KERNELS and not (device.type == "cpu" and cpu_kernels):
         raise ValueError(
             f"attention_backend {name!r} needs the CPU kernels on a CPU device; they are off "

@@ -27,7 +27,7 @@ from gpu_worker.model_executor.forward_context import (
 )
 from gpu_worker.model_executor.graph_runner import DecodeGraphRunner, capture_sizes
 from gpu_worker.model_executor.hooks import ForwardHooks
-from gpu_worker.model_executor.self_check import SAFE_BACKEND, checked_backend
+from gpu_worker.model_executor.self_check import SAFE_BACKEND, checked_backend, verified_graphs
 from gpu_worker.models.layers import attach_cpu_kernels
 from gpu_worker.models.loader import load_model
 
@@ -113,7 +113,7 @@ class ModelRunner:
         except NotImplementedError as reason:
             logger.info("CUDA graphs off: %s; decoding eager", reason)
             return None
-        return graphs
+        return verified_graphs(self, graphs)
 
     def _kv_pool_tokens(self) -> int:
         cfg = self.model_config
@@ -124,9 +124,14 @@ class ModelRunner:
             tokens = self.config.max_total_tokens
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
+            rows = self.config.max_running_requests
+            # Captured graphs keep the largest decode's activations in their own pool.
+            graphs = self.config.cuda_graphs and forward_activation_bytes(
+                self.model_config, self.dtype.itemsize, rows, rows
+            )
             plan = plan_gpu_kv_pool(
                 total, free, self.config.mem_fraction_static, per_token,
-                self._peak_activation_bytes(), 0, self.page_size,
+                self._peak_activation_bytes(), int(graphs), self.page_size,
             )  # fmt: skip
             tokens = plan.kv_tokens
         else:

@@ -7,7 +7,9 @@ through the candidate backend and through torch_native on the same weights and t
 slots. Logits must agree within a relative tolerance, and greedy tokens must be equal
 wherever the plain path's top two logits are further apart than twice the largest
 difference seen (closer ones may swap under any two summation orders). A candidate that
-disagrees is not used: the runner serves torch_native and logs what disagreed.
+disagrees is not used: the runner serves torch_native and logs what disagreed. Captured
+CUDA graphs get the same treatment after capture: decode steps replayed against eager
+forwards on the same backend, and eager decoding where they disagree.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from gpu_worker.attention.registry import create_attention_backend
 from gpu_worker.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
+    from gpu_worker.model_executor.graph_runner import DecodeGraphRunner
     from gpu_worker.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -91,6 +94,45 @@ def compare_backends(
         runner.req_to_token_pool.req_to_token[: len(prompts)] = 0
     forwards = DECODE_STEPS + 1
     return SelfCheckResult(True, f"{forwards} forwards of {len(prompts)} requests agree")
+
+
+def verified_graphs(runner: ModelRunner, graphs: DecodeGraphRunner) -> DecodeGraphRunner | None:
+    """`graphs` if their replays agree with eager decoding, else None (eager), logged."""
+    runner.graph_runner = graphs
+    try:
+        result = check_graph_replay(runner)
+    except Exception as error:  # a replay that fails: decode eager
+        result = SelfCheckResult(False, f"{type(error).__name__}: {error}")
+    finally:
+        runner.graph_runner = None
+    if result.ok:
+        return graphs
+    logger.error("CUDA graph replays disagree with eager decoding (%s): decoding eager",
+                 result.detail)  # fmt: skip
+    return None
+
+
+@torch.inference_mode()
+def check_graph_replay(runner: ModelRunner) -> SelfCheckResult:
+    """Decode steps of the check batch through the runner's CUDA graphs against eager
+    forwards on the same backend (itself checked against torch_native before capture)."""
+    rng = random.Random(1)
+    vocab = runner.model_config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
+    batch = _extend_batch(runner, prompts)
+    try:
+        tokens = runner.forward_eager(batch).argmax(dim=-1)
+        for step in range(DECODE_STEPS):
+            batch = _next_decode_batch(runner, batch, tokens)
+            got = runner.graph_runner.run(batch).float()
+            expected = runner.forward_eager(batch).float()
+            problem = _disagreement(got, expected, runner.dtype)
+            if problem:
+                return SelfCheckResult(False, f"decode step {step + 1}: {problem}")
+            tokens = expected.argmax(dim=-1)
+    finally:
+        runner.req_to_token_pool.req_to_token[: len(prompts)] = 0
+    return SelfCheckResult(True, f"{DECODE_STEPS} decode steps agree with eager")
 
 
 def _disagreement(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> str | None:
