@@ -17,6 +17,7 @@ part is a function of a device, so the CPU suite runs them small.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -39,6 +40,7 @@ GPU_PATHS = {
 PROMPT_LENS = (1, 3, 7, 12, 25, 40, 61, 90, 130, 5, 9, 17, 33)
 MAX_NEW = 16
 HF_BATCH = 16  # transformers' padded batches for gpu-throughput: more would not fit
+CHECK_POOL_TOKENS = 8192  # KV pool of the greedy checks' tiny engines
 # shared/BENCHMARKS.md's `single` (128 prompt tokens, 256 generated) and `gpu-throughput`
 # (500 requests, prompts 256..4096, outputs 64..1024, lengths drawn first). Drawn here: the
 # worker side cannot import stages/workloads.py.
@@ -100,20 +102,31 @@ def check_greedy(
             hf_model.save_pretrained(folder)
             for path, options in paths.items():
                 for page_size in page_sizes:
+                    # A small pool: sized from free memory, each would take the GPU.
                     engine = Engine(
                         folder, device=device, dtype=str(dtype).removeprefix("torch."),
-                        page_size=page_size, **options,
+                        page_size=page_size, max_total_tokens=CHECK_POOL_TOKENS, **options,
                     )  # fmt: skip
                     params = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
                     results = engine.generate(input_ids=prompts, sampling_params=params)
                     got = [r["output_ids"] for r in results]
                     differing = sum(g != e for g, e in zip(got, expected, strict=True))
+                    serving = engine.runner.serving_path()
+                    del engine, results
+                    _release(device)
                     rows.append({
                         "check": "greedy", "model": architecture, "path": path,
-                        "page_size": page_size, "serving": engine.runner.attention_path,
+                        "page_size": page_size, "serving": serving,
                         "equal": differing == 0, "requests_differing": differing,
                     })  # fmt: skip
     return rows
+
+
+def _release(device: str) -> None:
+    """Free the last engine now (its runner and graph runner refer to each other)."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def _seconds(fn, device: str, repeats: int) -> float:
@@ -145,6 +158,7 @@ def measure_ceilings(device: str, copy_bytes: int = 2**30, matmul_n: int = 8192)
 
 def measure_single_decode(device: str, model: str, copy_gb_s: float, graphs: bool) -> dict:
     """The `single` workload's decode step against reading every weight once."""
+    _release(device)
     engine = Engine(model, device=device, dtype="bfloat16", cuda_graphs=graphs)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     prompt_len, max_new = SINGLE
@@ -159,7 +173,7 @@ def measure_single_decode(device: str, model: str, copy_gb_s: float, graphs: boo
     floor_ms = 1000 * weight_bytes / (copy_gb_s * 1e9 / 2)  # a copy moves each byte twice
     return {
         "check": "single-decode", "model": model, "graphs": graphs,
-        "serving": engine.runner.attention_path, "step_ms": step_ms, "floor_ms": floor_ms,
+        "serving": engine.runner.serving_path(), "step_ms": step_ms, "floor_ms": floor_ms,
         "vs_floor": step_ms / floor_ms,
     }  # fmt: skip
 
@@ -169,12 +183,14 @@ def measure_throughput(
 ) -> list[dict]:
     """Output tok/s of the engine and of transformers' padded batches of HF_BATCH, on the
     same model shape (random weights: speed does not depend on their values)."""
+    _release(device)
     engine = Engine(model, device=device, dtype="bfloat16")
     params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in output_lens]
     start = time.perf_counter()
     engine.generate(input_ids=prompts, sampling_params=params)
     engine_s = time.perf_counter() - start
     del engine
+    _release(device)
     hf_s = _hf_batches_seconds(_hf_model_like(model, device), prompts, output_lens)
     tokens = sum(output_lens)
     return [
