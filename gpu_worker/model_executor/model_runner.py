@@ -75,14 +75,15 @@ class ModelRunner:
         backend_name = resolve_backend_name(
             config.attention_backend, self.device, self.cpu_kernels is not None
         )
-        self.attn_backend = create_attention_backend(
-            backend_name, self.req_to_token_pool, self.kv_pool, self.cpu_kernels
-        )
-        # What serves attention, for the start-up line; on CUDA a fast backend serves only
-        # once it agrees with torch_native on this device (model_executor/self_check.py).
-        self.attention_path = backend_name
+        # attention_path says what serves, for the start-up line, the heartbeat and /health.
         if self.device.type == "cuda" and backend_name != SAFE_BACKEND:
+            # A fast backend serves only once it agrees with torch_native on this device.
             self.attn_backend, self.attention_path = checked_backend(self, backend_name)
+        else:
+            self.attn_backend = create_attention_backend(
+                backend_name, self.req_to_token_pool, self.kv_pool, self.cpu_kernels
+            )
+            self.attention_path = backend_name
         self.graph_runner = self._capture_decode_graphs()
         logger.info(
             "model %s on %s/%s: KV pool %d tokens (page %d), attention %s, CPU kernels %s",

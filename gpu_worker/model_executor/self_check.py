@@ -49,8 +49,9 @@ class SelfCheckResult:
 
 def checked_backend(runner: ModelRunner, name: str) -> tuple[AttentionBackend, str]:
     """The backend `name` if it passes the check, else torch_native; and a description of
-    the path that serves, for the start-up line."""
+    the path that serves, for the start-up line. The runner serves torch_native meanwhile."""
     safe = create_attention_backend(SAFE_BACKEND, runner.req_to_token_pool, runner.kv_pool)
+    runner.attn_backend = safe  # what serves until the candidate passes
     try:
         candidate = create_attention_backend(
             name, runner.req_to_token_pool, runner.kv_pool, runner.cpu_kernels
