@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.jsonl import emit as write_line  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
 from gpu_worker.config import EngineConfig  # noqa: E402
+from gpu_worker.hf_reference import hf_generate_seconds  # noqa: E402
 from stages.workloads import WORKLOADS, Workload, make_workload  # noqa: E402
 
 
@@ -68,42 +69,21 @@ def run_engine(engine: Engine, workload: Workload) -> dict:
     return result
 
 
-def _hf_generate(model, prompts: list[list[int]], max_new: int) -> float:
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros((len(prompts), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):  # left padding, as HF wants for generation
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=max_new,
-            min_new_tokens=max_new,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    assert out.shape[1] == width + max_new
-    return time.perf_counter() - start
-
-
 def run_hf_batch(model, workload: Workload) -> dict:
-    elapsed = _hf_generate(model, workload.prompts, max(workload.output_lens))
+    elapsed = hf_generate_seconds(model, workload.prompts, max(workload.output_lens))
     return {"output_tok_s": workload.output_tokens / elapsed, "elapsed_s": elapsed}
 
 
 def run_hf_seq(model, workload: Workload) -> dict:
     elapsed = sum(
-        _hf_generate(model, [p], n)
+        hf_generate_seconds(model, [p], n)
         for p, n in zip(workload.prompts, workload.output_lens, strict=True)
     )
     result = {"output_tok_s": workload.output_tokens / elapsed, "elapsed_s": elapsed}
     if len(workload.prompts) == 1:
         # Decode rate without the prefill: the difference between a long and a 1-token run.
         prompt, n = workload.prompts[0], workload.output_lens[0]
-        prefill_only = _hf_generate(model, [prompt], 1)
+        prefill_only = hf_generate_seconds(model, [prompt], 1)
         result["decode_tok_s"] = (n - 1) / (elapsed - prefill_only)
     return result
 
@@ -169,7 +149,7 @@ def main() -> None:
         del engine
     if "hf" in systems:
         model = load_hf(args.model, dtype)
-        _hf_generate(model, [[100] * 64] * 4, 8)  # warm-up
+        hf_generate_seconds(model, [[100] * 64] * 4, 8)  # warm-up
         for workload in workloads:
             if len(workload.prompts) == 1:
                 emit(workload, "hf-seq", run_hf_seq(model, workload))

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.engine import Engine
+from gpu_worker.hf_reference import hf_generate_seconds, hf_greedy
 from gpu_worker.models.random_shapes import RANDOM_SHAPES
 
 # Attention paths: engine options on top of the model's.
@@ -75,20 +76,6 @@ def _tiny_hf_model(architecture: str, dtype: torch.dtype, device: str):
     return model.to(device).eval()
 
 
-def _hf_greedy(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    device = next(model.parameters()).device
-    outputs = []
-    with torch.inference_mode():
-        for ids in prompts:  # one at a time: no padding to perturb it
-            out = model.generate(
-                torch.tensor([ids], device=device), max_new_tokens=max_new, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
-            )  # fmt: skip
-            outputs.append(out[0, len(ids) :].tolist())
-    return outputs
-
-
 def check_greedy(
     device: str, dtype: torch.dtype, paths: dict[str, dict], page_sizes=(1, 16)
 ) -> list[dict]:
@@ -97,7 +84,7 @@ def check_greedy(
     prompts = [[(7 * i + n) % 500 + 3 for i in range(n)] for n in PROMPT_LENS]
     for architecture in ("llama", "qwen2", "mistral"):
         hf_model = _tiny_hf_model(architecture, dtype, device)
-        expected = _hf_greedy(hf_model, prompts, MAX_NEW)
+        expected = hf_greedy(hf_model, prompts, MAX_NEW, stop_at_eos=False)
         with tempfile.TemporaryDirectory() as folder:
             hf_model.save_pretrained(folder)
             for path, options in paths.items():
@@ -215,25 +202,12 @@ def _hf_model_like(model: str, device: str):
 
 
 def _hf_batches_seconds(hf, prompts: list[list[int]], output_lens: list[int]) -> float:
-    device = next(hf.parameters()).device
-    total = 0.0
-    for start in range(0, len(prompts), HF_BATCH):
-        batch = prompts[start : start + HF_BATCH]
-        max_new = max(output_lens[start : start + HF_BATCH])
-        width = max(len(p) for p in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long, device=device)
-        mask = torch.zeros_like(ids)
-        for row, prompt in enumerate(batch):  # left padding, as transformers generates
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        begin = time.perf_counter()
-        with torch.inference_mode():
-            hf.generate(ids, attention_mask=mask, max_new_tokens=max_new,
-                        min_new_tokens=max_new, do_sample=False, pad_token_id=0)  # fmt: skip
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        total += time.perf_counter() - begin
-    return total
+    return sum(
+        hf_generate_seconds(
+            hf, prompts[start : start + HF_BATCH], max(output_lens[start : start + HF_BATCH])
+        )
+        for start in range(0, len(prompts), HF_BATCH)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,25 +37,6 @@ def default_tokenizer():
     return AutoTokenizer.from_pretrained(default_gguf_dir(), gguf_file=DEFAULT_GGUF)
 
 
-def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True):
-    """transformers' greedy generate, one prompt at a time (no padding to perturb it)."""
-    options = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": 0}
-    if not stop_at_eos:
-        # As a keyword, None turns stopping off; set on a GenerationConfig, transformers 5
-        # merges the model's eos back in.
-        options["eos_token_id"] = None
-    outputs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                **options,
-            )
-            outputs.append(out[0, len(ids) :].tolist())
-    return outputs
-
-
 @pytest.fixture(scope="session")
 def redis_url():
     """One embedded server for the whole session; tests isolate through `redis_client`."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gpu_worker import Engine
-from tests.conftest import hf_greedy
+from gpu_worker.hf_reference import hf_greedy
 
 MAX_NEW = 24
 QUESTIONS = [

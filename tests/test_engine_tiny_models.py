@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from gpu_worker import Engine
-from tests.conftest import hf_greedy
+from gpu_worker.hf_reference import hf_greedy
 
 MAX_NEW = 20
 VOCAB = 512

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from bus.client import AsyncClient, Client
+from gpu_worker.hf_reference import hf_greedy
 from stages.scheduler import live_workers
-from tests.conftest import hf_greedy
 from tests.pipeline_harness import Pipeline
 
 pytestmark = pytest.mark.slow

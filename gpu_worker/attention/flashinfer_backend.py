@@ -66,20 +66,24 @@ class FlashInferKernels:
         self._graph_wrappers: dict[int, object] = {}
 
     def plan(self, meta: PagedKVMetadata, decode: bool, layer: PagedAttention, dtype) -> None:
-        heads, kv_heads, dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         if decode:
-            self._decode.plan(
-                meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, heads, kv_heads, dim,
-                meta.page_size, q_data_type=dtype, kv_data_type=dtype, sm_scale=layer.scaling,
-            )  # fmt: skip
-            self._wrapper = self._decode
+            self._plan_decode(self._decode, meta, layer, dtype)
         else:
+            heads, kv_heads, dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
             self._prefill.plan(
                 meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, heads,
                 kv_heads, dim, meta.page_size, causal=True, sm_scale=layer.scaling,
                 q_data_type=dtype, kv_data_type=dtype,
             )  # fmt: skip
             self._wrapper = self._prefill
+
+    def _plan_decode(self, wrapper, meta: PagedKVMetadata, layer: PagedAttention, dtype) -> None:
+        wrapper.plan(
+            meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, layer.num_heads,
+            layer.num_kv_heads, layer.head_dim, meta.page_size, q_data_type=dtype,
+            kv_data_type=dtype, sm_scale=layer.scaling,
+        )  # fmt: skip
+        self._wrapper = wrapper
 
     def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
         return self._wrapper.run(q.contiguous(), (k_pages, v_pages))
@@ -100,12 +104,7 @@ class FlashInferKernels:
                 paged_kv_last_page_len_buffer=self._fixed.kv_last_page_len[:bs],
             )  # fmt: skip
             self._graph_wrappers[bs] = wrapper
-        decode = self._decode
-        try:
-            self._decode = wrapper
-            self.plan(meta, True, layer, dtype)
-        finally:
-            self._decode = decode
+        self._plan_decode(wrapper, meta, layer, dtype)
 
 
 class FlashInferAttnBackend(AttentionBackend):

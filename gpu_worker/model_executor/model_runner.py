@@ -127,12 +127,14 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             rows = self.config.max_running_requests
             # Captured graphs keep the largest decode's activations in their own pool.
-            graphs = self.config.cuda_graphs and forward_activation_bytes(
-                self.model_config, self.dtype.itemsize, rows, rows
+            graph_pool = (
+                forward_activation_bytes(self.model_config, self.dtype.itemsize, rows, rows)
+                if self.config.cuda_graphs
+                else 0
             )
             plan = plan_gpu_kv_pool(
                 total, free, self.config.mem_fraction_static, per_token,
-                self._peak_activation_bytes(), int(graphs), self.page_size,
+                self._peak_activation_bytes(), graph_pool, self.page_size,
             )  # fmt: skip
             tokens = plan.kv_tokens
         else:

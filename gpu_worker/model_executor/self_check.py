@@ -75,10 +75,7 @@ def compare_backends(
     """Run the check batch through both backends; each forward runs the candidate first, so
     it reads the K/V it wrote itself. Uses request rows and slots of an empty pool and
     leaves the rows as it found them."""
-    rng = random.Random(0)
-    vocab = runner.model_config.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
-    batch = _extend_batch(runner, prompts)
+    batch = _extend_batch(runner, seed=0)
     serving = runner.attn_backend
     try:
         for step in range(DECODE_STEPS + 1):
@@ -92,9 +89,9 @@ def compare_backends(
             batch = _next_decode_batch(runner, batch, expected.argmax(dim=-1))
     finally:
         runner.attn_backend = serving
-        runner.req_to_token_pool.req_to_token[: len(prompts)] = 0
+        runner.req_to_token_pool.req_to_token[: len(PROMPT_LENS)] = 0
     forwards = DECODE_STEPS + 1
-    return SelfCheckResult(True, f"{forwards} forwards of {len(prompts)} requests agree")
+    return SelfCheckResult(True, f"{forwards} forwards of {len(PROMPT_LENS)} requests agree")
 
 
 def verified_graphs(runner: ModelRunner, graphs: DecodeGraphRunner) -> DecodeGraphRunner | None:
@@ -117,10 +114,7 @@ def verified_graphs(runner: ModelRunner, graphs: DecodeGraphRunner) -> DecodeGra
 def check_graph_replay(runner: ModelRunner) -> SelfCheckResult:
     """Decode steps of the check batch through the runner's CUDA graphs against eager
     forwards on the same backend (itself checked against torch_native before capture)."""
-    rng = random.Random(1)
-    vocab = runner.model_config.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
-    batch = _extend_batch(runner, prompts)
+    batch = _extend_batch(runner, seed=1)
     try:
         tokens = runner.forward_eager(batch).argmax(dim=-1)
         for step in range(DECODE_STEPS):
@@ -132,7 +126,7 @@ def check_graph_replay(runner: ModelRunner) -> SelfCheckResult:
                 return SelfCheckResult(False, f"decode step {step + 1}: {problem}")
             tokens = expected.argmax(dim=-1)
     finally:
-        runner.req_to_token_pool.req_to_token[: len(prompts)] = 0
+        runner.req_to_token_pool.req_to_token[: len(PROMPT_LENS)] = 0
     return SelfCheckResult(True, f"{DECODE_STEPS} decode steps agree with eager")
 
 
@@ -151,9 +145,12 @@ def _disagreement(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype)
     return None
 
 
-def _extend_batch(runner: ModelRunner, prompts: list[list[int]]) -> ForwardBatch:
-    """Prefill of `prompts` in rows 0.. of the request table, each request on fresh pages
-    from page 1 on, with room for the decode steps."""
+def _extend_batch(runner: ModelRunner, seed: int) -> ForwardBatch:
+    """Prefill of random prompts of PROMPT_LENS tokens in rows 0.. of the request table,
+    each request on fresh pages from page 1 on, with room for the decode steps."""
+    rng = random.Random(seed)
+    vocab = runner.model_config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
     page, device = runner.page_size, runner.device
     slots, next_page = [], 1
     for row, prompt in enumerate(prompts):
