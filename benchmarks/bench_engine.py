@@ -25,7 +25,7 @@ from benchmarks.jsonl import emit as write_line  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
 from gpu_worker.config import EngineConfig  # noqa: E402
 from gpu_worker.hf_reference import hf_generate_seconds  # noqa: E402
-from stages.workloads import WORKLOADS, Workload, make_workload  # noqa: E402
+from stages.cli.workloads import WORKLOADS, Workload, make_workload  # noqa: E402
 
 
 def _percentile(values: list[float], q: float) -> float | None:

@@ -50,7 +50,7 @@ from gpu_worker.config import EngineConfig  # noqa: E402
 from gpu_worker.models.gguf_convert import convert_gguf, default_cache_dir  # noqa: E402
 from gpu_worker.models.loader import default_gguf_path  # noqa: E402
 from stages import bench  # noqa: E402
-from stages.workloads import Workload, make_workload  # noqa: E402
+from stages.cli.workloads import Workload, make_workload  # noqa: E402
 
 READY_TIMEOUT_S = 600  # vLLM compiles its model on first start
 WARM_UP = Workload("warm-up", [[40_100 + i for i in range(64)]], [8])

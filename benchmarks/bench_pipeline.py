@@ -35,7 +35,7 @@ from bus.embedded_server import EmbeddedRedis  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
 from gpu_worker.config import EngineConfig  # noqa: E402
 from stages import bench  # noqa: E402
-from stages.workloads import Workload, make_workload  # noqa: E402
+from stages.cli.workloads import Workload, make_workload  # noqa: E402
 
 READY_TIMEOUT_S = 300
 WARM_UP = Workload("warm-up", [[40_100 + i for i in range(64)]] * 4, [8] * 4)

@@ -141,7 +141,7 @@ class BusConfig:
 
     def workers_key(self) -> str:
         """A set of the worker ids that beat; an id whose heartbeat expired stays until the
-        reaper (stages/worker_reaper.py) has moved its jobs to live workers."""
+        reaper (stages/router/worker_reaper.py) has moved its jobs to live workers."""
         return f"{self.stream_prefix}:workers"
 
     def progress_key(self, rid: str) -> str:

@@ -217,7 +217,8 @@ class TokenItem:
     ``start`` is the output index of ``ids[0]``. ``context`` is the token ids just before
     ``ids`` (the last prompt tokens, then earlier output), of which the first
     ``prompt_context`` are prompt tokens: with them a detokenizer replica that has never seen
-    this request turns ``ids`` into exactly the text they add (see stages/detokenize.py).
+    this request turns ``ids`` into exactly the text they add (see
+    stages/detokenizer/incremental.py).
     """
 
     rid: str

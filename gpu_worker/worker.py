@@ -14,12 +14,12 @@ the bus may cost.
 
 The worker does not detokenize: requests with stop strings keep a TextStream to find them,
 the rest leave text to the detokenizer stage. Each item carries the token window the
-detokenizer needs (stages/detokenize.py).
+detokenizer needs (stages/detokenizer/incremental.py).
 
 Nothing is lost when a worker dies. A job stays pending on the worker's stream until it
 finishes (its acknowledgement goes in the MULTI with its last tokens), and each request's
 published tokens are appended to its progress key in the MULTI that publishes them. When
-the heartbeat lapses, the scheduler's reaper (stages/worker_reaper.py) moves the pending
+the heartbeat lapses, the scheduler's reaper (stages/router/worker_reaper.py) moves the pending
 jobs to the scheduler again, and the worker that gets one continues after its progress: no
 token is repeated or missing. A worker stopped with SIGTERM finishes its step, publishes it,
 and leaves its jobs to the reaper the same way.

@@ -23,7 +23,7 @@ import redis
 
 from bus.config import BusConfig
 from bus.embedded_server import EmbeddedRedis
-from stages.scheduler import live_workers
+from stages.router.stage import live_workers
 
 READY_TIMEOUT_S = 300.0
 

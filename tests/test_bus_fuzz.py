@@ -28,10 +28,10 @@ from bus.protocol import (
     decode,
     encode,
 )
-from stages.detokenizer import DetokenizerStage
-from stages.scheduler import SchedulerStage
-from stages.tokenizer import TokenizerStage
-from stages.tokenizer_loading import load_stage_tokenizer
+from stages.detokenizer.stage import DetokenizerStage
+from stages.router.stage import SchedulerStage
+from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
+from stages.tokenizer.stage import TokenizerStage
 from tests.ingress_harness import add_worker
 
 FIELD_NAMES = sorted({name for cls in MESSAGE_TYPES.values() for name in cls.FIELDS})

@@ -12,7 +12,7 @@ from bus.protocol import Finish, TokenItem, token_context
 from bus.stop_strings import stop_window_tokens
 from gpu_worker.text_stream import TextStream
 from gpu_worker.worker import CONTEXT_TOKENS
-from stages.detokenize import text_deltas
+from stages.detokenizer.incremental import text_deltas
 
 TEXTS = [
     "The capital of France is Paris. It is known for the Eiffel Tower.",

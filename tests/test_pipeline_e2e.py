@@ -16,7 +16,7 @@ import pytest
 
 from bus.client import AsyncClient, Client
 from gpu_worker.hf_reference import hf_greedy
-from stages.scheduler import live_workers
+from stages.router.stage import live_workers
 from tests.pipeline_harness import Pipeline
 
 pytestmark = pytest.mark.slow

@@ -23,8 +23,8 @@ from bus.protocol import (
     decode,
     encode,
 )
-from stages.scheduler import SchedulerStage, live_workers
-from stages.tokenizer import TokenizerStage
+from stages.router.stage import SchedulerStage, live_workers
+from stages.tokenizer.stage import TokenizerStage
 
 REPLY = "t:reply"
 
@@ -319,7 +319,7 @@ def test_tokenizer_answers_bad_input_ids_with_400_naming_the_field(
 
 @pytest.fixture(scope="module")
 def stage_tokenizer():
-    from stages.tokenizer_loading import load_stage_tokenizer
+    from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
 
     return load_stage_tokenizer("smollm2-135m-instruct")
 

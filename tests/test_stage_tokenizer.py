@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.tokenizer_loading import (
+from stages.tokenizer.hf_tokenizer import (
     StageTokenizer,
     cached_tokenizer_folder,
     default_gguf_path,
@@ -93,7 +93,7 @@ def fresh_process_report(cache_dir):
         """\
         import json, sys, time
         started = time.perf_counter()
-        from stages.tokenizer_loading import load_stage_tokenizer
+        from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
         tok = load_stage_tokenizer("smollm2-135m-instruct")
         loaded = time.perf_counter() - started
         ids = tok.encode("Hello, world!")

@@ -15,8 +15,8 @@ from bus.config import BusConfig
 from bus.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, encode, unpack_ids
 from gpu_worker import Engine
 from gpu_worker.worker import Worker
-from stages.scheduler import SchedulerStage
-from stages.worker_reaper import WorkerReaper
+from stages.router.stage import SchedulerStage
+from stages.router.worker_reaper import WorkerReaper
 
 MODEL = "random:tiny-llama"
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 12]

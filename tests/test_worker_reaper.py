@@ -14,7 +14,7 @@ import redis
 
 from bus.config import BusConfig
 from bus.protocol import ENTRY_FIELD, Abort, TokenizedRequest, decode, encode
-from stages.worker_reaper import WORKER_GROUP, WorkerReaper, dead_worker_ids
+from stages.router.worker_reaper import WORKER_GROUP, WorkerReaper, dead_worker_ids
 
 
 @pytest.fixture

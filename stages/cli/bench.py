@@ -26,7 +26,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from stages.workloads import WORKLOADS, Workload, make_workload
+from stages.cli.workloads import WORKLOADS, Workload, make_workload
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

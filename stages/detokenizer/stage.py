@@ -1,8 +1,8 @@
 """The detokenizer stage: each engine step's tokens become text deltas on reply streams.
 
 Reads TokenBatch from ``<p>:tokens`` and writes one TextDelta per request to the stream
-its ``reply_to`` names. Stateless (stages/detokenize.py), so any replica handles any batch;
-readers order a request's deltas by ``seq``.
+its ``reply_to`` names. Stateless (stages/detokenizer/incremental.py), so any replica handles
+any batch; readers order a request's deltas by ``seq``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 from bus.actor import Inbound, Outbound, Output
 from bus.config import BusConfig
 from bus.protocol import TextDelta, TokenBatch, TokenItem
-from stages.detokenize import text_deltas
+from stages.detokenizer.incremental import text_deltas
 
 
 class DetokenizerStage:

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker":
         return _exec_worker(args, extra)
     if args.command == "bench":
-        from stages.bench import main as bench_main
+        from stages.cli.bench import main as bench_main
 
         return bench_main([*(["--redis-url", args.redis_url] if args.redis_url else []),
                            "--model", args.model, *extra])  # fmt: skip
@@ -114,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if args.command == "up":
-        from stages.launcher import Launcher
+        from stages.cli.launcher import Launcher
 
         return Launcher(args, config).run()
-    from stages.run_stage import run_stage
+    from stages.cli.run_stage import run_stage
 
     try:
         run_stage(args.name, config, model=args.model, host=args.host, port=args.port,
@@ -141,7 +141,3 @@ def _exec_worker(args: argparse.Namespace, extra: list[str]) -> int:
     command = worker_command(args.redis_url, args.model, [*extra, "--log-level", args.log_level])
     sys.stdout.flush()
     os.execv(sys.executable, command)  # the worker replaces this process: signals reach it
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -29,8 +29,8 @@ import redis
 from bus.access import BusAccessError, check_access, redacted
 from bus.config import BusConfig
 from bus.embedded_server import EmbeddedRedis
-from stages.cli import worker_command
-from stages.scheduler import live_workers
+from stages.cli.main import worker_command
+from stages.router.stage import live_workers
 
 logger = logging.getLogger(__name__)
 

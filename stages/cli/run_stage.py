@@ -42,20 +42,20 @@ def run_stage(
     stop = threading.Event()
     stop_on_signals(stop)
     if name == "scheduler":
-        from stages.scheduler import SchedulerStage
-        from stages.worker_reaper import start_reaper_thread
+        from stages.router.stage import SchedulerStage
+        from stages.router.worker_reaper import start_reaper_thread
 
         stage = SchedulerStage(config, client, stop)
     else:
-        from stages.tokenizer_loading import load_stage_tokenizer
+        from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
 
         tokenizer = load_stage_tokenizer(model)
         if name == "tokenizer":
-            from stages.tokenizer import TokenizerStage
+            from stages.tokenizer.stage import TokenizerStage
 
             stage = TokenizerStage(config, tokenizer)
         else:
-            from stages.detokenizer import DetokenizerStage
+            from stages.detokenizer.stage import DetokenizerStage
 
             stage = DetokenizerStage(config, tokenizer)
     actor = Actor(client, config, stage, stop)

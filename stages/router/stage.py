@@ -37,7 +37,7 @@ class WorkerLoad:
 
 
 def live_workers(client: redis.Redis, config: BusConfig) -> list[WorkerLoad]:
-    """Workers whose heartbeat key is alive (the reaper, stages/worker_reaper.py, moves the
+    """Workers whose heartbeat key is alive (the reaper, stages/router/worker_reaper.py, moves the
     jobs of the others and removes their ids)."""
     ids = sorted(member.decode() for member in client.smembers(config.workers_key()))
     if not ids:
