@@ -36,7 +36,7 @@ from tests.pipeline_harness import Pipeline  # noqa: E402
 
 KINDS = [
     ("tokenizer", "stage tokenizer"),
-    ("scheduler", "stage scheduler"),
+    ("router", "stage router"),
     ("detokenizer", "stage detokenizer"),
     ("worker", "gpu_worker.worker"),
     ("ingress", "stage ingress"),
@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     args = parser.parse_args()
-    replicas = {"ingress": 2, "tokenizers": 2, "schedulers": 2, "detokenizers": 2, "workers": 2}
+    replicas = {"ingress": 2, "tokenizers": 2, "routers": 2, "detokenizers": 2, "workers": 2}
     with Pipeline(args.model, env={}, **replicas) as system:
         rows = asyncio.run(run(system, args))
     if args.out:

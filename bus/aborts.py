@@ -1,7 +1,7 @@
 """Aborting requests: a flag every stage can check, and a message to the worker that runs it.
 
 The abort key is set first and the route read after, both in one pipeline (Redis runs them
-in order): if the scheduler has not routed the job yet, the worker finds the key when the job
+in order): if the router has not routed the job yet, the worker finds the key when the job
 arrives and drops it; if it has, the route key names the worker, which gets an Abort on its
 own stream and frees the request within a step.
 """
@@ -25,7 +25,7 @@ def _flag_and_find(pipe, config: BusConfig, rids: Sequence[str]) -> None:
 
 
 def _routed(rids: Sequence[str], results: list) -> list[tuple[str, str]]:
-    """(rid, worker id) of the rids a scheduler has routed; `results` are SETs then GETs."""
+    """(rid, worker id) of the rids a router has routed; `results` are SETs then GETs."""
     routes = results[len(rids) :]
     return [(rid, worker.decode()) for rid, worker in zip(rids, routes, strict=True) if worker]
 

@@ -19,7 +19,7 @@ Environment variables read by ``BusConfig.from_env``:
   (one step, or a wait for Redis) before the worker takes itself for hung and exits.
 - ``STREAMSERVE_REPLY_TTL_S``: seconds a reply stream lives after its last write (a reader
   that died leaves nothing behind for longer).
-- ``STREAMSERVE_NO_WORKER_TIMEOUT_S``: how long the scheduler holds a job while no worker is
+- ``STREAMSERVE_NO_WORKER_TIMEOUT_S``: how long the router holds a job while no worker is
   alive before failing it with an error reply.
 """
 
@@ -151,7 +151,7 @@ class BusConfig:
         return f"{self.stream_prefix}:progress:{rid}"
 
     def reaping_key(self, worker_id: str) -> str:
-        """A lock: the scheduler replica moving a dead worker's jobs holds it."""
+        """A lock: the router replica moving a dead worker's jobs holds it."""
         return f"{self.stream_prefix}:reaping:{_require_id('worker_id', worker_id)}"
 
     def fence_key(self, worker_id: str) -> str:
@@ -160,11 +160,11 @@ class BusConfig:
         return f"{self.stream_prefix}:fence:{_require_id('worker_id', worker_id)}"
 
     def routed_key(self) -> str:
-        """A hash worker id -> jobs routed to it, so schedulers see each other's routing."""
+        """A hash worker id -> jobs routed to it, so routers see each other's routing."""
         return f"{self.stream_prefix}:routed"
 
     def route_key(self, rid: str) -> str:
-        """Which worker holds request `rid` (set by the scheduler, read by aborts)."""
+        """Which worker holds request `rid` (set by the router, read by aborts)."""
         return f"{self.stream_prefix}:route:{rid}"
 
     def request_key(self, request_id: str) -> str:

@@ -8,7 +8,7 @@ never as lists of Python ints. ``decode`` checks every field's type and raises
 Streams (names from ``BusConfig``; ``<p>`` is the prefix, ``streamserve`` by default):
 
   <p>:requests       GenerateRequest   text, chat or token-id jobs; read by the tokenizer
-  <p>:tokenized      TokenizedRequest  token-id jobs; read by the scheduler
+  <p>:tokenized      TokenizedRequest  token-id jobs; read by the router
   <p>:worker:<id>    TokenizedRequest  routed jobs, and Abort; read by that worker
                      | Abort
   <p>:tokens         TokenBatch        one per engine step; read by the detokenizer

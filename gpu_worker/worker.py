@@ -4,7 +4,7 @@
 
 The loop is the engine's (receive, schedule, forward, sample, process results) with Redis
 at its two ends. Jobs arrive on this worker's own stream ``<p>:worker:<id>``, where the
-scheduler stage routes them; every step publishes one TokenBatch with every request's new
+router stage routes them; every step publishes one TokenBatch with every request's new
 tokens to ``<p>:tokens``. While there is work, one MULTI per step carries the step's
 tokens, the acknowledgements of jobs admitted and a non-blocking read of new jobs, so the
 bus costs one round trip per step; idle, the worker blocks on its stream. The heartbeat
@@ -19,8 +19,8 @@ detokenizer needs (stages/detokenizer/incremental.py).
 Nothing is lost when a worker dies. A job stays pending on the worker's stream until it
 finishes (its acknowledgement goes in the MULTI with its last tokens), and each request's
 published tokens are appended to its progress key in the MULTI that publishes them. When
-the heartbeat lapses, the scheduler's reaper (stages/router/worker_reaper.py) moves the pending
-jobs to the scheduler again, and the worker that gets one continues after its progress: no
+the heartbeat lapses, the router's reaper (stages/router/worker_reaper.py) moves the pending
+jobs to the router again, and the worker that gets one continues after its progress: no
 token is repeated or missing. A worker stopped with SIGTERM finishes its step, publishes it,
 and leaves its jobs to the reaper the same way.
 
@@ -139,7 +139,7 @@ class Worker:
         # Jobs a previous life under this id left pending: resumed here, from their progress.
         entries = self._claim_pending()
         self._report_load()
-        self.heartbeat.beat()  # the scheduler can route to us now
+        self.heartbeat.beat()  # the routers can route to us now
         self.heartbeat.start()
         logger.info("worker %s: consumer %s on %s, %s in %s on %s", self.worker_id,
                     self.consumer, self.stream, self.engine.config.model,

@@ -1,7 +1,7 @@
 """The real ingress and a scripted upstream, for tests of the HTTP side and the direct client.
 
 `RunningIngress` serves `create_app` on a free port from a thread of its own. `Upstream`
-plays tokenizer, scheduler, worker and detokenizer at once: it reads each GenerateRequest
+plays tokenizer, router, worker and detokenizer at once: it reads each GenerateRequest
 from the real requests stream and writes the replies a test's script returns (in whatever
 order, duplicated or failing) to the request's real reply stream.
 """
@@ -47,7 +47,7 @@ def free_port() -> int:
 
 
 def add_worker(client: redis.Redis, config: BusConfig, worker_id: str = "w0") -> None:
-    """A live worker as the scheduler and the ingress see one: listed, with a heartbeat key."""
+    """A live worker as the router and the ingress see one: listed, with a heartbeat key."""
     beat = Heartbeat(worker_id, config.worker_stream(worker_id), MODEL, 0, 0, 1000, 1000, 0,
                      time.time())  # fmt: skip
     client.sadd(config.workers_key(), worker_id)

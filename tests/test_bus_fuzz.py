@@ -29,7 +29,7 @@ from bus.protocol import (
     encode,
 )
 from stages.detokenizer.stage import DetokenizerStage
-from stages.router.stage import SchedulerStage
+from stages.router.stage import RouterStage
 from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
 from stages.tokenizer.stage import TokenizerStage
 from tests.ingress_harness import add_worker
@@ -84,12 +84,12 @@ def config(redis_url) -> BusConfig:
 def _stages(config: BusConfig, client: redis.Redis, tokenizer):
     return [
         TokenizerStage(config, tokenizer),
-        SchedulerStage(config, client, threading.Event()),
+        RouterStage(config, client, threading.Event()),
         DetokenizerStage(config, tokenizer),
     ]
 
 
-@pytest.mark.parametrize("index", [0, 1, 2], ids=["tokenizer", "scheduler", "detokenizer"])
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["tokenizer", "router", "detokenizer"])
 def test_a_stage_fed_anything_dead_letters_it_and_keeps_serving(
     redis_client, config, tokenizer, index
 ):

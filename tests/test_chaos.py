@@ -31,14 +31,14 @@ PROMPTS = [f"Story {i}: once upon a time, in a city of streams," for i in range(
 VICTIMS = [
     ("gpu_worker.worker", 0.3),
     ("stage tokenizer", 0.0),
-    ("stage scheduler", 0.0),
+    ("stage router", 0.0),
     ("stage detokenizer", 0.3),
 ]
 
 
 @pytest.fixture(scope="module")
 def pipeline():
-    replicas = {"ingress": 1, "tokenizers": 2, "schedulers": 2, "detokenizers": 2, "workers": 2}
+    replicas = {"ingress": 1, "tokenizers": 2, "routers": 2, "detokenizers": 2, "workers": 2}
     with Pipeline(worker_arg=["--dtype=float32"], **replicas) as running:
         yield running
 

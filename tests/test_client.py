@@ -98,7 +98,7 @@ def test_submit_many_pipelines_thousands_of_jobs(config, upstream):
 def test_abort_flags_the_request_tells_its_worker_and_ends_the_stream(config, redis_client):
     with Client(config=config) as client:
         rid = client.submit("x")
-        redis_client.set(config.route_key(rid), "w3")  # as the scheduler records a route
+        redis_client.set(config.route_key(rid), "w3")  # as the router records a route
         client.abort(rid)
         chunks = list(client.stream(rid, timeout=1))
     assert chunks == [{"rid": rid, "text": "", "output_ids": [], "finish_reason": "abort"}]

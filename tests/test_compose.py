@@ -31,7 +31,7 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 ENV_FILE = ROOT / ".env"
 DOCKERFILE = ROOT / "Dockerfile"
 
-STAGES = ("ingress", "tokenizer", "scheduler", "detokenizer")
+STAGES = ("ingress", "tokenizer", "router", "detokenizer")
 GPU_WORKER = "worker"
 CPU_WORKER = "worker-cpu"
 STREAMSERVE_SERVICES = (*STAGES, GPU_WORKER, CPU_WORKER)

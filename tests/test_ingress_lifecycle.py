@@ -85,7 +85,7 @@ def test_metrics_count_requests_tokens_and_latencies(ingress, redis_client):
 
 
 def _routed_then_slow(client, config):
-    """A script: as the scheduler would, each job goes to worker w1, which has produced one
+    """A script: as the router would, each job goes to worker w1, which has produced one
     token and goes on generating."""
 
     def script(request: GenerateRequest):
@@ -182,7 +182,7 @@ def test_a_worker_that_beats_just_after_a_check_found_none_is_not_refused(ingres
 
 
 def test_a_heartbeat_gap_shorter_than_its_ttl_does_not_refuse_requests(ingress, redis_client):
-    """A late beat (a paused host) is not a dead fleet: jobs go to the scheduler, which
+    """A late beat (a paused host) is not a dead fleet: jobs go to the router, which
     holds them until a worker beats again."""
     add_worker(redis_client, ingress.config)
     body = {"model": MODEL, "prompt": "a"}

@@ -1,5 +1,5 @@
 """Two replicas of every CPU stage and two workers: every request completes exactly once,
-and the scheduler spreads the work over both workers."""
+and the router spreads the work over both workers."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ REQUESTS = 24
 
 
 def test_two_replicas_of_each_stage_and_two_workers_complete_every_request_once():
-    replicas = {"ingress": 2, "tokenizers": 2, "schedulers": 2, "detokenizers": 2, "workers": 2}
+    replicas = {"ingress": 2, "tokenizers": 2, "routers": 2, "detokenizers": 2, "workers": 2}
     with Pipeline(**replicas) as pipeline:
         import openai
 

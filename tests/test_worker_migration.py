@@ -1,5 +1,5 @@
 """A request moves off a stopped worker and finishes on another, with no token repeated or
-missing: real workers (a small random model), the reaper and the scheduler stage, on a real
+missing: real workers (a small random model), the reaper and the router stage, on a real
 server."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from bus.config import BusConfig
 from bus.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, encode, unpack_ids
 from gpu_worker import Engine
 from gpu_worker.worker import Worker
-from stages.router.stage import SchedulerStage
+from stages.router.stage import RouterStage
 from stages.router.worker_reaper import WorkerReaper
 
 MODEL = "random:tiny-llama"
@@ -71,12 +71,12 @@ def test_a_request_continues_on_another_worker_after_its_worker_stops(redis_url,
 
     second, second_thread = _start(client, config, "second")
     try:
-        reaper = WorkerReaper(client, config, "scheduler-test", threading.Event())
+        reaper = WorkerReaper(client, config, "router-test", threading.Event())
         assert reaper.reap("first")
-        scheduler = SchedulerStage(config, client, threading.Event())
-        ensure_group(client, scheduler.input_stream(config), scheduler.group)
+        router = RouterStage(config, client, threading.Event())
+        ensure_group(client, router.input_stream(config), router.group)
         _wait(lambda: client.exists(config.heartbeat_key("second")))
-        assert Actor(client, config, scheduler).run_once() == 1
+        assert Actor(client, config, router).run_once() == 1
         _wait(lambda: any(item.finish for _, item in _items(client, config, "r1")))
     finally:
         second.stop.set()
@@ -115,7 +115,7 @@ def test_a_worker_taken_for_dead_while_alive_publishes_nothing_for_jobs_moved_of
             {ENTRY_FIELD: encode(TokenizedRequest("r1", "t:reply", PROMPT, long_job))},
         )
         _wait(lambda: len(client.get(config.progress_key("r1")) or b"") >= 4 * 10)
-        reaper = WorkerReaper(client, config, "scheduler-test", threading.Event())
+        reaper = WorkerReaper(client, config, "router-test", threading.Event())
         reaper.reap("first")  # "left alone" at the end: it is beating
         produced = len(unpack_ids(client.get(config.progress_key("r1"))))
         assert produced < 400
@@ -125,9 +125,9 @@ def test_a_worker_taken_for_dead_while_alive_publishes_nothing_for_jobs_moved_of
         assert len(unpack_ids(client.get(config.progress_key("r1")))) == produced
         assert max(i.start + len(i.ids) for _, i in _items(client, config, "r1")) == produced
 
-        scheduler = SchedulerStage(config, client, threading.Event())
-        ensure_group(client, scheduler.input_stream(config), scheduler.group)
-        assert Actor(client, config, scheduler).run_once() == 1  # back to "first"
+        router = RouterStage(config, client, threading.Event())
+        ensure_group(client, router.input_stream(config), router.group)
+        assert Actor(client, config, router).run_once() == 1  # back to "first"
         _wait(lambda: any(item.finish for _, item in _items(client, config, "r1")))
     finally:
         worker.stop.set()

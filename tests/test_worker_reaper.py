@@ -1,4 +1,4 @@
-"""The reaper moves a dead worker's jobs back to the scheduler, once, on a real server.
+"""The reaper moves a dead worker's jobs back to the router, once, on a real server.
 
 A worker here is its keys: a stream with the workers' consumer group (jobs a worker read but
 did not finish are pending there, jobs it never read are unread), membership of the workers
@@ -22,7 +22,7 @@ def config(redis_url) -> BusConfig:
     return BusConfig(redis_url=redis_url)
 
 
-def _reaper(client: redis.Redis, config: BusConfig, name: str = "scheduler-a") -> WorkerReaper:
+def _reaper(client: redis.Redis, config: BusConfig, name: str = "router-a") -> WorkerReaper:
     return WorkerReaper(client, config, name, threading.Event())
 
 
@@ -52,7 +52,7 @@ def _requeued(client: redis.Redis, config: BusConfig) -> list[str]:
     ]
 
 
-def test_a_dead_workers_pending_and_unread_jobs_go_back_to_the_scheduler_once(redis_client, config):
+def test_a_dead_workers_pending_and_unread_jobs_go_back_to_the_router_once(redis_client, config):
     _worker(redis_client, config, "w1")
     _route(redis_client, config, "w1", "r1", "r2", "r3")
     _read(redis_client, config, "w1", 2)  # r1, r2 admitted; r3 never read
@@ -63,7 +63,7 @@ def test_a_dead_workers_pending_and_unread_jobs_go_back_to_the_scheduler_once(re
     assert redis_client.smembers(config.workers_key()) == set()
     assert redis_client.hget(config.routed_key(), "w1") is None
     assert not redis_client.exists(config.reaping_key("w1"))
-    _reaper(redis_client, config, "scheduler-b").reap("w1")  # a second replica, too late
+    _reaper(redis_client, config, "router-b").reap("w1")  # a second replica, too late
     assert sorted(_requeued(redis_client, config)) == ["r1", "r2", "r3"]  # nothing twice
 
 
@@ -72,7 +72,7 @@ def test_a_worker_is_reaped_only_when_seen_dead_on_two_ticks(redis_client, confi
     _route(redis_client, config, "w1", "r1")
     reaper = _reaper(redis_client, config)
     reaper.tick()
-    assert _requeued(redis_client, config) == []  # a scheduler may still be routing to it
+    assert _requeued(redis_client, config) == []  # a router may still be routing to it
     reaper.tick()
     assert _requeued(redis_client, config) == ["r1"]
     assert reaper.moved == 1
@@ -93,7 +93,7 @@ def test_a_beating_worker_is_left_alone(redis_client, config):
 def test_another_replica_holding_the_lock_keeps_this_one_out(redis_client, config):
     _worker(redis_client, config, "w1")
     _route(redis_client, config, "w1", "r1")
-    redis_client.set(config.reaping_key("w1"), "scheduler-b", ex=30)
+    redis_client.set(config.reaping_key("w1"), "router-b", ex=30)
     assert not _reaper(redis_client, config).reap("w1")
     assert _requeued(redis_client, config) == []
 

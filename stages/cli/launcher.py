@@ -99,7 +99,7 @@ class Launcher:
             self._spawn(f"worker-{i}", command, worker_env)
         stages = (
             ("tokenizer", a.tokenizers),
-            ("scheduler", a.schedulers),
+            ("router", a.routers),
             ("detokenizer", a.detokenizers),
             ("ingress", a.ingress),
         )

@@ -1,7 +1,7 @@
 """The `streamserve` command.
 
   streamserve up                     every stage on this machine (embedded Redis by default)
-  streamserve stage <name>           one replica of ingress, tokenizer, scheduler, detokenizer
+  streamserve stage <name>           one replica of ingress, tokenizer, router, detokenizer
   streamserve worker [engine flags]  one GPU worker (python -m gpu_worker.worker)
   streamserve bench                  the shared workloads against a running system
   streamserve gpu-check              the GPU path checked and timed on this machine's GPU
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, what in (
         ("--ingress", "ingress"),
         ("--tokenizers", "tokenizer"),
-        ("--schedulers", "scheduler"),
+        ("--routers", "router"),
         ("--detokenizers", "detokenizer"),
         ("--workers", "worker"),
     ):
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     _ingress_limits(up)
 
     stage = commands.add_parser("stage", help="run one replica of a CPU stage")
-    stage.add_argument("name", choices=("ingress", "tokenizer", "scheduler", "detokenizer"))
+    stage.add_argument("name", choices=("ingress", "tokenizer", "router", "detokenizer"))
     _common(stage)
     stage.add_argument("--host", default="0.0.0.0", help="ingress only")
     stage.add_argument("--port", type=int, default=DEFAULT_PORT, help="ingress only")

@@ -13,7 +13,7 @@ from bus.config import BusConfig
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("ingress", "tokenizer", "scheduler", "detokenizer")
+STAGES = ("ingress", "tokenizer", "router", "detokenizer")
 
 
 def run_stage(
@@ -41,11 +41,11 @@ def run_stage(
     client = redis.Redis.from_url(config.redis_url)
     stop = threading.Event()
     stop_on_signals(stop)
-    if name == "scheduler":
-        from stages.router.stage import SchedulerStage
+    if name == "router":
+        from stages.router.stage import RouterStage
         from stages.router.worker_reaper import start_reaper_thread
 
-        stage = SchedulerStage(config, client, stop)
+        stage = RouterStage(config, client, stop)
     else:
         from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
 
@@ -59,7 +59,7 @@ def run_stage(
 
             stage = DetokenizerStage(config, tokenizer)
     actor = Actor(client, config, stage, stop)
-    if name == "scheduler":
+    if name == "router":
         start_reaper_thread(config, actor.consumer, stop)  # dead workers' jobs move on
     actor.run()
     logger.info("%s stopped after %d entries", name, actor.processed)

@@ -47,7 +47,7 @@ async def serving_paths(client: aredis.Redis, config: BusConfig) -> dict[str, st
 
 
 async def queue_depth(client: aredis.Redis, config: BusConfig) -> int:
-    """Jobs waiting for (or held by) the tokenizer and scheduler stages.
+    """Jobs waiting for (or held by) the tokenizer and router stages.
 
     A stream keeps entries after they are acknowledged (until MAXLEN trims them), so its
     XLEN is not its backlog once a group reads it: the group's ``lag`` (never delivered) plus
@@ -98,7 +98,7 @@ class WorkerHealth:
 
     async def may_serve(self) -> bool:
         """A live worker now, or one seen within a heartbeat TTL. A gap shorter than that
-        is a late beat (a paused or overloaded host), not a dead fleet: the scheduler holds
+        is a late beat (a paused or overloaded host), not a dead fleet: the router holds
         jobs until a worker is live again, and fails them after no_worker_timeout_s."""
         if await self.live_workers():
             return True

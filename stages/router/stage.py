@@ -1,7 +1,7 @@
-"""The scheduler stage: each token-id job goes to the least-loaded live worker.
+"""The router stage: each token-id job goes to the least-loaded live worker.
 
 Stateless across replicas: the live workers and their load come from Redis on every batch
-(one pipelined read), and so do the jobs every scheduler replica has routed to each worker
+(one pipelined read), and so do the jobs every router replica has routed to each worker
 (``<p>:routed``), so jobs routed since a worker's last heartbeat count against it and a
 burst is spread instead of piling onto the worker that looked idlest a second ago. A job's
 worker is recorded under its route key, for aborts. With no live worker the batch is held
@@ -61,8 +61,8 @@ def live_workers(client: redis.Redis, config: BusConfig) -> list[WorkerLoad]:
     return loads
 
 
-class SchedulerStage:
-    group = "scheduler"
+class RouterStage:
+    group = "router"
     accepts = (TokenizedRequest,)
 
     def __init__(self, config: BusConfig, client: redis.Redis, stop: threading.Event) -> None:

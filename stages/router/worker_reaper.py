@@ -1,4 +1,4 @@
-"""The worker reaper: a dead worker's jobs go back to the scheduler, to continue elsewhere.
+"""The worker reaper: a dead worker's jobs go back to the router, to continue elsewhere.
 
 A worker leaves every job it was handed pending on its stream (``<p>:worker:<id>``) until
 the job finishes, and appends each request's published tokens to its progress key in the
@@ -6,12 +6,12 @@ MULTI that publishes them (gpu_worker/worker.py). So when its heartbeat lapses â
 killed, it crashed, or SIGTERM stopped it â€” its stream holds exactly the jobs it had not
 finished, and their progress keys hold exactly what their clients were sent.
 
-Each scheduler replica runs a reaper thread. For a worker whose heartbeat is gone on two
-looks a heartbeat interval apart (a scheduler that read the heartbeat just before it
+Each router replica runs a reaper thread. For a worker whose heartbeat is gone on two
+looks a heartbeat interval apart (a router that read the heartbeat just before it
 expired has routed its job by then), the replica that wins the worker's ``reaping`` lock
 takes every entry of its stream (pending ones with ``XAUTOCLAIM``, unread ones with
 ``XREADGROUP``) and puts each job back on the tokenized stream, acknowledging it in the same
-MULTI. The scheduler routes it to a live worker (or holds it while none is alive, failing it
+MULTI. The router routes it to a live worker (or holds it while none is alive, failing it
 after ``no_worker_timeout_s``), and that worker continues after the progress: no token is
 repeated or missing. Once the stream is empty, and the heartbeat still absent, the stream,
 the id and its routing count go in one MULTI guarded by WATCH.
@@ -85,7 +85,7 @@ class WorkerReaper:
         self._seen_dead = dead
 
     def reap(self, worker_id: str) -> bool:
-        """Move `worker_id`'s jobs back to the scheduler and forget it; False if another
+        """Move `worker_id`'s jobs back to the router and forget it; False if another
         replica holds its lock or the worker came back."""
         lock = self.config.reaping_key(worker_id)
         if not self.client.set(lock, self.consumer, nx=True, ex=LOCK_TTL_S):

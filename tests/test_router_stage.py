@@ -1,7 +1,7 @@
-"""The scheduler and tokenizer stages driven by the real actor runtime on a real server.
+"""The router and tokenizer stages driven by the real actor runtime on a real server.
 
 Workers are only keys here: a heartbeat (``encode(Heartbeat)`` with a TTL) and a member of
-the workers set, which is all the scheduler reads.
+the workers set, which is all the router reads.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from bus.protocol import (
     decode,
     encode,
 )
-from stages.router.stage import SchedulerStage, live_workers
+from stages.router.stage import RouterStage, live_workers
 from stages.tokenizer.stage import TokenizerStage
 
 REPLY = "t:reply"
@@ -52,11 +52,9 @@ def _beat(
     client.sadd(config.workers_key(), worker_id)
 
 
-def _scheduler(
-    client: redis.Redis, config: BusConfig, stop: threading.Event | None = None
-) -> Actor:
+def _router(client: redis.Redis, config: BusConfig, stop: threading.Event | None = None) -> Actor:
     stop = stop if stop is not None else threading.Event()
-    stage = SchedulerStage(config, client, stop)
+    stage = RouterStage(config, client, stop)
     ensure_group(client, stage.input_stream(config), stage.group)
     return Actor(client, config, stage, stop)
 
@@ -82,7 +80,7 @@ def _dead_letter_count(client: redis.Redis, config: BusConfig) -> int:
     return client.xlen(config.dead_letter_stream())
 
 
-# ---- scheduler -------------------------------------------------------------------------------
+# ---- router ----------------------------------------------------------------------------------
 
 
 def test_a_job_goes_to_the_worker_with_the_least_running_waiting_and_in_transit(
@@ -95,7 +93,7 @@ def test_a_job_goes_to_the_worker_with_the_least_running_waiting_and_in_transit(
     redis_client.hset(config.routed_key(), "swamped", 5)
 
     _job(redis_client, config, "r1")
-    _scheduler(redis_client, config).run_once()
+    _router(redis_client, config).run_once()
     assert _routed(redis_client, config, "light") == ["r1"]
     assert _routed(redis_client, config, "busy") == []
     assert _routed(redis_client, config, "swamped") == []
@@ -104,7 +102,7 @@ def test_a_job_goes_to_the_worker_with_the_least_running_waiting_and_in_transit(
 def test_the_forwarded_job_is_the_job_as_received(redis_client, config):
     _beat(redis_client, config, "w1")
     _job(redis_client, config, "r1", reply_to="t:reply-7")
-    _scheduler(redis_client, config).run_once()
+    _router(redis_client, config).run_once()
     ((_, fields),) = redis_client.xrange(config.worker_stream("w1"))
     expected = TokenizedRequest("r1", "t:reply-7", [1, 2, 3], {"max_new_tokens": 4}, 1.5)
     assert decode(fields[ENTRY_FIELD], TokenizedRequest) == expected
@@ -128,7 +126,7 @@ def test_a_burst_is_spread_evenly_across_equal_workers(redis_client, config):
     rids = [f"r{i}" for i in range(9)]
     for rid in rids:
         _job(redis_client, config, rid)
-    assert _scheduler(redis_client, config).run_once() == 9
+    assert _router(redis_client, config).run_once() == 9
     per_worker = {w: _routed(redis_client, config, w) for w in workers}
     assert [len(per_worker[w]) for w in workers] == [3, 3, 3]
     assert sorted(rid for routed in per_worker.values() for rid in routed) == rids
@@ -138,7 +136,7 @@ def test_of_equally_queued_workers_the_one_with_more_free_kv_is_chosen(redis_cli
     _beat(redis_client, config, "small", free_kv=100)
     _beat(redis_client, config, "large", free_kv=9_000)
     _job(redis_client, config, "r1")
-    _scheduler(redis_client, config).run_once()
+    _router(redis_client, config).run_once()
     assert _routed(redis_client, config, "large") == ["r1"]
 
 
@@ -149,19 +147,19 @@ def test_each_job_records_its_worker_under_its_route_key_and_in_the_routed_hash(
         _beat(redis_client, config, worker_id)
     for i in range(4):
         _job(redis_client, config, f"r{i}")
-    _scheduler(redis_client, config).run_once()
+    _router(redis_client, config).run_once()
     for worker_id in ("w1", "w2"):
         for rid in _routed(redis_client, config, worker_id):
             assert redis_client.get(config.route_key(rid)) == worker_id.encode()
             assert 0 < redis_client.ttl(config.route_key(rid)) <= config.reply_ttl_s
     assert redis_client.hgetall(config.routed_key()) == {b"w1": b"2", b"w2": b"2"}
-    assert redis_client.xpending(config.tokenized_stream(), "scheduler")["pending"] == 0
+    assert redis_client.xpending(config.tokenized_stream(), "router")["pending"] == 0
 
 
-def test_scheduler_replicas_see_each_others_routing_through_the_routed_hash(redis_client, config):
+def test_router_replicas_see_each_others_routing_through_the_routed_hash(redis_client, config):
     for worker_id in ("w1", "w2"):
         _beat(redis_client, config, worker_id)
-    first, second = _scheduler(redis_client, config), _scheduler(redis_client, config)
+    first, second = _router(redis_client, config), _router(redis_client, config)
     _job(redis_client, config, "r1")
     first.run_once()
     _job(redis_client, config, "r2")
@@ -179,7 +177,7 @@ def test_a_worker_whose_heartbeat_expired_gets_nothing(redis_client, config):
     while redis_client.exists(config.heartbeat_key("gone")) and time.monotonic() < deadline:
         time.sleep(0.01)
     _job(redis_client, config, "r1")
-    _scheduler(redis_client, config).run_once()
+    _router(redis_client, config).run_once()
     assert _routed(redis_client, config, "alive") == ["r1"]
     assert _routed(redis_client, config, "gone") == []
 
@@ -189,7 +187,7 @@ def test_a_worker_with_a_malformed_heartbeat_is_skipped(redis_client, config):
     redis_client.sadd(config.workers_key(), "garbled")
     _beat(redis_client, config, "sound", running=9)
     _job(redis_client, config, "r1")
-    _scheduler(redis_client, config).run_once()
+    _router(redis_client, config).run_once()
     assert _routed(redis_client, config, "sound") == ["r1"]
     assert _routed(redis_client, config, "garbled") == []
 
@@ -197,9 +195,9 @@ def test_a_worker_with_a_malformed_heartbeat_is_skipped(redis_client, config):
 def test_with_no_live_worker_jobs_wait_then_each_gets_a_503(redis_client, config):
     _job(redis_client, config, "r1")
     _job(redis_client, config, "r2", reply_to="t:reply-2")
-    scheduler = _scheduler(redis_client, config)
+    router = _router(redis_client, config)
     started = time.monotonic()
-    assert scheduler.run_once() == 2
+    assert router.run_once() == 2
     waited = time.monotonic() - started
     assert config.no_worker_timeout_s <= waited < config.no_worker_timeout_s + 0.5
     for rid, stream in (("r1", REPLY), ("r2", "t:reply-2")):
@@ -207,7 +205,7 @@ def test_with_no_live_worker_jobs_wait_then_each_gets_a_503(redis_client, config
         assert (error.rid, error.status) == (rid, 503)
         assert (error.type, error.code) == ("service_unavailable", "no_worker")
         assert "no live worker" in error.message
-    assert redis_client.xpending(config.tokenized_stream(), "scheduler")["pending"] == 0
+    assert redis_client.xpending(config.tokenized_stream(), "router")["pending"] == 0
     assert redis_client.exists(config.route_key("r1")) == 0
 
 
@@ -219,7 +217,7 @@ def test_a_worker_that_appears_during_the_wait_gets_the_jobs(redis_client, redis
     arrival.start()
     started = time.monotonic()
     try:
-        _scheduler(redis_client, config).run_once()
+        _router(redis_client, config).run_once()
     finally:
         arrival.cancel()
     assert time.monotonic() - started < 1.0
@@ -230,7 +228,7 @@ def test_a_worker_that_appears_during_the_wait_gets_the_jobs(redis_client, redis
 def test_a_job_held_while_no_worker_is_live_is_routed_once_across_replicas(redis_client, redis_url):
     config = BusConfig(redis_url=redis_url, block_ms=20, claim_idle_ms=600, no_worker_timeout_s=4.0)
     stop = threading.Event()
-    replicas = [_scheduler(redis_client, config, stop), _scheduler(redis_client, config, stop)]
+    replicas = [_router(redis_client, config, stop), _router(redis_client, config, stop)]
     _job(redis_client, config, "r1")
     threads = [threading.Thread(target=replica.run_once, daemon=True) for replica in replicas]
     threads[0].start()
@@ -390,9 +388,9 @@ def test_a_reply_stream_holding_a_tokenizer_400_expires_after_reply_ttl(redis_cl
     assert 0 < redis_client.ttl("t:lonely-reply") <= config.reply_ttl_s
 
 
-def test_a_reply_stream_holding_a_scheduler_503_expires_after_reply_ttl(redis_client, redis_url):
+def test_a_reply_stream_holding_a_router_503_expires_after_reply_ttl(redis_client, redis_url):
     config = BusConfig(redis_url=redis_url, block_ms=20, no_worker_timeout_s=0.05)
     _job(redis_client, config, "r1", reply_to="t:lonely-reply")
-    _scheduler(redis_client, config).run_once()
+    _router(redis_client, config).run_once()
     assert len(_errors(redis_client, "t:lonely-reply")) == 1
     assert 0 < redis_client.ttl("t:lonely-reply") <= config.reply_ttl_s
