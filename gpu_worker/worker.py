@@ -92,7 +92,7 @@ CONTEXT_TOKENS = 8
 
 
 @dataclass
-class Job:
+class RunningJob:
     req: Req
     reply_to: str
     entry_id: bytes  # acknowledged when the request finishes, not before
@@ -114,7 +114,7 @@ class Worker:
         self.stream = config.worker_stream(worker_id)
         self.consumer = unique_consumer_name(f"worker-{worker_id}")
         self.stop = threading.Event()
-        self.jobs: dict[str, Job] = {}
+        self.jobs: dict[str, RunningJob] = {}
         self.admitted = 0
         self.steps = 0
         self.bus_seconds = 0.0  # time spent on Redis while there was work: the bus's cost
@@ -324,7 +324,8 @@ class Worker:
                 job.rid, 400, message, "invalid_request_error", param, code)))  # fmt: skip
             return
         window = stop_window_tokens(params.stop, CONTEXT_TOKENS)
-        self.jobs[job.rid] = Job(req, job.reply_to, entry_id, window, reported=len(generated))
+        running = RunningJob(req, job.reply_to, entry_id, window, reported=len(generated))
+        self.jobs[job.rid] = running
         if generated:
             logger.info("worker %s: resuming %s after %d tokens", self.worker_id, job.rid,
                         len(generated))  # fmt: skip
@@ -351,7 +352,7 @@ class Worker:
             batch = TokenBatch(self.worker_id, self.steps, items)
             self._outbox.append(Outbound(self.config.tokens_stream(), batch))
 
-    def _item(self, job: Job) -> TokenItem:
+    def _item(self, job: RunningJob) -> TokenItem:
         req = job.req
         start, end = job.reported, len(req.output_ids)
         job.reported = end

@@ -26,7 +26,13 @@ from stages.ingress.body import read_object
 from stages.ingress.errors import ApiError, redis_unavailable
 from stages.ingress.health import serving_paths
 from stages.ingress.openai_format import ChatFormat, Choice, CompletionFormat, OpenAIFormat, usage
-from stages.ingress.params import Job, check_model, parse_chat, parse_completion, parse_generate
+from stages.ingress.params import (
+    ApiRequest,
+    check_model,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+)
 from stages.ingress.state import STATE, IngressState
 from stages.ingress.submission import Submission
 
@@ -62,14 +68,14 @@ def _error_event(reply: ErrorReply | ApiError) -> dict[str, Any]:
 
 
 async def _resume_point(
-    request: web.Request, state: IngressState, job: Job, choices: int
+    request: web.Request, state: IngressState, job: ApiRequest, choices: int
 ) -> resume.ResumePoint | None:
     """A streamed request with Last-Event-ID resumes another replica's stream."""
     last_event_id = request.headers.get(resume.HEADER) if job.stream else None
     return await resume.resume_point(state.redis, state.config, last_event_id, choices)
 
 
-def _resumed(state: IngressState, job: Job, point: resume.ResumePoint) -> Submission:
+def _resumed(state: IngressState, job: ApiRequest, point: resume.ResumePoint) -> Submission:
     """The submission of a request another (dead) replica began, read from its stream."""
     reader = AsyncReplyReader(state.redis, state.config.reply_stream(point.frontend_id),
                               trim=False)  # fmt: skip
@@ -77,7 +83,7 @@ def _resumed(state: IngressState, job: Job, point: resume.ResumePoint) -> Submis
                       resumed=reader, resumable=True)  # fmt: skip
 
 
-async def _submit(state: IngressState, job: Job, request_id: str) -> Submission:
+async def _submit(state: IngressState, job: ApiRequest, request_id: str) -> Submission:
     await state.admit(len(job.prompts) * job.n)
     return Submission(state, request_id, job.requests(request_id, state.reply_stream),
                       resumable=job.stream)  # fmt: skip
@@ -99,7 +105,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _openai(
-    request: web.Request, state: IngressState, job: Job, fmt: OpenAIFormat
+    request: web.Request, state: IngressState, job: ApiRequest, fmt: OpenAIFormat
 ) -> web.StreamResponse:
     request_id = fmt.id_prefix + uuid.uuid4().hex
     created = int(time.time())
@@ -134,7 +140,7 @@ async def _openai(
 async def _stream_openai(
     request: web.Request,
     sub: Submission,
-    job: Job,
+    job: ApiRequest,
     fmt: OpenAIFormat,
     head: dict[str, Any],
     choices: list[Choice],
@@ -251,7 +257,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def _stream_generate(
     request: web.Request,
     sub: Submission,
-    job: Job,
+    job: ApiRequest,
     rid: str,
     resumed: resume.ResumePoint | None = None,
 ) -> web.StreamResponse:

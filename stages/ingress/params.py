@@ -1,5 +1,5 @@
 """Request bodies of /v1/chat/completions, /v1/completions and /generate, checked and turned
-into a `Job`: the prompts, the sampling parameters (SamplingParams names) and how to answer.
+into a `ApiRequest`: the prompts, the sampling parameters (SamplingParams names) and how to answer.
 
 Everything that can be checked without the model is checked here, so a bad request is a 4xx
 before anything is queued; what needs the vocabulary or the context length is checked
@@ -80,7 +80,7 @@ GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "model"}
 
 
 @dataclass
-class Job:
+class ApiRequest:
     """What one HTTP request asks for: ``n`` choices of each prompt."""
 
     prompts: list[dict[str, Any]]  # each: GenerateRequest's prompt, messages or input_ids
@@ -126,7 +126,7 @@ def check_model(data: dict[str, Any], served: str, required: bool = True) -> Non
         )
 
 
-def parse_chat(data: dict[str, Any], served: str) -> Job:
+def parse_chat(data: dict[str, Any], served: str) -> ApiRequest:
     reject_unknown(data, CHAT_FIELDS)
     check_model(data, served)
     if "messages" not in data:
@@ -142,7 +142,7 @@ def parse_chat(data: dict[str, Any], served: str) -> Job:
     return _job(data, [{"messages": messages}], sampling)
 
 
-def parse_completion(data: dict[str, Any], served: str) -> Job:
+def parse_completion(data: dict[str, Any], served: str) -> ApiRequest:
     reject_unknown(data, COMPLETION_FIELDS)
     check_model(data, served)
     if "prompt" not in data:
@@ -155,7 +155,7 @@ def parse_completion(data: dict[str, Any], served: str) -> Job:
     return _job(data, completion_prompts(data["prompt"]), sampling)
 
 
-def parse_generate(data: dict[str, Any], served: str) -> Job:
+def parse_generate(data: dict[str, Any], served: str) -> ApiRequest:
     reject_unknown(data, GENERATE_FIELDS)
     check_model(data, served, required=False)
     text = field(data, "text", STR)
@@ -170,7 +170,7 @@ def parse_generate(data: dict[str, Any], served: str) -> Job:
     checked = {name: field(given, name, *kinds) for name, kinds in SAMPLING_KINDS.items()}
     sampling = {name: value for name, value in checked.items() if value is not None}
     stream = bool(field(data, "stream", BOOL))
-    return Job([prompt], _checked(sampling, {}), stream=stream)
+    return ApiRequest([prompt], _checked(sampling, {}), stream=stream)
 
 
 def openai_sampling(data: dict[str, Any]) -> dict[str, Any]:
@@ -184,7 +184,7 @@ def openai_sampling(data: dict[str, Any]) -> dict[str, Any]:
     return sampling
 
 
-def _job(data: dict[str, Any], prompts: list[dict[str, Any]], sampling: dict) -> Job:
+def _job(data: dict[str, Any], prompts: list[dict[str, Any]], sampling: dict) -> ApiRequest:
     n = field(data, "n", INT)
     n = 1 if n is None else n
     if n < 1:
@@ -221,7 +221,7 @@ def _job(data: dict[str, Any], prompts: list[dict[str, Any]], sampling: dict) ->
     if "logprobs" in sampling:
         openai_names.setdefault("logprobs", "logprobs")
         openai_names["top_logprobs"] = "top_logprobs" if "top_logprobs" in data else "logprobs"
-    return Job(prompts, _checked(sampling, openai_names), n, stream, include_usage)
+    return ApiRequest(prompts, _checked(sampling, openai_names), n, stream, include_usage)
 
 
 def _checked(sampling: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
