@@ -16,7 +16,7 @@ import torch
 from bus.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from gpu_worker.speculative.drafter import DraftState
+    from gpu_worker.speculative.draft_state import DraftState
     from gpu_worker.text_stream import TextStream
 
 

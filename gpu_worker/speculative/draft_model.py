@@ -5,7 +5,7 @@ running request has a shadow here (DraftSeq) whose KV follows the target's token
 extend catches it up with the tokens the target accepted since the last step (the whole
 prompt the first time) and gives the first draft; k - 1 decode steps give the rest. Each
 draft is sampled with the request's own sampling parameters, and its distribution q is
-kept for the rejection sampling that verifies it (scheduler._accept_by_rejection). After
+kept for the rejection sampling that verifies it (speculative/verify.py, by_rejection). After
 verification the shadow's KV is cut back to the tokens that were accepted.
 """
 

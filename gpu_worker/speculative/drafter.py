@@ -15,33 +15,16 @@ few-row matmul already costs twice a one-row one; in a large batch, a token's co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from gpu_worker.scheduling.req import Req
-from gpu_worker.speculative.ngram import NgramIndex
+from gpu_worker.speculative.draft_state import PRIOR_ACCEPTANCE, DraftState
 
 MAX_BACKOFF_STEPS = 64
-# A request's acceptance rate before it has verified anything, and how fast it follows.
-PRIOR_ACCEPTANCE = 0.5
+# How fast a request's acceptance rate follows what its verify steps accept.
 ACCEPTANCE_DECAY = 0.7
 # A draft the cost model turned down is not verified, so nothing would ever raise its
 # request's estimate again: each turned-down step moves it back toward the prior.
 ACCEPTANCE_RECOVERY = 0.05
 COST_DECAY = 0.8
-
-
-@dataclass
-class DraftState:
-    """One request's drafting: its n-gram index, adaptive length, backoff and figures."""
-
-    index: NgramIndex = field(default_factory=NgramIndex)  # the n-gram proposer's
-    length: int = 0  # tokens to draft next; 0 until the first proposal sets it
-    acceptance: float = PRIOR_ACCEPTANCE  # moving average of accepted / drafted
-    misses: int = 0  # verify steps in a row that accepted no draft
-    pause: int = 0  # steps left without drafting
-    verify_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
 
 
 class StepCosts:

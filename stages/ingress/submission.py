@@ -17,14 +17,11 @@ import asyncio
 import collections
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from bus.protocol import ErrorReply, GenerateRequest, TextDelta
 from bus.replies import AsyncReplyReader, Reply, is_terminal
 from stages.ingress.errors import ApiError
-
-if TYPE_CHECKING:
-    from stages.ingress.server import IngressState
+from stages.ingress.state import IngressState
 
 
 class Submission:
