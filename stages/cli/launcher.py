@@ -3,7 +3,9 @@
 With no Redis URL it starts the embedded server (bus/embedded_server.py) first. It waits
 until ``/health`` answers and every worker has loaded its model and beats, prints where the API
 listens, and on Ctrl-C or SIGTERM stops the stages (ingress first, so no new request comes
-in, the workers last) and then the server. A replica that dies once the system is up is
+in, the workers last) and then the server. Each replica and the server run in a session of
+their own (bus/child_process.py): a terminal's Ctrl-C reaches only this process, which stops
+them in that order, rather than every process at once. A replica that dies once the system is up is
 started again (its work was picked up by its peers meanwhile: a dead worker's jobs move to
 live workers, a dead CPU stage's pending entries are claimed); one that dies
 ``RESTART_LIMIT`` times within ``RESTART_WINDOW_S``, or before the system is up, stops
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 import redis
 
 from bus.access import BusAccessError, check_access, redacted
+from bus.child_process import owned_child
 from bus.config import BusConfig
 from bus.embedded_server import EmbeddedRedis
 from stages.cli.main import worker_command
@@ -113,7 +116,7 @@ class Launcher:
                 self._spawn(f"{name}-{i}", command, env)
 
     def _spawn(self, label: str, command: list[str], env: dict[str, str]) -> None:
-        process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, **owned_child())
         self.replicas.append(Replica(label, command, env, process))
         logger.info("started %s (pid %d)", label, process.pid)
 
@@ -186,7 +189,7 @@ class Launcher:
                          replica.label, code, RESTART_LIMIT, RESTART_WINDOW_S)  # fmt: skip
             return False
         replica.process = subprocess.Popen(replica.command, env=replica.env,
-                                           stdin=subprocess.DEVNULL)  # fmt: skip
+                                           stdin=subprocess.DEVNULL, **owned_child())  # fmt: skip
         logger.warning("%s exited with code %d; started again (pid %d)",
                        replica.label, code, replica.process.pid)  # fmt: skip
         return True
