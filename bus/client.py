@@ -34,6 +34,7 @@ import redis
 from bus.aborts import publish_abort, publish_abort_async
 from bus.async_pool import async_redis
 from bus.config import REDIS_URL_ENV, BusConfig
+from bus.errors import RequestError
 from bus.protocol import ENTRY_FIELD, MAX_TOKEN_ID, ErrorReply, GenerateRequest, encode
 from bus.replies import AsyncReplyReader, Reply, ReplyReader
 from bus.sampling_params import SamplingParams
@@ -41,29 +42,6 @@ from bus.sampling_params import SamplingParams
 SUBMIT_PIPELINE_SIZE = 1_000  # XADDs per round trip in submit_many
 CONNECT_TIMEOUT_S = 5.0
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-
-class RequestError(Exception):
-    """The pipeline rejected or failed a request (its ErrorReply)."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(f"{status}: {message}")
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    @classmethod
-    def from_reply(cls, reply: ErrorReply) -> RequestError:
-        return cls(reply.status, reply.message, reply.type, reply.param, reply.code)
 
 
 def wire_sampling(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
