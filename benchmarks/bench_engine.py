@@ -91,8 +91,8 @@ def run_hf_seq(model, workload: Workload) -> dict:
 def load_hf(model_name: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
+    from bus.model_files import DEFAULT_MODEL, default_gguf_path
     from gpu_worker.models.gguf_convert import convert_gguf
-    from gpu_worker.models.loader import DEFAULT_MODEL, default_gguf_path
 
     # The same weights the engine loads: the GGUF file's converted folder, or an HF folder.
     if model_name.lower() == DEFAULT_MODEL:

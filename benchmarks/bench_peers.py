@@ -46,9 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_pipeline import wait_healthy  # noqa: E402
 
 from benchmarks.jsonl import emit  # noqa: E402
+from bus.model_files import default_cache_dir, default_gguf_path  # noqa: E402
 from gpu_worker.config import EngineConfig  # noqa: E402
-from gpu_worker.models.gguf_convert import convert_gguf, default_cache_dir  # noqa: E402
-from gpu_worker.models.loader import default_gguf_path  # noqa: E402
+from gpu_worker.models.gguf_convert import convert_gguf  # noqa: E402
 from stages import bench  # noqa: E402
 from stages.cli.workloads import Workload, make_workload  # noqa: E402
 

@@ -27,13 +27,15 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import redis
+import redis.asyncio as aredis
 
 from bus.aborts import publish_abort, publish_abort_async
 from bus.async_pool import async_redis
 from bus.config import REDIS_URL_ENV, BusConfig
+from bus.errors import RequestError
 from bus.protocol import ENTRY_FIELD, MAX_TOKEN_ID, ErrorReply, GenerateRequest, encode
 from bus.replies import AsyncReplyReader, Reply, ReplyReader
 from bus.sampling_params import SamplingParams
@@ -41,29 +43,6 @@ from bus.sampling_params import SamplingParams
 SUBMIT_PIPELINE_SIZE = 1_000  # XADDs per round trip in submit_many
 CONNECT_TIMEOUT_S = 5.0
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-
-class RequestError(Exception):
-    """The pipeline rejected or failed a request (its ErrorReply)."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(f"{status}: {message}")
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    @classmethod
-    def from_reply(cls, reply: ErrorReply) -> RequestError:
-        return cls(reply.status, reply.message, reply.type, reply.param, reply.code)
 
 
 def wire_sampling(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -120,8 +99,19 @@ def new_request(
     )
 
 
-def request_entry(request: GenerateRequest) -> dict[bytes, bytes]:
-    return {ENTRY_FIELD: encode(request)}
+def add_requests(
+    pipe: redis.client.Pipeline | aredis.client.Pipeline,
+    config: BusConfig,
+    requests: Iterable[GenerateRequest],
+) -> None:
+    """Queue the XADDs of `requests` to the requests stream on `pipe` (sync or async)."""
+    for request in requests:
+        pipe.xadd(
+            config.requests_stream(),
+            {ENTRY_FIELD: encode(request)},
+            maxlen=config.stream_maxlen,
+            approximate=True,
+        )
 
 
 def resolve_config(redis_url: str | None, config: BusConfig | None) -> BusConfig:
@@ -133,6 +123,43 @@ def resolve_config(redis_url: str | None, config: BusConfig | None) -> BusConfig
             f"no Redis URL: pass redis_url, a BusConfig with one, or set {REDIS_URL_ENV}"
         )
     return dataclasses.replace(config, redis_url=url)
+
+
+class JobOptions(TypedDict, total=False):
+    """`submit`'s keyword arguments: what a job asks for besides its prompt."""
+
+    messages: list[dict[str, Any]] | None
+    input_ids: list[int] | None
+    sampling: Mapping[str, Any] | None
+    rid: str | None
+
+
+class Job(JobOptions, total=False):
+    """One job as `submit_many` takes it: `submit`'s arguments as a dict."""
+
+    prompt: str | None
+
+
+class ClientCore:
+    """What `Client` and `AsyncClient` decide, without I/O; they only make the Redis calls.
+
+    It names the client's reply stream, checks jobs into requests and splits them into
+    pipelined round trips; `chunk_of` and `is_last` say what each reply means, and
+    `GenerateResult` sums a request's chunks.
+    """
+
+    def __init__(self, redis_url: str | None, config: BusConfig | None) -> None:
+        self.config = resolve_config(redis_url, config)
+        self.reply_stream = self.config.reply_stream(f"client-{uuid.uuid4().hex}")
+
+    def requests(self, jobs: Iterable[Job]) -> list[GenerateRequest]:
+        """Every job checked before any is sent, so a ValueError leaves nothing queued."""
+        return [new_request(self.reply_stream, **job) for job in jobs]
+
+    @staticmethod
+    def round_trips(requests: list[GenerateRequest]) -> Iterator[list[GenerateRequest]]:
+        for start in range(0, len(requests), SUBMIT_PIPELINE_SIZE):
+            yield requests[start : start + SUBMIT_PIPELINE_SIZE]
 
 
 def chunk_of(rid: str, message: Reply | None) -> dict[str, Any]:
@@ -160,7 +187,7 @@ def is_last(message: Reply | None) -> bool:
     return message is None or isinstance(message, ErrorReply) or message.finish is not None
 
 
-class _Result:
+class GenerateResult:
     """The chunks of one request summed into `generate`'s result."""
 
     def __init__(self, rid: str) -> None:
@@ -189,52 +216,29 @@ class Client:
     """Submit jobs to the pipeline and read their replies; thread-safe."""
 
     def __init__(self, redis_url: str | None = None, config: BusConfig | None = None) -> None:
-        self.config = resolve_config(redis_url, config)
+        self.core = ClientCore(redis_url, config)
+        self.config = self.core.config
+        self.reply_stream = self.core.reply_stream
         self.redis = redis.Redis.from_url(
             self.config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S
         )
-        self.reply_stream = self.config.reply_stream(f"client-{uuid.uuid4().hex}")
         self.replies = ReplyReader(self.redis, self.reply_stream)
 
-    def submit(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        input_ids: list[int] | None = None,
-        sampling: Mapping[str, Any] | None = None,
-        rid: str | None = None,
-    ) -> str:
+    def submit(self, prompt: str | None = None, **options: Unpack[JobOptions]) -> str:
         """Queue one job; returns its rid. ValueError for a malformed job."""
-        return self.submit_many(
-            [
-                {
-                    "prompt": prompt,
-                    "messages": messages,
-                    "input_ids": input_ids,
-                    "sampling": sampling,
-                    "rid": rid,
-                }
-            ]
-        )[0]
+        return self.submit_many([{"prompt": prompt, **options}])[0]
 
-    def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
+    def submit_many(self, jobs: Iterable[Job]) -> list[str]:
         """Queue many jobs (each a dict of `submit`'s arguments), pipelined; returns their rids.
 
         Every job is checked before any is sent, so a ValueError leaves nothing queued.
         """
-        requests = [new_request(self.reply_stream, **job) for job in jobs]
+        requests = self.core.requests(jobs)
         for request in requests:
             self.replies.register(request.rid)
-        for start in range(0, len(requests), SUBMIT_PIPELINE_SIZE):
+        for batch in self.core.round_trips(requests):
             pipe = self.redis.pipeline(transaction=False)
-            for request in requests[start : start + SUBMIT_PIPELINE_SIZE]:
-                pipe.xadd(
-                    self.config.requests_stream(),
-                    request_entry(request),
-                    maxlen=self.config.stream_maxlen,
-                    approximate=True,
-                )
+            add_requests(pipe, self.config, batch)
             pipe.execute()
         return [request.rid for request in requests]
 
@@ -254,18 +258,12 @@ class Client:
         self,
         prompt: str | None = None,
         *,
-        messages: list[dict[str, Any]] | None = None,
-        input_ids: list[int] | None = None,
-        sampling: Mapping[str, Any] | None = None,
-        rid: str | None = None,
         timeout: float | None = None,
+        **options: Unpack[JobOptions],
     ) -> dict[str, Any]:
         """Submit and wait: ``{rid, text, output_ids, finish_reason, matched_stop, usage}``."""
-        rid = self.submit(
-            prompt, messages=messages, input_ids=input_ids, sampling=sampling, rid=rid
-        )
-        result = _Result(rid)
-        for chunk in self.stream(rid, timeout):
+        result = GenerateResult(self.submit(prompt, **options))
+        for chunk in self.stream(result.rid, timeout):
             result.add(chunk)
         return result.result()
 
@@ -289,46 +287,24 @@ class AsyncClient:
     """`Client` for asyncio: the same methods, awaited; `stream` is an async iterator."""
 
     def __init__(self, redis_url: str | None = None, config: BusConfig | None = None) -> None:
-        self.config = resolve_config(redis_url, config)
+        self.core = ClientCore(redis_url, config)
+        self.config = self.core.config
+        self.reply_stream = self.core.reply_stream
         self.redis = async_redis(self.config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
-        self.reply_stream = self.config.reply_stream(f"client-{uuid.uuid4().hex}")
         self.replies = AsyncReplyReader(self.redis, self.reply_stream)
         self._queues: dict[str, asyncio.Queue[Reply | None]] = {}
 
-    async def submit(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        input_ids: list[int] | None = None,
-        sampling: Mapping[str, Any] | None = None,
-        rid: str | None = None,
-    ) -> str:
-        jobs = [
-            {
-                "prompt": prompt,
-                "messages": messages,
-                "input_ids": input_ids,
-                "sampling": sampling,
-                "rid": rid,
-            }
-        ]
-        return (await self.submit_many(jobs))[0]
+    async def submit(self, prompt: str | None = None, **options: Unpack[JobOptions]) -> str:
+        return (await self.submit_many([{"prompt": prompt, **options}]))[0]
 
-    async def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
-        requests = [new_request(self.reply_stream, **job) for job in jobs]
+    async def submit_many(self, jobs: Iterable[Job]) -> list[str]:
+        requests = self.core.requests(jobs)
         self.replies.start()
         for request in requests:
             self._queues[request.rid] = self.replies.register(request.rid)
-        for start in range(0, len(requests), SUBMIT_PIPELINE_SIZE):
+        for batch in self.core.round_trips(requests):
             pipe = self.redis.pipeline(transaction=False)
-            for request in requests[start : start + SUBMIT_PIPELINE_SIZE]:
-                pipe.xadd(
-                    self.config.requests_stream(),
-                    request_entry(request),
-                    maxlen=self.config.stream_maxlen,
-                    approximate=True,
-                )
+            add_requests(pipe, self.config, batch)
             await pipe.execute()
         return [request.rid for request in requests]
 
@@ -348,17 +324,11 @@ class AsyncClient:
         self,
         prompt: str | None = None,
         *,
-        messages: list[dict[str, Any]] | None = None,
-        input_ids: list[int] | None = None,
-        sampling: Mapping[str, Any] | None = None,
-        rid: str | None = None,
         timeout: float | None = None,
+        **options: Unpack[JobOptions],
     ) -> dict[str, Any]:
-        rid = await self.submit(
-            prompt, messages=messages, input_ids=input_ids, sampling=sampling, rid=rid
-        )
-        result = _Result(rid)
-        async for chunk in self.stream(rid, timeout):
+        result = GenerateResult(await self.submit(prompt, **options))
+        async for chunk in self.stream(result.rid, timeout):
             result.add(chunk)
         return result.result()
 

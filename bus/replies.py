@@ -94,10 +94,17 @@ class ReplyOrderer:
 
 
 class ReplyRouter:
-    """Per-rid orderers for the requests a reader serves; the shared core of both readers."""
+    """The sans-I/O core of both readers: what to read next, and whose each entry is.
 
-    def __init__(self, stream: str) -> None:
+    It keeps per-rid orderers for the requests a reader serves, says where and how long the
+    next XREAD reads (`read_args`) and how far the stream may be trimmed (`trim_point`); the
+    readers only make those calls and hand each rid its released messages.
+    """
+
+    def __init__(self, stream: str, *, block_ms: int = BLOCK_MS, count: int = READ_COUNT) -> None:
         self.stream = stream
+        self.block_ms = block_ms
+        self.count = count
         self.last_id: bytes | str = START_ID
         self._next_trim = 0.0
         self._orderers: dict[str, ReplyOrderer] = {}
@@ -112,6 +119,14 @@ class ReplyRouter:
 
     def rids(self) -> list[str]:
         return list(self._orderers)
+
+    def read_args(self, remaining: float | None = None) -> dict[str, Any]:
+        """XREAD's arguments for the entries after the last one routed; it blocks for at most
+        `block_ms`, or the `remaining` seconds a caller still waits if fewer."""
+        block = self.block_ms
+        if remaining is not None:
+            block = max(1, min(block, int(remaining * 1000)))
+        return {"streams": {self.stream: self.last_id}, "count": self.count, "block": block}
 
     def trim_point(self) -> bytes | str | None:
         """The id to trim the stream to, at most once per TRIM_INTERVAL_S.
@@ -182,10 +197,8 @@ class AsyncReplyReader:
     ) -> None:
         self.client = client
         self.stream = stream
-        self.block_ms = block_ms
-        self.count = count
         self.trim = trim  # False: a stream this reader does not own (a resumed one)
-        self._router = ReplyRouter(stream)
+        self._router = ReplyRouter(stream, block_ms=block_ms, count=count)
         self._queues: dict[str, asyncio.Queue[Reply]] = {}
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -212,7 +225,7 @@ class AsyncReplyReader:
             task.cancel()
             # redis-py can swallow a cancellation that lands while it connects
             # (redis/redis-py#2028); the loop then stops when its XREAD returns.
-            await asyncio.wait([task], timeout=self.block_ms / 1000 + 1)
+            await asyncio.wait([task], timeout=self._router.block_ms / 1000 + 1)
         if delete_stream:
             try:
                 await self.client.delete(self.stream)
@@ -223,9 +236,7 @@ class AsyncReplyReader:
         failures = 0
         while not self._closing:
             try:
-                response = await self.client.xread(
-                    {self.stream: self._router.last_id}, count=self.count, block=self.block_ms
-                )
+                response = await self.client.xread(**self._router.read_args())
                 failures = 0
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 delay = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
@@ -285,9 +296,7 @@ class ReplyReader:
     ) -> None:
         self.client = client
         self.stream = stream
-        self.block_ms = block_ms
-        self.count = count
-        self._router = ReplyRouter(stream)
+        self._router = ReplyRouter(stream, block_ms=block_ms, count=count)
         self._buffers: dict[str, collections.deque[Reply | None]] = {}
         self._cond = threading.Condition()
         self._reading = False
@@ -333,13 +342,8 @@ class ReplyReader:
             self._read_once(remaining)
 
     def _read_once(self, remaining: float | None) -> None:
-        block = self.block_ms
-        if remaining is not None:
-            block = max(1, min(block, int(remaining * 1000)))
         try:
-            response = self.client.xread(
-                {self.stream: self._router.last_id}, count=self.count, block=block
-            )
+            response = self.client.xread(**self._router.read_args(remaining))
         except BaseException:
             with self._cond:
                 self._reading = False

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from bus.model_files import DEFAULT_MODEL
+
 DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -14,7 +16,6 @@ DTYPES = {
 }
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 SPECULATIVE_METHODS = ("ngram", "draft")
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 @dataclass

@@ -10,10 +10,11 @@ import pytest
 import torch
 import transformers
 
+from bus.model_files import default_gguf_path
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.gguf_convert import convert_gguf
 from gpu_worker.models.llama import LlamaForCausalLM
-from gpu_worker.models.loader import LoadedModel, default_gguf_path, load_model
+from gpu_worker.models.loader import LoadedModel, load_model
 from gpu_worker.models.random_shapes import RANDOM_SHAPES, random_shape_config
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from bus.model_files import default_gguf_path
 from stages.tokenizer.hf_tokenizer import (
     StageTokenizer,
     cached_tokenizer_folder,
-    default_gguf_path,
     load_stage_tokenizer,
 )
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.models.gguf_convert import default_cache_dir
+from bus.model_files import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

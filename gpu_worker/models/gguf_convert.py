@@ -8,13 +8,9 @@ and llama.cpp's Q/K row permutation.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from bus.model_files import build_once, cached_folder, default_cache_dir
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.rotary import compute_inv_freq
 
@@ -49,42 +46,21 @@ _BLOCK_NAMES = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("STREAMSERVE_CACHE") or Path.home() / ".cache" / "streamserve")
-
-
 def cached_folder_for(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Path:
     """Where the conversion of this exact file lives: keyed on path, size and mtime."""
-    path = Path(gguf_path).resolve()
-    stat = path.stat()
-    key = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{_FORMAT_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return Path(cache_dir or default_cache_dir()) / f"{path.stem}-{digest}"
+    return cached_folder(gguf_path, Path(cache_dir or default_cache_dir()), _FORMAT_VERSION)
 
 
 def convert_gguf(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Path:
     """Return the HF folder for `gguf_path`, converting it first if it is not cached yet."""
     path = Path(gguf_path).resolve()
     folder = cached_folder_for(path, cache_dir)
-    if folder.is_dir():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("converting %s into %s", path, folder)
-    # Build in a sibling temp dir and rename: a crash never leaves a half-written folder.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    try:
-        _convert_into(path, tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any folder
-        try:
-            tmp.rename(folder)
-        except OSError:
-            if not folder.is_dir():
-                raise
-            shutil.rmtree(tmp)  # another process finished the same conversion first
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder
+
+    def convert(out_dir: Path) -> None:
+        logger.info("converting %s into %s", path, folder)
+        _convert_into(path, out_dir)
+
+    return build_once(folder, convert)
 
 
 def _convert_into(path: Path, out_dir: Path) -> None:

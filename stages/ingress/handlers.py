@@ -23,7 +23,7 @@ from bus.protocol import ErrorReply, TextDelta
 from bus.replies import AsyncReplyReader
 from stages.ingress import resume
 from stages.ingress.body import read_object
-from stages.ingress.errors import ApiError, redis_unavailable
+from stages.ingress.errors import ApiError, error_body, redis_unavailable
 from stages.ingress.health import serving_paths
 from stages.ingress.openai_format import ChatFormat, Choice, CompletionFormat, OpenAIFormat, usage
 from stages.ingress.params import (
@@ -61,10 +61,6 @@ async def _start_sse(request: web.Request) -> web.StreamResponse:
 async def _send(response: web.StreamResponse, data: Any, event_id: str | None = None) -> None:
     head = b"id: " + event_id.encode() + b"\n" if event_id is not None else b""
     await response.write(head + b"data: " + _json(data) + b"\n\n")
-
-
-def _error_event(reply: ErrorReply | ApiError) -> dict[str, Any]:
-    return ApiError(reply.status, reply.message, reply.type, reply.param, reply.code).body()
 
 
 async def _resume_point(
@@ -159,7 +155,7 @@ async def _stream_openai(
     try:
         async for reply in sub.replies():
             if isinstance(reply, ErrorReply):
-                await _send(response, _error_event(reply))
+                await _send(response, error_body(reply))
                 break
             index = sub.index[reply.rid]
             choice = choices[index]
@@ -180,7 +176,7 @@ async def _stream_openai(
         raise  # the client left: nothing more to send (the submission aborts the rest)
     except Exception as exc:
         logger.exception("stream %s failed", head["id"])
-        await _send(response, _error_event(_internal(exc)))
+        await _send(response, error_body(_internal(exc)))
     await response.write(DONE)
     await response.write_eof()
     return response
@@ -267,7 +263,7 @@ async def _stream_generate(
     try:
         async for reply in sub.replies():
             if isinstance(reply, ErrorReply):
-                await _send(response, _error_event(reply))
+                await _send(response, error_body(reply))
                 break
             choice.add(reply)
             if resumed and resumed.already_sent(0, reply):
@@ -284,7 +280,7 @@ async def _stream_generate(
         raise
     except Exception as exc:
         logger.exception("stream %s failed", rid)
-        await _send(response, _error_event(_internal(exc)))
+        await _send(response, error_body(_internal(exc)))
     await response.write(DONE)
     await response.write_eof()
     return response

@@ -14,7 +14,7 @@ import redis.asyncio as aredis
 from aiohttp import web
 
 from bus.aborts import publish_aborts_async
-from bus.client import request_entry
+from bus.client import add_requests
 from bus.config import BusConfig
 from bus.protocol import GenerateRequest
 from bus.replies import AsyncReplyReader
@@ -71,13 +71,7 @@ class IngressState:
     async def submit(self, request_id: str, requests: Sequence[GenerateRequest]) -> None:
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.config.request_key(request_id), len(requests), ex=self.config.reply_ttl_s)
-        for request in requests:
-            pipe.xadd(
-                self.config.requests_stream(),
-                request_entry(request),
-                maxlen=self.config.stream_maxlen,
-                approximate=True,
-            )
+        add_requests(pipe, self.config, requests)
         await pipe.execute()
 
     def finish_soon(self, request_id: str, unfinished: list[str]) -> None:

