@@ -315,21 +315,13 @@ _ODD_VALUES = [
 
 def _mutated(value: object, rng: random.Random) -> object:
     """`value` with one element somewhere deleted or replaced by an odd value."""
-    if isinstance(value, dict) and value and rng.random() < 0.8:
-        value = dict(value)
-        key = rng.choice(list(value))
+    if isinstance(value, (dict, list)) and value and rng.random() < 0.8:
+        value = value.copy()
+        key = rng.choice(list(value)) if isinstance(value, dict) else rng.randrange(len(value))
         if rng.random() < 0.25:
             del value[key]
         else:
             value[key] = _mutated(value[key], rng)
-        return value
-    if isinstance(value, list) and value and rng.random() < 0.8:
-        value = list(value)
-        index = rng.randrange(len(value))
-        if rng.random() < 0.25:
-            del value[index]
-        else:
-            value[index] = _mutated(value[index], rng)
         return value
     return rng.choice(_ODD_VALUES)
 

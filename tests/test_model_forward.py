@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from torch import Tensor
 
 from gpu_worker.attention.base import AttentionBackend
 from gpu_worker.attention.layer import PagedAttention
@@ -28,13 +29,8 @@ class PrefillSDPABackend(AttentionBackend):
         assert not any(forward_batch.extend_prefix_lens_cpu), "prefill from position 0 only"
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: PagedAttention,
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, layer: PagedAttention, forward_batch: ForwardBatch
+    ) -> Tensor:
         outputs = []
         lens = forward_batch.extend_seq_lens_cpu
         for q_r, k_r, v_r in zip(q.split(lens), k.split(lens), v.split(lens), strict=True):

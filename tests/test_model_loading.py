@@ -41,17 +41,23 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path)
 
 
-def tiny_hf_llama(tie: bool = False) -> transformers.LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+def tiny_hf_config(model_type: str = "llama", **overrides) -> transformers.PretrainedConfig:
+    """A transformers config of `model_type` in the one small shape every test here builds."""
+    return transformers.AutoConfig.for_model(
+        model_type,
         vocab_size=128,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        tie_word_embeddings=tie,
+        **overrides,
     )
+
+
+def tiny_hf_llama(tie: bool = False) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = tiny_hf_config(tie_word_embeddings=tie)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
@@ -249,13 +255,8 @@ def test_load_weights_rejects_a_missing_shard() -> None:
 # --- ModelConfig ----------------------------------------------------------------------------
 
 HF_CONFIGS = {
-    "llama3": lambda: transformers.LlamaConfig(
-        vocab_size=1000,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
+    "llama3": lambda: tiny_hf_config(
+        "llama",
         eos_token_id=[2, 7],
         rope_parameters={
             "rope_type": "llama3",
@@ -266,25 +267,8 @@ HF_CONFIGS = {
             "original_max_position_embeddings": 8192,
         },
     ),
-    "qwen2": lambda: transformers.Qwen2Config(
-        vocab_size=1000,
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        tie_word_embeddings=True,
-    ),
-    "mistral": lambda: transformers.MistralConfig(
-        vocab_size=1000,
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        head_dim=32,
-        sliding_window=None,
-    ),
+    "qwen2": lambda: tiny_hf_config("qwen2", tie_word_embeddings=True),
+    "mistral": lambda: tiny_hf_config("mistral", head_dim=32, sliding_window=None),
 }
 
 

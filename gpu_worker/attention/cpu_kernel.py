@@ -14,6 +14,7 @@ inherits.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from gpu_worker.attention.layer import PagedAttention
 from gpu_worker.attention.torch_native import TorchNativeAttnBackend
@@ -56,13 +57,8 @@ class CpuKernelAttnBackend(TorchNativeAttnBackend):
         self._chunk = min(MAX_CHUNK, max(MIN_CHUNK, chunk))
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: PagedAttention,
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, layer: PagedAttention, forward_batch: ForwardBatch
+    ) -> Tensor:
         decode = forward_batch.forward_mode == ForwardMode.DECODE
         if not decode and self._extend_on_torch:
             return super().forward(q, k, v, layer, forward_batch)

@@ -18,6 +18,7 @@ against transformers.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from gpu_worker.attention.base import AttentionBackend
 from gpu_worker.attention.layer import PagedAttention
@@ -136,13 +137,8 @@ class FlashInferAttnBackend(AttentionBackend):
         self._planned = False
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: PagedAttention,
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, layer: PagedAttention, forward_batch: ForwardBatch
+    ) -> Tensor:
         self.kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         if not self._planned:
             self.kernels.plan(self.metadata, self._decode, layer, self.kv_pool.dtype)

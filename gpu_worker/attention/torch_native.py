@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from gpu_worker.attention.base import AttentionBackend
 from gpu_worker.attention.layer import PagedAttention
@@ -163,13 +164,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         self._extend = sequences
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: PagedAttention,
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, layer: PagedAttention, forward_batch: ForwardBatch
+    ) -> Tensor:
         num_tokens = q.shape[0]
         self.kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer.layer_id)

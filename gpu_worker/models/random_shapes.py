@@ -16,6 +16,36 @@ from gpu_worker.models.config import ModelConfig
 
 _LLAMA3_EOS = [128001, 128008, 128009]
 
+
+def _llama3_rope_scaling(factor: float, original_context: int) -> dict[str, Any]:
+    """Llama 3's rope_scaling entry; its low/high frequency factors are the same in every
+    published Llama 3 model."""
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": original_context,
+    }
+
+
+# A 16-token vocabulary: sampled distributions can be checked with few samples.
+_MICRO_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 16,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
 # Written as config.json dicts so they go through the same parser as real checkpoints.
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
@@ -28,13 +58,7 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        "rope_scaling": _llama3_rope_scaling(factor=8.0, original_context=8192),
         "max_position_embeddings": 131072,
         "tie_word_embeddings": False,
         "bos_token_id": 128000,
@@ -51,13 +75,7 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         "head_dim": 64,
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        "rope_scaling": _llama3_rope_scaling(factor=32.0, original_context=8192),
         "max_position_embeddings": 131072,
         "tie_word_embeddings": True,
         "bos_token_id": 128000,
@@ -104,49 +122,21 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
         # original context below max positions so the scaled band is actually exercised
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
+        "rope_scaling": _llama3_rope_scaling(factor=8.0, original_context=64),
         "max_position_embeddings": 512,
         "tie_word_embeddings": True,
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
-    # A 16-token vocabulary: sampled distributions can be checked with few samples.
-    "micro-llama": {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 16,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": True,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    },
+    "micro-llama": _MICRO_LLAMA,
     # Draft models for speculative decoding tests: smaller, same vocabularies as the above.
     "micro-llama-draft": {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 16,
+        **_MICRO_LLAMA,
         "hidden_size": 16,
         "intermediate_size": 32,
         "num_hidden_layers": 1,
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": True,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
     },
     "nano-llama": {
         "architectures": ["LlamaForCausalLM"],
