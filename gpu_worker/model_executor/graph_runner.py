@@ -20,14 +20,12 @@ raise NotImplementedError, and the engine decodes eager.
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from gpu_worker.attention.base import AttentionBackend
 from gpu_worker.model_executor.forward_batch import ForwardBatch, ForwardMode
-
-if TYPE_CHECKING:
-    from gpu_worker.model_executor.model_runner import ModelRunner
 
 # SGLang's default list, up to the scheduler's batch limit: dense where batches are small.
 DEFAULT_CAPTURE_SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]
@@ -40,8 +38,20 @@ def capture_sizes(max_running_requests: int, sizes: list[int] | None = None) -> 
     return sorted(chosen | {max_running_requests})
 
 
+class GraphedModel(Protocol):
+    """What the graph runner needs of the ModelRunner that owns it: the forward a graph
+    records, the eager one it falls back to, and the backend that prepares each replay."""
+
+    device: torch.device
+    attn_backend: AttentionBackend
+
+    def forward_eager(self, forward_batch: ForwardBatch) -> torch.Tensor: ...
+
+    def forward_captured(self, forward_batch: ForwardBatch) -> torch.Tensor: ...
+
+
 class DecodeGraphRunner:
-    def __init__(self, runner: ModelRunner, sizes: list[int]) -> None:
+    def __init__(self, runner: GraphedModel, sizes: list[int]) -> None:
         if not sizes or sorted(set(sizes)) != sizes or sizes[0] < 1:
             raise ValueError(f"capture sizes must be ascending positive ints, got {sizes}")
         self.runner = runner

@@ -17,17 +17,17 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from gpu_worker.attention.base import AttentionBackend
 from gpu_worker.attention.registry import create_attention_backend
+from gpu_worker.memory.kv_pool import TokenToKVPool
+from gpu_worker.memory.req_to_token_pool import ReqToTokenPool
 from gpu_worker.model_executor.forward_batch import ForwardBatch, ForwardMode
-
-if TYPE_CHECKING:
-    from gpu_worker.model_executor.graph_runner import DecodeGraphRunner
-    from gpu_worker.model_executor.model_runner import ModelRunner
+from gpu_worker.model_executor.graph_runner import DecodeGraphRunner
+from gpu_worker.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +41,30 @@ FLOAT32_TOLERANCE = 1e-3
 LOW_PRECISION_TOLERANCE = 5e-2
 
 
+class CheckedRunner(Protocol):
+    """What the checks use of the ModelRunner being started: its pools and backends, which
+    they swap while they compare, and its eager forward."""
+
+    device: torch.device
+    dtype: torch.dtype
+    page_size: int
+    model_config: ModelConfig
+    req_to_token_pool: ReqToTokenPool
+    kv_pool: TokenToKVPool
+    cpu_kernels: Any
+    attn_backend: AttentionBackend
+    graph_runner: DecodeGraphRunner | None
+
+    def forward_eager(self, forward_batch: ForwardBatch) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class SelfCheckResult:
     ok: bool
     detail: str
 
 
-def checked_backend(runner: ModelRunner, name: str) -> tuple[AttentionBackend, str]:
+def checked_backend(runner: CheckedRunner, name: str) -> tuple[AttentionBackend, str]:
     """The backend `name` if it passes the check, else torch_native; and a description of
     the path that serves, for the start-up line. The runner serves torch_native meanwhile."""
     safe = create_attention_backend(SAFE_BACKEND, runner.req_to_token_pool, runner.kv_pool)
@@ -70,7 +87,7 @@ def checked_backend(runner: ModelRunner, name: str) -> tuple[AttentionBackend, s
 
 @torch.inference_mode()
 def compare_backends(
-    runner: ModelRunner, candidate: AttentionBackend, reference: AttentionBackend
+    runner: CheckedRunner, candidate: AttentionBackend, reference: AttentionBackend
 ) -> SelfCheckResult:
     """Run the check batch through both backends; each forward runs the candidate first, so
     it reads the K/V it wrote itself. Uses request rows and slots of an empty pool and
@@ -94,7 +111,7 @@ def compare_backends(
     return SelfCheckResult(True, f"{forwards} forwards of {len(PROMPT_LENS)} requests agree")
 
 
-def verified_graphs(runner: ModelRunner, graphs: DecodeGraphRunner) -> DecodeGraphRunner | None:
+def verified_graphs(runner: CheckedRunner, graphs: DecodeGraphRunner) -> DecodeGraphRunner | None:
     """`graphs` if their replays agree with eager decoding, else None (eager), logged."""
     runner.graph_runner = graphs
     try:
@@ -111,7 +128,7 @@ def verified_graphs(runner: ModelRunner, graphs: DecodeGraphRunner) -> DecodeGra
 
 
 @torch.inference_mode()
-def check_graph_replay(runner: ModelRunner) -> SelfCheckResult:
+def check_graph_replay(runner: CheckedRunner) -> SelfCheckResult:
     """Decode steps of the check batch through the runner's CUDA graphs against eager
     forwards on the same backend (itself checked against torch_native before capture)."""
     batch = _extend_batch(runner, seed=1)
@@ -145,7 +162,7 @@ def _disagreement(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype)
     return None
 
 
-def _extend_batch(runner: ModelRunner, seed: int) -> ForwardBatch:
+def _extend_batch(runner: CheckedRunner, seed: int) -> ForwardBatch:
     """Prefill of random prompts of PROMPT_LENS tokens in rows 0.. of the request table,
     each request on fresh pages from page 1 on, with room for the decode steps."""
     rng = random.Random(seed)
@@ -175,7 +192,7 @@ def _extend_batch(runner: ModelRunner, seed: int) -> ForwardBatch:
 
 
 def _next_decode_batch(
-    runner: ModelRunner, batch: ForwardBatch, tokens: torch.Tensor
+    runner: CheckedRunner, batch: ForwardBatch, tokens: torch.Tensor
 ) -> ForwardBatch:
     """One decode step after `batch`: each request's next token at its next position."""
     lens = batch.seq_lens_cpu
