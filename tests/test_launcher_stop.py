@@ -105,6 +105,7 @@ def test_ctrl_c_stops_the_stages_before_the_embedded_server():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
 def test_a_launcher_killed_outright_leaves_no_replica_or_server_behind():
     up = _Up()
+    children: list[int] = []
     try:
         up.wait_until_up()
         children = up.children()
@@ -115,7 +116,8 @@ def test_a_launcher_killed_outright_leaves_no_replica_or_server_behind():
         while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not [pid for pid in children if _alive(pid)]
-    finally:
-        for pid in up.children():
-            os.kill(pid, signal.SIGKILL)
+    finally:  # without the parent-death signal they would outlive this test: end them
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
         up.kill()
