@@ -27,7 +27,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
-from typing import Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import redis
 import redis.asyncio as aredis
@@ -39,6 +39,9 @@ from bus.errors import RequestError
 from bus.protocol import ENTRY_FIELD, MAX_TOKEN_ID, ErrorReply, GenerateRequest, encode
 from bus.replies import AsyncReplyReader, Reply, ReplyReader
 from bus.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11+; annotations are never evaluated here
+    from typing_extensions import Unpack
 
 SUBMIT_PIPELINE_SIZE = 1_000  # XADDs per round trip in submit_many
 CONNECT_TIMEOUT_S = 5.0
@@ -134,7 +137,7 @@ class JobOptions(TypedDict, total=False):
     rid: str | None
 
 
-class Job(JobOptions, total=False):
+class JobSpec(JobOptions, total=False):
     """One job as `submit_many` takes it: `submit`'s arguments as a dict."""
 
     prompt: str | None
@@ -152,7 +155,7 @@ class ClientCore:
         self.config = resolve_config(redis_url, config)
         self.reply_stream = self.config.reply_stream(f"client-{uuid.uuid4().hex}")
 
-    def requests(self, jobs: Iterable[Job]) -> list[GenerateRequest]:
+    def requests(self, jobs: Iterable[JobSpec]) -> list[GenerateRequest]:
         """Every job checked before any is sent, so a ValueError leaves nothing queued."""
         return [new_request(self.reply_stream, **job) for job in jobs]
 
@@ -228,7 +231,7 @@ class Client:
         """Queue one job; returns its rid. ValueError for a malformed job."""
         return self.submit_many([{"prompt": prompt, **options}])[0]
 
-    def submit_many(self, jobs: Iterable[Job]) -> list[str]:
+    def submit_many(self, jobs: Iterable[JobSpec]) -> list[str]:
         """Queue many jobs (each a dict of `submit`'s arguments), pipelined; returns their rids.
 
         Every job is checked before any is sent, so a ValueError leaves nothing queued.
@@ -297,7 +300,7 @@ class AsyncClient:
     async def submit(self, prompt: str | None = None, **options: Unpack[JobOptions]) -> str:
         return (await self.submit_many([{"prompt": prompt, **options}]))[0]
 
-    async def submit_many(self, jobs: Iterable[Job]) -> list[str]:
+    async def submit_many(self, jobs: Iterable[JobSpec]) -> list[str]:
         requests = self.core.requests(jobs)
         self.replies.start()
         for request in requests:
