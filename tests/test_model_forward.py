@@ -14,8 +14,7 @@ import torch.nn.functional as F
 import transformers
 from torch import Tensor
 
-from gpu_worker.attention.base import AttentionBackend
-from gpu_worker.attention.layer import PagedAttention
+from gpu_worker.attention.base import AttentionBackend, AttentionLayer
 from gpu_worker.model_executor.forward_batch import ForwardBatch, ForwardMode
 from gpu_worker.model_executor.forward_context import ForwardContext, forward_context
 from gpu_worker.models.loader import load_model
@@ -29,7 +28,7 @@ class PrefillSDPABackend(AttentionBackend):
         assert not any(forward_batch.extend_prefix_lens_cpu), "prefill from position 0 only"
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, layer: PagedAttention, forward_batch: ForwardBatch
+        self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> Tensor:
         outputs = []
         lens = forward_batch.extend_seq_lens_cpu

@@ -9,13 +9,22 @@ cannot be captured leave them raising.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from gpu_worker.attention.layer import PagedAttention
     from gpu_worker.model_executor.forward_batch import ForwardBatch
+
+
+class AttentionLayer(Protocol):
+    """What a backend reads of the layer calling it (attention/layer.py's PagedAttention)."""
+
+    layer_id: int  # which layer's K/V in the pool
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
 
 
 class AttentionBackend(ABC):
@@ -29,7 +38,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
-        layer: PagedAttention,
+        layer: AttentionLayer,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         """Write k, v into the pool at forward_batch.out_cache_loc, then attend."""

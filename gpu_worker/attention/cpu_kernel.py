@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gpu_worker.attention.layer import PagedAttention
+from gpu_worker.attention.base import AttentionLayer
 from gpu_worker.attention.torch_native import TorchNativeAttnBackend
 from gpu_worker.kernels.cpu_kernels import CpuKernels
 from gpu_worker.memory.kv_pool import TokenToKVPool
@@ -57,7 +57,7 @@ class CpuKernelAttnBackend(TorchNativeAttnBackend):
         self._chunk = min(MAX_CHUNK, max(MIN_CHUNK, chunk))
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, layer: PagedAttention, forward_batch: ForwardBatch
+        self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> Tensor:
         decode = forward_batch.forward_mode == ForwardMode.DECODE
         if not decode and self._extend_on_torch:

@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gpu_worker.attention.base import AttentionBackend
-from gpu_worker.attention.layer import PagedAttention
+from gpu_worker.attention.base import AttentionBackend, AttentionLayer
 from gpu_worker.attention.paged_metadata import (
     PagedKVMetadata,
     build_paged_kv_metadata,
@@ -39,7 +38,7 @@ WORKSPACE_BYTES = 128 * 2**20
 class ReferenceKernels:
     """plan/run with the plain-torch reference: FlashInfer's contract on any device."""
 
-    def plan(self, meta: PagedKVMetadata, decode: bool, layer: PagedAttention, dtype) -> None:
+    def plan(self, meta: PagedKVMetadata, decode: bool, layer: AttentionLayer, dtype) -> None:
         self._meta, self._scale = meta, layer.scaling
 
     def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
@@ -48,7 +47,7 @@ class ReferenceKernels:
     def init_graphs(self, fixed: PagedKVMetadata) -> None:
         pass  # it reads whatever metadata it was planned with: the fixed buffers' views
 
-    def plan_graph(self, meta: PagedKVMetadata, layer: PagedAttention, dtype) -> None:
+    def plan_graph(self, meta: PagedKVMetadata, layer: AttentionLayer, dtype) -> None:
         self.plan(meta, True, layer, dtype)
 
 
@@ -66,7 +65,7 @@ class FlashInferKernels:
         self._fixed: PagedKVMetadata | None = None
         self._graph_wrappers: dict[int, object] = {}
 
-    def plan(self, meta: PagedKVMetadata, decode: bool, layer: PagedAttention, dtype) -> None:
+    def plan(self, meta: PagedKVMetadata, decode: bool, layer: AttentionLayer, dtype) -> None:
         if decode:
             self._plan_decode(self._decode, meta, layer, dtype)
         else:
@@ -78,7 +77,7 @@ class FlashInferKernels:
             )  # fmt: skip
             self._wrapper = self._prefill
 
-    def _plan_decode(self, wrapper, meta: PagedKVMetadata, layer: PagedAttention, dtype) -> None:
+    def _plan_decode(self, wrapper, meta: PagedKVMetadata, layer: AttentionLayer, dtype) -> None:
         wrapper.plan(
             meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, layer.num_heads,
             layer.num_kv_heads, layer.head_dim, meta.page_size, q_data_type=dtype,
@@ -92,7 +91,7 @@ class FlashInferKernels:
     def init_graphs(self, fixed: PagedKVMetadata) -> None:
         self._fixed = fixed
 
-    def plan_graph(self, meta: PagedKVMetadata, layer: PagedAttention, dtype) -> None:
+    def plan_graph(self, meta: PagedKVMetadata, layer: AttentionLayer, dtype) -> None:
         """Plan a captured decode: one CUDA-graph wrapper per batch size, over the fixed
         buffers, which its plan fills (the graph reads them at replay)."""
         bs = meta.batch_size
@@ -121,7 +120,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self.metadata: PagedKVMetadata | None = None
         self._decode = False
         self._planned = False
-        self._layer: PagedAttention | None = None  # the geometry to plan captures with
+        self._layer: AttentionLayer | None = None  # the geometry to plan captures with
         self._fixed: PagedKVMetadata | None = None  # CUDA graphs: buffers replays read
 
     def prepare_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -137,7 +136,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self._planned = False
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, layer: PagedAttention, forward_batch: ForwardBatch
+        self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> Tensor:
         self.kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         if not self._planned:

@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gpu_worker.attention.base import AttentionBackend
-from gpu_worker.attention.layer import PagedAttention
+from gpu_worker.attention.base import AttentionBackend, AttentionLayer
 from gpu_worker.memory.kv_pool import TokenToKVPool
 from gpu_worker.memory.req_to_token_pool import ReqToTokenPool
 from gpu_worker.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -164,7 +163,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         self._extend = sequences
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, layer: PagedAttention, forward_batch: ForwardBatch
+        self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> Tensor:
         num_tokens = q.shape[0]
         self.kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
@@ -250,7 +249,7 @@ def _blocked_causal_attention(
     queries: torch.Tensor,  # [num_new, heads, dim]: the last num_new positions of the sequence
     keys: torch.Tensor,  # [kv_heads, seq_len, dim]
     values: torch.Tensor,  # [kv_heads, seq_len, dim]
-    layer: PagedAttention,
+    layer: AttentionLayer,
 ) -> torch.Tensor:  # [num_new, heads, dim]
     num_new = queries.shape[0]
     kv_heads, seq_len, dim = keys.shape
