@@ -1,0 +1,147 @@
+"""The layout rules of docs/ARCHITECTURE.md, read from the source: what may import what.
+
+- bus/ and stages/ never import torch (a CPU stage must install and start without it);
+- stages/ and gpu_worker/ never import each other: they share only bus/;
+- no import circle between the project's modules, counting imports made only for type
+  checkers (a circle of annotations is still two modules that each need the other).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("bus", "stages", "gpu_worker")
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = path
+    return modules
+
+
+MODULES = _modules()
+
+
+def _imported(node: ast.Import | ast.ImportFrom, module: str, path: Path) -> Iterator[str]:
+    """The names an import statement brings in, absolute, submodules included."""
+    if isinstance(node, ast.Import):
+        yield from (alias.name for alias in node.names)
+        return
+    base = node.module or ""
+    if node.level:
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        package = package[: len(package) - node.level + 1]
+        base = ".".join([*package, *([node.module] if node.module else [])])
+    yield base
+    yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def _all_imports(module: str) -> set[str]:
+    """Every name the module imports anywhere, functions included."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text())
+    return {
+        name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for name in _imported(node, module, path)
+    }
+
+
+def _module_level_imports(module: str) -> set[str]:
+    """The project modules imported when the module loads, or for its annotations: the top
+    level and its if/try blocks (TYPE_CHECKING ones too), not function bodies."""
+    path = MODULES[module]
+    found: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.update(_imported(node, module, path))
+            elif isinstance(node, ast.If):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+
+    visit(ast.parse(path.read_text()).body)
+    return {name for name in found if name in MODULES and name != module}
+
+
+def _is_within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+@pytest.mark.parametrize("package", ["bus", "stages"])
+def test_the_cpu_side_never_imports_torch(package):
+    offenders = {
+        module: sorted(name for name in _all_imports(module) if _is_within(name, "torch"))
+        for module in MODULES
+        if _is_within(module, package)
+    }
+    assert {module: names for module, names in offenders.items() if names} == {}
+
+
+@pytest.mark.parametrize("package, other", [("stages", "gpu_worker"), ("gpu_worker", "stages")])
+def test_stages_and_gpu_worker_share_only_bus(package, other):
+    offenders = {
+        module: sorted(name for name in _all_imports(module) if _is_within(name, other))
+        for module in MODULES
+        if _is_within(module, package)
+    }
+    assert {module: names for module, names in offenders.items() if names} == {}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph[node]):
+            if successor not in index:
+                connect(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return circles
+
+
+def test_the_circle_finder_finds_a_circle_through_three_modules():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_itself_back_through_others():
+    graph = {module: _module_level_imports(module) for module in MODULES}
+    assert _circles(graph) == []
