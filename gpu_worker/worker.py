@@ -47,22 +47,18 @@ from typing import Any
 import redis
 
 from bus.access import check_access
-from bus.actor import (
-    RECONNECT_BACKOFF_S,
+from bus.actor import stop_on_signals, unique_consumer_name
+from bus.config import BusConfig
+from bus.effects import (
     AppendKey,
     DeleteKey,
     Outbound,
     Output,
     dead_letter_fields,
-    ensure_group,
     execute_logging_errors,
-    is_missing_group,
     reply,
-    stop_on_signals,
-    unique_consumer_name,
     write_outputs,
 )
-from bus.config import BusConfig
 from bus.protocol import (
     ENTRY_FIELD,
     Abort,
@@ -77,6 +73,7 @@ from bus.protocol import (
     token_context,
     unpack_ids,
 )
+from bus.reconnect import RECONNECT_BACKOFF_S, ensure_group, is_missing_group
 from bus.sampling_params import SamplingParams
 from bus.stop_strings import stop_window_tokens
 from gpu_worker.engine import Engine

@@ -16,7 +16,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bus.actor import Actor, ensure_group
+from bus.actor import Actor
 from bus.config import BusConfig
 from bus.protocol import (
     ENTRY_FIELD,
@@ -28,6 +28,7 @@ from bus.protocol import (
     decode,
     encode,
 )
+from bus.reconnect import ensure_group
 from stages.detokenizer.stage import DetokenizerStage
 from stages.router.stage import RouterStage
 from stages.tokenizer.hf_tokenizer import load_stage_tokenizer

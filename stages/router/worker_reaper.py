@@ -31,15 +31,10 @@ from typing import Any
 
 import redis
 
-from bus.actor import (
-    REDIS_TRANSIENT,
-    dead_letter_fields,
-    ensure_group,
-    execute_logging_errors,
-    is_missing_group,
-)
 from bus.config import BusConfig
+from bus.effects import dead_letter_fields, execute_logging_errors
 from bus.protocol import ENTRY_FIELD, Abort, ProtocolError, TokenizedRequest, decode, encode
+from bus.reconnect import REDIS_TRANSIENT, ensure_group, is_missing_group
 
 logger = logging.getLogger(__name__)
 
