@@ -38,7 +38,7 @@ KINDS = [
     ("tokenizer", "stage tokenizer"),
     ("router", "stage router"),
     ("detokenizer", "stage detokenizer"),
-    ("worker", "gpu_worker.worker"),
+    ("worker", "gpu_worker"),
     ("ingress", "stage ingress"),
 ]
 

@@ -27,12 +27,19 @@ from typing import Any, Protocol
 import redis
 
 from bus.config import BusConfig
+from bus.effects import (
+    Outbound,
+    Output,
+    dead_letter_fields,
+    execute_logging_errors,
+    reply,
+    write_dead_letters,
+    write_outputs,
+)
 from bus.protocol import ENTRY_FIELD, ErrorReply, Message, ProtocolError, decode, encode
+from bus.reconnect import REDIS_TRANSIENT, ReconnectingLoop, ensure_group
 
 logger = logging.getLogger(__name__)
-
-RECONNECT_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
-REDIS_TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
 
 
 class HoldBatch(Exception):  # noqa: N818 (a signal, not an error)
@@ -44,68 +51,6 @@ class HoldBatch(Exception):  # noqa: N818 (a signal, not an error)
 class Inbound:
     entry_id: bytes
     message: Message
-
-
-@dataclass
-class Outbound:
-    """A message to XADD (a stage's usual output)."""
-
-    stream: str
-    message: Message
-    expire_s: int | None = None  # for reply streams: gone once their reader is long gone
-
-    def apply(self, pipe: Any, config: BusConfig) -> None:
-        pipe.xadd(self.stream, {ENTRY_FIELD: encode(self.message)},
-                  maxlen=config.stream_maxlen, approximate=True)  # fmt: skip
-        if self.expire_s is not None:
-            pipe.expire(self.stream, self.expire_s)
-
-
-@dataclass
-class SetKey:
-    """A key written in the same MULTI as the outputs (e.g. where a request was routed)."""
-
-    key: str
-    value: str | bytes
-    ttl_s: int
-
-    def apply(self, pipe: Any, config: BusConfig) -> None:
-        pipe.set(self.key, self.value, ex=self.ttl_s)
-
-
-@dataclass
-class IncrHash:
-    key: str
-    field: str
-    by: int = 1
-
-    def apply(self, pipe: Any, config: BusConfig) -> None:
-        pipe.hincrby(self.key, self.field, self.by)
-
-
-@dataclass
-class AppendKey:
-    """Bytes appended to a string key (a request's progress); the TTL is set when asked."""
-
-    key: str
-    data: bytes
-    ttl_s: int | None = None
-
-    def apply(self, pipe: Any, config: BusConfig) -> None:
-        pipe.append(self.key, self.data)
-        if self.ttl_s is not None:
-            pipe.expire(self.key, self.ttl_s)
-
-
-@dataclass
-class DeleteKey:
-    key: str
-
-    def apply(self, pipe: Any, config: BusConfig) -> None:
-        pipe.delete(self.key)
-
-
-Output = Outbound | SetKey | IncrHash | AppendKey | DeleteKey
 
 
 class Stage(Protocol):
@@ -120,40 +65,6 @@ class Stage(Protocol):
 def unique_consumer_name(kind: str) -> str:
     """Host, pid and a random suffix: two replicas never share a name, even after a restart."""
     return f"{kind}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-def ensure_group(client: redis.Redis, stream: str, group: str) -> None:
-    """Create the group (and stream) if missing; replicas race here, so BUSYGROUP is fine."""
-    try:
-        # From id 0: jobs written before any consumer existed are still served.
-        client.xgroup_create(stream, group, id="0", mkstream=True)
-    except redis.ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
-
-
-def is_missing_group(exc: redis.ResponseError) -> bool:
-    # redis-py prefixes an error raised from a MULTI with the failing command.
-    message = str(exc)
-    return message.startswith("NOGROUP") or "caused error: NOGROUP" in message
-
-
-def dead_letter_fields(
-    source: str, entry_id: bytes | str, reason: str, payload: bytes | None
-) -> dict[str, Any]:
-    return {
-        "source": source,
-        "entry_id": entry_id,
-        "reason": reason,
-        "payload": payload if payload is not None else b"",
-        "time": f"{time.time():.3f}",
-    }
-
-
-def reply(config: BusConfig, reply_to: str, message: Message) -> Outbound:
-    """A message to a request's reply stream, which expires reply_ttl_s after its last write
-    (its reader may be long gone)."""
-    return Outbound(reply_to, message, expire_s=config.reply_ttl_s)
 
 
 def error_reply_for(
@@ -192,26 +103,11 @@ class Actor:
 
     def run(self) -> None:
         logger.info("%s: consumer %s on %s", self.stage.group, self.consumer, self.stream)
-        failures = 0
-        while not self.stop.is_set():
-            try:
-                if failures or self._next_claim == 0.0:
-                    ensure_group(self.client, self.stream, self.stage.group)
-                self.run_once()
-                failures = 0
-            except REDIS_TRANSIENT as exc:
-                delay = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
-                failures += 1
-                logger.warning("%s: Redis unreachable (%s); retrying in %.1f s",
-                               self.stage.group, exc, delay)  # fmt: skip
-                self.stop.wait(delay)
-            except redis.ResponseError as exc:
-                if not is_missing_group(exc):
-                    raise
-                # A Redis that restarted without persistence has no groups: make ours again.
-                logger.warning("%s: consumer group gone (Redis restarted?); recreating it",
-                               self.stage.group)  # fmt: skip
-                ensure_group(self.client, self.stream, self.stage.group)
+        loop = ReconnectingLoop(self.stage.group, self.stop, self._ensure_group)
+        loop.run(self.run_once)
+
+    def _ensure_group(self) -> None:
+        ensure_group(self.client, self.stream, self.stage.group)
 
     def run_once(self) -> int:
         """One read-handle-commit turn (plus a claim of stale entries when due)."""
@@ -281,9 +177,7 @@ class Actor:
     ) -> None:
         pipe = self.client.pipeline(transaction=True)
         write_outputs(pipe, self.config, outputs)
-        for fields in dead:
-            pipe.xadd(self.config.dead_letter_stream(), fields,
-                      maxlen=self.config.stream_maxlen, approximate=True)  # fmt: skip
+        write_dead_letters(pipe, self.config, dead)
         if entry_ids:
             pipe.xack(self.stream, self.stage.group, *entry_ids)
         execute_logging_errors(pipe, self.stage.group)
@@ -335,27 +229,10 @@ class Actor:
                                "internal_error")  # fmt: skip
 
 
-def execute_logging_errors(pipe: Any, who: str) -> list[Any]:
-    """EXEC without raising on a failed command: one output to a key of the wrong type (a
-    client naming a hash as its reply stream) must not undo the rest or kill the stage. The
-    other commands of a MULTI are applied either way."""
-    results = pipe.execute(raise_on_error=False)
-    for result in results:
-        if isinstance(result, redis.ResponseError):
-            logger.warning("%s: a write failed and was dropped: %s", who, result)
-    return results
-
-
 def touch(client: redis.Redis, stream: str, group: str, consumer: str, ids: list[bytes]) -> None:
     """Reset the idle time of entries this consumer holds, so no replica claims them."""
     if ids:
         client.xclaim(stream, group, consumer, min_idle_time=0, message_ids=ids, justid=True)
-
-
-def write_outputs(pipe: Any, config: BusConfig, outputs: Sequence[Output]) -> None:
-    """Queue the commands of `outputs` on a pipeline (one MULTI with the acks)."""
-    for out in outputs:
-        out.apply(pipe, config)
 
 
 def stop_on_signals(stop: threading.Event) -> None:

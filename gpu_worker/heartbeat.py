@@ -11,7 +11,7 @@ on its stream, with their progress in Redis.
 
 A beat that finds this worker gone from the workers set (the reaper forgot it while it was
 alive) puts it back, and says so; what the reaper took off it, the worker learns from its
-fence (gpu_worker/worker.py).
+fence (bus/fenced_stream.py).
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class Pipeline:
 
     def replica_pids(self, needle: str) -> list[int]:
         """Pids of the replicas `streamserve up` runs whose command line contains `needle`
-        (e.g. "gpu_worker.worker", "stage tokenizer")."""
+        (e.g. "gpu_worker", "stage tokenizer")."""
         assert self.process is not None
         pids = []
         for entry in os.listdir("/proc"):

@@ -9,17 +9,9 @@ import time
 import pytest
 import redis
 
-from bus.actor import (
-    Actor,
-    Inbound,
-    IncrHash,
-    Outbound,
-    Output,
-    SetKey,
-    ensure_group,
-    unique_consumer_name,
-)
+from bus.actor import Actor, Inbound, unique_consumer_name
 from bus.config import BusConfig
+from bus.effects import IncrHash, Outbound, Output, SetKey
 from bus.protocol import (
     ENTRY_FIELD,
     Abort,
@@ -30,6 +22,7 @@ from bus.protocol import (
     decode,
     encode,
 )
+from bus.reconnect import ensure_group
 
 REPLY = "t:reply"
 

@@ -16,7 +16,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bus.actor import Actor, ensure_group
+from bus.actor import Actor
 from bus.config import BusConfig
 from bus.protocol import (
     ENTRY_FIELD,
@@ -28,6 +28,7 @@ from bus.protocol import (
     decode,
     encode,
 )
+from bus.reconnect import ensure_group
 from stages.detokenizer.stage import DetokenizerStage
 from stages.router.stage import RouterStage
 from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
@@ -138,7 +139,7 @@ def test_a_worker_given_bad_jobs_answers_each_with_an_error_or_tokens(redis_url,
     client.flushall()
     config = BusConfig(redis_url=redis_url, block_ms=5)
     worker = Worker(engine, client, config, "fuzz", "random:tiny-llama")
-    ensure_group(client, worker.stream, "worker")
+    ensure_group(client, worker.bus.stream, "worker")
     sampling = st.dictionaries(
         st.sampled_from(["max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                          "stop", "stop_token_ids", "logit_bias", "logprobs", "top_logprobs",
@@ -174,8 +175,8 @@ def test_a_worker_given_bad_jobs_answers_each_with_an_error_or_tokens(redis_url,
                 payload = msgpack.packb(data)
         except Exception:
             pass
-        client.xadd(worker.stream, {ENTRY_FIELD: payload})
-        entries = worker._read_blocking()
+        client.xadd(worker.bus.stream, {ENTRY_FIELD: payload})
+        entries = worker.bus.read_blocking()
         worker._admit(entries)
         for _ in range(8):
             if worker.scheduler.has_work():
@@ -184,7 +185,7 @@ def test_a_worker_given_bad_jobs_answers_each_with_an_error_or_tokens(redis_url,
             worker._abort(rid)
         worker._commit(read=False)
         assert not worker.jobs
-        assert client.xpending(worker.stream, "worker")["pending"] == 0
+        assert client.xpending(worker.bus.stream, "worker")["pending"] == 0
 
     check()
     assert client.xlen("t:fuzz") > 0  # some jobs got as far as the worker's own checks

@@ -29,7 +29,7 @@ PROMPTS = [f"Story {i}: once upon a time, in a city of streams," for i in range(
 
 # (what to kill, the fraction of the load's tokens streamed before the kill)
 VICTIMS = [
-    ("gpu_worker.worker", 0.3),
+    ("gpu_worker", 0.3),
     ("stage tokenizer", 0.0),
     ("stage router", 0.0),
     ("stage detokenizer", 0.3),

@@ -298,7 +298,7 @@ def test_cpu_kernel_backend_named_without_kernels_is_refused():
 def test_worker_flags_turn_a_default_true_option_off():
     import argparse
 
-    from gpu_worker.worker import _engine_option_arguments
+    from gpu_worker.cli import _engine_option_arguments
 
     parser = argparse.ArgumentParser()
     _engine_option_arguments(parser)

@@ -17,7 +17,7 @@ from tests.pipeline_harness import Pipeline
 
 pytestmark = pytest.mark.slow
 
-STAGES = ("gpu_worker.worker", "stage ingress", "stage tokenizer", "stage router",
+STAGES = ("gpu_worker", "stage ingress", "stage tokenizer", "stage router",
           "stage detokenizer")  # fmt: skip
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import redis
 
-from bus.actor import Actor, ensure_group
+from bus.actor import Actor
 from bus.config import BusConfig
 from bus.protocol import (
     ENTRY_FIELD,
@@ -23,6 +23,7 @@ from bus.protocol import (
     decode,
     encode,
 )
+from bus.reconnect import ensure_group
 from stages.router.stage import RouterStage, live_workers
 from stages.tokenizer.stage import TokenizerStage
 

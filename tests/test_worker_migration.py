@@ -10,9 +10,10 @@ import time
 import pytest
 import redis
 
-from bus.actor import Actor, ensure_group
+from bus.actor import Actor
 from bus.config import BusConfig
 from bus.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, encode, unpack_ids
+from bus.reconnect import ensure_group
 from gpu_worker import Engine
 from gpu_worker.worker import Worker
 from stages.router.stage import RouterStage

@@ -2,7 +2,7 @@
 
   streamserve up                     every stage on this machine (embedded Redis by default)
   streamserve stage <name>           one replica of ingress, tokenizer, router, detokenizer
-  streamserve worker [engine flags]  one GPU worker (python -m gpu_worker.worker)
+  streamserve worker [engine flags]  one GPU worker (python -m gpu_worker)
   streamserve bench                  the shared workloads against a running system
   streamserve gpu-check              the GPU path checked and timed on this machine's GPU
 
@@ -21,7 +21,7 @@ from bus.config import BusConfig
 from bus.model_files import DEFAULT_MODEL
 
 DEFAULT_PORT = 8000
-WORKER_MODULE = "gpu_worker.worker"  # started by name: stages never import gpu_worker
+WORKER_MODULE = "gpu_worker"  # started by name: stages never import gpu_worker
 GPU_CHECK_MODULE = "gpu_worker.gpu_check"
 
 

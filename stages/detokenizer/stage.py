@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.actor import Inbound, Outbound, Output
+from bus.actor import Inbound
 from bus.config import BusConfig
+from bus.effects import Outbound, Output
 from bus.protocol import TextDelta, TokenBatch, TokenItem
 from stages.detokenizer.incremental import text_deltas
 

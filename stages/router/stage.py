@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import redis
 
-from bus.actor import HoldBatch, Inbound, IncrHash, Outbound, Output, SetKey, reply
+from bus.actor import HoldBatch, Inbound
 from bus.config import BusConfig
+from bus.effects import IncrHash, Outbound, Output, SetKey, reply
 from bus.protocol import ErrorReply, Heartbeat, ProtocolError, TokenizedRequest, decode
 
 logger = logging.getLogger(__name__)

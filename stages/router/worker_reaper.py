@@ -2,7 +2,7 @@
 
 A worker leaves every job it was handed pending on its stream (``<p>:worker:<id>``) until
 the job finishes, and appends each request's published tokens to its progress key in the
-MULTI that publishes them (gpu_worker/worker.py). So when its heartbeat lapses — it was
+MULTI that publishes them (bus/fenced_stream.py). So when its heartbeat lapses — it was
 killed, it crashed, or SIGTERM stopped it — its stream holds exactly the jobs it had not
 finished, and their progress keys hold exactly what their clients were sent.
 
@@ -18,32 +18,27 @@ the id and its routing count go in one MULTI guarded by WATCH.
 
 A worker taken for dead may be alive (paused, or cut off from Redis for longer than the
 TTL). So each claim goes in one MULTI with a new random token on the worker's fence key,
-which the worker WATCHes around every write: once a job is claimed, its old worker can
-publish nothing more, and the progress the next worker resumes from is final.
+which the worker WATCHes around every write (`fence_off`, bus/fenced_stream.py): once a job
+is claimed, its old worker can publish nothing more, and the progress the next worker
+resumes from is final.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 from typing import Any
 
 import redis
 
-from bus.actor import (
-    REDIS_TRANSIENT,
-    dead_letter_fields,
-    ensure_group,
-    execute_logging_errors,
-    is_missing_group,
-)
 from bus.config import BusConfig
-from bus.protocol import ENTRY_FIELD, Abort, ProtocolError, TokenizedRequest, decode, encode
+from bus.effects import Outbound, dead_letter_fields, execute_logging_errors, write_dead_letters
+from bus.fenced_stream import WORKER_GROUP, fence_off
+from bus.protocol import ENTRY_FIELD, Abort, ProtocolError, TokenizedRequest, decode
+from bus.reconnect import REDIS_TRANSIENT
 
 logger = logging.getLogger(__name__)
 
-WORKER_GROUP = "worker"  # the workers' consumer group (gpu_worker/worker.py)
 BATCH = 256
 LOCK_TTL_S = 30
 
@@ -108,14 +103,7 @@ class WorkerReaper:
         """Requeue one batch of the stream's pending and unread jobs; how many entries."""
         if not self.client.exists(stream):
             return 0
-        try:
-            entries = self._claim(worker_id, stream)
-        except redis.ResponseError as exc:
-            if not is_missing_group(exc):
-                raise
-            # Jobs routed before the worker ever made its group: read them from the start.
-            ensure_group(self.client, stream, WORKER_GROUP)
-            return self._move_entries(worker_id, stream)
+        entries = fence_off(self.client, self.config, worker_id, self.consumer, BATCH)
         if not entries:
             return 0
         pipe = self.client.pipeline(transaction=True)
@@ -127,14 +115,12 @@ class WorkerReaper:
             try:
                 message = decode(payload, TokenizedRequest, Abort)
             except ProtocolError as exc:
-                pipe.xadd(self.config.dead_letter_stream(),
-                          dead_letter_fields(stream, entry_id, str(exc), payload),
-                          maxlen=self.config.stream_maxlen, approximate=True)  # fmt: skip
+                dead = dead_letter_fields(stream, entry_id, str(exc), payload)
+                write_dead_letters(pipe, self.config, [dead])
                 continue
             if isinstance(message, Abort):
                 continue  # its job, if still here, is moved and meets the abort flag there
-            pipe.xadd(self.config.tokenized_stream(), {ENTRY_FIELD: encode(message)},
-                      maxlen=self.config.stream_maxlen, approximate=True)  # fmt: skip
+            Outbound(self.config.tokenized_stream(), message).apply(pipe, self.config)
             moved += 1
         pipe.xack(stream, WORKER_GROUP, *[entry_id for entry_id, _ in entries])
         execute_logging_errors(pipe, "reaper")
@@ -142,19 +128,6 @@ class WorkerReaper:
         if moved:
             logger.warning("reaper: moved %d jobs off %s to live workers", moved, stream)
         return len(entries)
-
-    def _claim(self, worker_id: str, stream: str) -> list[Any]:
-        """Take a batch of pending entries, else of unread ones, fencing the worker off them
-        in the same MULTI (see the module's docstring)."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.set(self.config.fence_key(worker_id), secrets.token_hex(8))
-        pipe.xautoclaim(stream, WORKER_GROUP, self.consumer, min_idle_time=0, start_id="0-0",
-                        count=BATCH)  # fmt: skip
-        _, (_, entries, _) = pipe.execute()
-        if entries:
-            return entries
-        response = self.client.xreadgroup(WORKER_GROUP, self.consumer, {stream: ">"}, count=BATCH)
-        return response[0][1] if response else []
 
     def _forget(self, worker_id: str, stream: str) -> bool:
         """Delete the empty stream and the worker's id, unless it beat or got a job meanwhile."""

@@ -14,8 +14,9 @@ import logging
 import re
 from typing import Any
 
-from bus.actor import Inbound, Outbound, Output, reply
+from bus.actor import Inbound
 from bus.config import BusConfig
+from bus.effects import Outbound, Output, reply
 from bus.protocol import ErrorReply, GenerateRequest, TokenizedRequest
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,127 @@
+"""What a stage's turn writes: effects queued on one MULTI with the acknowledgements.
+
+A stage returns outputs (messages to add to streams, keys to set, append or delete) and the
+code that commits its turn queues them, with the turn's dead letters, on the MULTI that
+acknowledges its inputs: either all of it is written or none is. Executed with
+`execute_logging_errors`, one command that fails (a reply stream that is a hash) is dropped
+without undoing the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from bus.config import BusConfig
+from bus.protocol import ENTRY_FIELD, Message, encode
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Outbound:
+    """A message to XADD (a stage's usual output)."""
+
+    stream: str
+    message: Message
+    expire_s: int | None = None  # for reply streams: gone once their reader is long gone
+
+    def apply(self, pipe: Any, config: BusConfig) -> None:
+        pipe.xadd(self.stream, {ENTRY_FIELD: encode(self.message)},
+                  maxlen=config.stream_maxlen, approximate=True)  # fmt: skip
+        if self.expire_s is not None:
+            pipe.expire(self.stream, self.expire_s)
+
+
+@dataclass
+class SetKey:
+    """A key written in the same MULTI as the outputs (e.g. where a request was routed)."""
+
+    key: str
+    value: str | bytes
+    ttl_s: int
+
+    def apply(self, pipe: Any, config: BusConfig) -> None:
+        pipe.set(self.key, self.value, ex=self.ttl_s)
+
+
+@dataclass
+class IncrHash:
+    key: str
+    field: str
+    by: int = 1
+
+    def apply(self, pipe: Any, config: BusConfig) -> None:
+        pipe.hincrby(self.key, self.field, self.by)
+
+
+@dataclass
+class AppendKey:
+    """Bytes appended to a string key (a request's progress); the TTL is set when asked."""
+
+    key: str
+    data: bytes
+    ttl_s: int | None = None
+
+    def apply(self, pipe: Any, config: BusConfig) -> None:
+        pipe.append(self.key, self.data)
+        if self.ttl_s is not None:
+            pipe.expire(self.key, self.ttl_s)
+
+
+@dataclass
+class DeleteKey:
+    key: str
+
+    def apply(self, pipe: Any, config: BusConfig) -> None:
+        pipe.delete(self.key)
+
+
+Output = Outbound | SetKey | IncrHash | AppendKey | DeleteKey
+
+
+def reply(config: BusConfig, reply_to: str, message: Message) -> Outbound:
+    """A message to a request's reply stream, which expires reply_ttl_s after its last write
+    (its reader may be long gone)."""
+    return Outbound(reply_to, message, expire_s=config.reply_ttl_s)
+
+
+def dead_letter_fields(
+    source: str, entry_id: bytes | str, reason: str, payload: bytes | None
+) -> dict[str, Any]:
+    return {
+        "source": source,
+        "entry_id": entry_id,
+        "reason": reason,
+        "payload": payload if payload is not None else b"",
+        "time": f"{time.time():.3f}",
+    }
+
+
+def write_outputs(pipe: Any, config: BusConfig, outputs: Sequence[Output]) -> None:
+    """Queue the commands of `outputs` on a pipeline (one MULTI with the acks)."""
+    for out in outputs:
+        out.apply(pipe, config)
+
+
+def write_dead_letters(pipe: Any, config: BusConfig, dead: Sequence[dict[str, Any]]) -> None:
+    """Queue dead letters (`dead_letter_fields`) on a pipeline (one MULTI with the acks)."""
+    for fields in dead:
+        pipe.xadd(config.dead_letter_stream(), fields,
+                  maxlen=config.stream_maxlen, approximate=True)  # fmt: skip
+
+
+def execute_logging_errors(pipe: Any, who: str) -> list[Any]:
+    """EXEC without raising on a failed command: one output to a key of the wrong type (a
+    client naming a hash as its reply stream) must not undo the rest or kill the stage. The
+    other commands of a MULTI are applied either way."""
+    results = pipe.execute(raise_on_error=False)
+    for result in results:
+        if isinstance(result, redis.ResponseError):
+            logger.warning("%s: a write failed and was dropped: %s", who, result)
+    return results

@@ -1,0 +1,162 @@
+"""A worker's own stream, written to only under its fence; and the reaper's side of that fence.
+
+A worker reads jobs from its stream ``<p>:worker:<id>`` in the consumer group ``worker``
+(`WORKER_GROUP`), where the router stage routes them. What a worker writes (its outputs, the
+acknowledgements of its jobs, dead letters) waits in the buffers of its `FencedStream` until
+the next `commit`, one MULTI that may also carry a non-blocking read of new jobs: while
+there is work the bus costs one round trip per engine step; idle, the worker blocks on its
+stream (`read_blocking`).
+
+Nothing is lost when a worker dies. A job stays pending on the worker's stream until it
+finishes (its acknowledgement goes in the MULTI with its last tokens), and each request's
+published tokens are appended to its progress key in the MULTI that publishes them. When
+the heartbeat lapses, the router's reaper (stages/router/worker_reaper.py) moves the pending
+jobs to the router again, and the worker that gets one continues after its progress: no
+token is repeated or missing. A worker stopped with SIGTERM finishes its step, publishes it,
+and leaves its jobs to the reaper the same way. A worker started again under the same id
+takes back the entries its previous life left pending (`open`).
+
+A worker taken for dead while alive (paused, or out of reach of Redis for longer than the
+heartbeat TTL) must not go on publishing for jobs now served elsewhere: two writers would
+send a client two versions of a token and garble the progress key. Every commit is a MULTI
+under WATCH of the worker's fence key, which the reaper changes in the MULTI that claims
+jobs off it (`fence_off`). A commit that finds the fence changed writes nothing and raises
+`Fenced`; the worker drops every job and starts again from `restart_fenced`: the entries
+still pending to it are its own, and resume from their progress.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import redis
+
+from bus.actor import unique_consumer_name
+from bus.config import BusConfig
+from bus.effects import Output, execute_logging_errors, write_dead_letters, write_outputs
+from bus.reconnect import ensure_group, is_missing_group
+
+WORKER_GROUP = "worker"  # the workers' consumer group, one per worker stream
+
+Entry = tuple[bytes, dict[bytes, bytes] | None]  # (entry id, fields; None once trimmed)
+
+
+class Fenced(Exception):  # noqa: N818 (a state the worker recovers from, not an error)
+    """The reaper claimed jobs off this worker since its last commit: nothing was written."""
+
+
+class FencedStream:
+    """One worker's consumer on its stream, with the buffers of its next commit."""
+
+    def __init__(self, client: redis.Redis, config: BusConfig, worker_id: str) -> None:
+        self.client = client
+        self.config = config
+        self.who = f"worker {worker_id}"
+        self.stream = config.worker_stream(worker_id)
+        self.consumer = unique_consumer_name(f"worker-{worker_id}")
+        self.fence_key = config.fence_key(worker_id)
+        self._fence: bytes | None = None  # the fence token our writes are valid under
+        # Written by the next commit, all or nothing:
+        self.outbox: list[Output] = []
+        self.acks: list[bytes] = []
+        self.dead: list[dict[str, Any]] = []  # dead_letter_fields
+
+    def ensure_group(self) -> None:
+        ensure_group(self.client, self.stream, WORKER_GROUP)
+
+    def open(self) -> list[Entry]:
+        """Make the group, take the current fence, and return the entries a previous life
+        under this id left pending: they are ours, to resume from their progress."""
+        self.ensure_group()
+        self._fence = self.client.get(self.fence_key)
+        entries: list[Entry] = []
+        cursor: bytes | str = "0-0"
+        while True:
+            cursor, claimed, _ = self.client.xautoclaim(
+                self.stream, WORKER_GROUP, self.consumer, min_idle_time=0, start_id=cursor,
+                count=1000,
+            )  # fmt: skip
+            entries += claimed
+            if cursor in (b"0-0", "0-0") or not claimed:
+                return entries
+
+    def read_blocking(self) -> list[Entry]:
+        """New jobs, waiting up to block_ms for some."""
+        response = self.client.xreadgroup(
+            WORKER_GROUP, self.consumer, {self.stream: ">"},
+            count=self.config.read_count, block=self.config.block_ms,
+        )  # fmt: skip
+        return response[0][1] if response else []
+
+    def commit(self, read: bool) -> list[Entry]:
+        """One MULTI, valid only under our fence: outputs, dead letters, acks, and
+        (optionally) a non-blocking read of new jobs. Returns the jobs read; raises `Fenced`
+        (having written nothing) when the fence changed."""
+        if not (self.outbox or self.acks or self.dead or read):
+            return []
+        with self.client.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(self.fence_key)
+                if pipe.get(self.fence_key) != self._fence:
+                    raise redis.WatchError("fenced before this write")
+                pipe.multi()
+                write_outputs(pipe, self.config, self.outbox)
+                write_dead_letters(pipe, self.config, self.dead)
+                if self.acks:
+                    pipe.xack(self.stream, WORKER_GROUP, *self.acks)
+                if read:
+                    pipe.xreadgroup(WORKER_GROUP, self.consumer, {self.stream: ">"},
+                                    count=self.config.read_count)  # fmt: skip
+                results = execute_logging_errors(pipe, self.who)
+            except redis.WatchError as exc:
+                raise Fenced from exc
+        self._clear()
+        if read and results[-1] and not isinstance(results[-1], redis.ResponseError):
+            return results[-1][0][1]
+        return []
+
+    def restart_fenced(self) -> list[Entry]:
+        """After `Fenced`: drop what was not yet written, take the new fence, and return the
+        entries still pending to us (the reaper did not claim them), to admit again."""
+        self._clear()
+        self._fence = self.client.get(self.fence_key)
+        self.ensure_group()  # the reaper may have deleted it
+        ids = [
+            pending["message_id"]
+            for pending in self.client.xpending_range(
+                self.stream, WORKER_GROUP, "-", "+", count=10_000, consumername=self.consumer
+            )
+        ]
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xrange(self.stream, entry_id, entry_id)
+        return [entry for found in pipe.execute() for entry in found]
+
+    def _clear(self) -> None:
+        self.outbox, self.acks, self.dead = [], [], []
+
+
+def fence_off(
+    client: redis.Redis, config: BusConfig, worker_id: str, consumer: str, count: int
+) -> list[Entry]:
+    """The reaper's claim: up to `count` of the worker's pending entries, else of its unread
+    ones, taken by `consumer` in the MULTI that gives the worker a new fence token, so their
+    old owner can write nothing more about them."""
+    stream = config.worker_stream(worker_id)
+    try:
+        pipe = client.pipeline(transaction=True)
+        pipe.set(config.fence_key(worker_id), secrets.token_hex(8))
+        pipe.xautoclaim(stream, WORKER_GROUP, consumer, min_idle_time=0, start_id="0-0",
+                        count=count)  # fmt: skip
+        _, (_, entries, _) = pipe.execute()
+        if entries:
+            return entries
+        response = client.xreadgroup(WORKER_GROUP, consumer, {stream: ">"}, count=count)
+    except redis.ResponseError as exc:
+        if not is_missing_group(exc):
+            raise
+        # Jobs routed before the worker ever made its group: read them from the start.
+        ensure_group(client, stream, WORKER_GROUP)
+        return fence_off(client, config, worker_id, consumer, count)
+    return response[0][1] if response else []

@@ -1,0 +1,81 @@
+"""The worker stage's command line, `python -m gpu_worker`: every EngineConfig field is a
+flag, and `--help` prints the worker's own description (gpu_worker/worker.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+import socket
+import sys
+
+import redis
+
+from bus.access import check_access
+from bus.actor import stop_on_signals
+from bus.config import BusConfig
+from gpu_worker import worker as worker_module
+from gpu_worker.engine import Engine
+from gpu_worker.worker import Worker
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{secrets.token_hex(3)}".replace(":", "-")
+
+
+def _engine_option_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (forward_hooks as JSON), so the worker takes every
+    engine option without a second list to keep in step."""
+    import dataclasses
+    import json
+
+    from gpu_worker.config import EngineConfig
+
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type)
+        if kind == "bool":
+            # --flag / --no-flag: a bool that defaults to True can be turned off too.
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        elif f.name == "forward_hooks":
+            parser.add_argument(flag, type=json.loads, default=None, help="JSON list")
+        else:
+            convert = int if "int" in kind else float if "float" in kind else str
+            parser.add_argument(flag, type=convert, default=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m gpu_worker",
+        description=worker_module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--worker-id", default=None, help="default: <host>-<random>")
+    parser.add_argument("--log-level", default="INFO")
+    _engine_option_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+    config = BusConfig.from_env(**({"redis_url": args.redis_url} if args.redis_url else {}))
+    if config.redis_url is None:
+        print("error: give --redis-url or set REDIS_URL", file=sys.stderr)
+        return 2
+    options = {
+        key: value
+        for key, value in vars(args).items()
+        if value is not None and key not in ("redis_url", "model", "worker_id", "log_level")
+    }
+    client = redis.Redis.from_url(config.redis_url)
+    try:
+        check_access(client, config)  # before the model loads: a typo should fail fast
+        engine = Engine(args.model, **options)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    worker = Worker(engine, client, config, args.worker_id or default_worker_id(), args.model)
+    stop_on_signals(worker.stop)
+    worker.run()
+    return 0
