@@ -10,34 +10,18 @@ import transformers
 
 from gpu_worker import Engine
 from gpu_worker.hf_reference import hf_greedy
+from tests.tiny_configs import llama3_rope, tiny_shape
 
 MAX_NEW = 20
 VOCAB = 512
 
-SHAPE = dict(
-    vocab_size=VOCAB,
-    hidden_size=96,
-    intermediate_size=192,
-    num_hidden_layers=3,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    # A wide init makes the logits peaked, so fp32 rounding cannot flip a greedy choice.
-    initializer_range=0.2,
-    tie_word_embeddings=False,
-)
+# A wide init makes the logits peaked, so fp32 rounding cannot flip a greedy choice.
+SHAPE = tiny_shape(VOCAB, 96, 192, layers=3, heads=6, kv_heads=2, max_position_embeddings=256,
+                   initializer_range=0.2, tie_word_embeddings=False)  # fmt: skip
 
 MODELS = {
     "llama": lambda: transformers.LlamaConfig(
-        **SHAPE,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 50000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
+        **SHAPE, rope_parameters=llama3_rope(50000.0, factor=8.0, original_context=64)
     ),
     "qwen2": lambda: transformers.Qwen2Config(**SHAPE),
     "mistral": lambda: transformers.MistralConfig(**SHAPE, head_dim=16),

@@ -18,6 +18,7 @@ from gpu_worker.attention.base import AttentionBackend, AttentionLayer
 from gpu_worker.model_executor.forward_batch import ForwardBatch, ForwardMode
 from gpu_worker.model_executor.forward_context import ForwardContext, forward_context
 from gpu_worker.models.loader import load_model
+from tests.tiny_configs import llama3_rope, tiny_shape
 
 
 class PrefillSDPABackend(AttentionBackend):
@@ -76,29 +77,14 @@ def hf_logits(hf_model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([prompt])).logits[0].float()
 
 
-_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    vocab_size=300,
-    rms_norm_eps=1e-5,
-)
+_COMMON = tiny_shape(300, 64, 160, layers=2, heads=8, kv_heads=2, max_position_embeddings=256,
+                     rms_norm_eps=1e-5)  # fmt: skip
 TINY_HF_CONFIGS = {
     # original context below the prompt positions' wavelengths, so most bands are rescaled
     "llama3-rope-tied": lambda: transformers.LlamaConfig(
         **_COMMON,
         tie_word_embeddings=True,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
+        rope_parameters=llama3_rope(500000.0, factor=8.0, original_context=32),
     ),
     "llama-attention-bias": lambda: transformers.LlamaConfig(**_COMMON, attention_bias=True),
     "qwen2-qkv-bias": lambda: transformers.Qwen2Config(**_COMMON, tie_word_embeddings=False),

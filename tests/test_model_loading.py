@@ -16,6 +16,7 @@ from gpu_worker.models.gguf_convert import convert_gguf
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.models.loader import LoadedModel, load_model
 from gpu_worker.models.random_shapes import RANDOM_SHAPES, random_shape_config
+from tests.tiny_configs import llama3_rope, tiny_shape
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +44,8 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def tiny_hf_config(model_type: str = "llama", **overrides) -> transformers.PretrainedConfig:
     """A transformers config of `model_type` in the one small shape every test here builds."""
-    return transformers.AutoConfig.for_model(
-        model_type,
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        **overrides,
-    )
+    shape = tiny_shape(128, 32, 64, layers=2, heads=4, kv_heads=2)
+    return transformers.AutoConfig.for_model(model_type, **shape, **overrides)
 
 
 def tiny_hf_llama(tie: bool = False) -> transformers.LlamaForCausalLM:
@@ -258,14 +251,7 @@ HF_CONFIGS = {
     "llama3": lambda: tiny_hf_config(
         "llama",
         eos_token_id=[2, 7],
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        rope_parameters=llama3_rope(500000.0, factor=32.0, original_context=8192),
     ),
     "qwen2": lambda: tiny_hf_config("qwen2", tie_word_embeddings=True),
     "mistral": lambda: tiny_hf_config("mistral", head_dim=32, sliding_window=None),
