@@ -1,9 +1,9 @@
 """The wire protocol: one msgpack map per stream entry, one typed message per kind.
 
 Every entry on every stream has a single field, ``m``, holding a msgpack map whose ``kind``
-names the message type. Token ids travel as packed little-endian int32 bytes (``pack_ids``),
-never as lists of Python ints. ``decode`` checks every field's type and raises
-`ProtocolError` with the reason, which the actor runtime writes to the dead-letter stream.
+names the message type (the codec, with its field checks, is bus/wire.py). ``decode`` takes
+an entry's payload to one of the kinds a stream accepts, or raises `ProtocolError` with the
+reason, which the stages write to the dead-letter stream.
 
 Streams (names from ``BusConfig``; ``<p>`` is the prefix, ``streamserve`` by default):
 
@@ -22,94 +22,40 @@ A job's ``sampling`` map holds `bus.sampling_params.SamplingParams` fields; a mi
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import msgpack
-import numpy as np
 
-ENTRY_FIELD = b"m"
-_ID_DTYPE = np.dtype("<i4")
-# A token id is an int32 on the wire; vocabularies are far below this.
-MAX_TOKEN_ID = 2**31 - 1
+# The codec's names are the protocol's too: importers need only bus.protocol.
+from bus.wire import (
+    BOOL,
+    ENTRY_FIELD,
+    FLOAT,
+    IDS,
+    INT,
+    LIST,
+    MAP,
+    MAX_TOKEN_ID,
+    STR,
+    Message,
+    ProtocolError,
+    check_field,
+    encode,
+    fields_of,
+    pack_ids,
+    unpack_ids,
+)  # fmt: skip
+
+__all__ = [
+    "ENTRY_FIELD", "MAX_TOKEN_ID", "PROMPT_CONTEXT_TOKENS", "MESSAGE_TYPES", "Message",
+    "ProtocolError", "GenerateRequest", "TokenizedRequest", "Abort", "Finish", "TokenItem",
+    "TokenBatch", "TextDelta", "ErrorReply", "Heartbeat", "decode", "encode", "fields_of",
+    "pack_ids", "token_context", "unpack_ids",
+]  # fmt: skip
+
 # Prompt tokens decoded as context for the first output tokens (vLLM and SGLang use 5).
 PROMPT_CONTEXT_TOKENS = 5
-
-
-class ProtocolError(ValueError):
-    """An entry that is not a well-formed message of the kind expected."""
-
-
-def pack_ids(ids: list[int] | tuple[int, ...]) -> bytes:
-    return np.asarray(ids, dtype=_ID_DTYPE).tobytes()
-
-
-def unpack_ids(data: bytes) -> list[int]:
-    if len(data) % _ID_DTYPE.itemsize:
-        raise ProtocolError(f"packed token ids: {len(data)} bytes is not a multiple of 4")
-    return np.frombuffer(data, dtype=_ID_DTYPE).tolist()
-
-
-# ---- field checks ----------------------------------------------------------------------------
-# Each message class lists its fields' wire kinds; `decode` checks them, `encode` packs them.
-
-_STR, _INT, _FLOAT, _BOOL, _MAP, _LIST, _IDS = "str", "int", "float", "bool", "map", "list", "ids"
-
-
-def _check(kind: str, name: str, value: Any, optional: bool) -> Any:
-    if value is None:
-        if optional:
-            return None
-        raise ProtocolError(f"field {name!r} is missing")
-    ok = {
-        _STR: lambda v: isinstance(v, str),
-        _INT: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        _FLOAT: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        _BOOL: lambda v: isinstance(v, bool),
-        _MAP: lambda v: isinstance(v, dict),
-        _LIST: lambda v: isinstance(v, list),
-        _IDS: lambda v: isinstance(v, bytes),
-    }[kind](value)
-    if not ok:
-        raise ProtocolError(f"field {name!r} must be {kind}, got {type(value).__name__}")
-    if kind == _FLOAT:
-        value = float(value)
-        if not math.isfinite(value):
-            raise ProtocolError(f"field {name!r} must be finite")
-    if kind == _IDS:
-        value = unpack_ids(value)
-    return value
-
-
-class Message:
-    """Base of the message dataclasses: ``KIND`` on the wire, ``FIELDS`` name -> wire kind."""
-
-    KIND: ClassVar[str]
-    FIELDS: ClassVar[dict[str, str]]
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset()
-
-    def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": self.KIND}
-        for name, kind in self.FIELDS.items():
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if kind == _IDS:
-                value = pack_ids(value)
-            elif kind == _LIST and value and isinstance(value[0], Message):
-                value = [item.to_wire() for item in value]
-            out[name] = value
-        return out
-
-    @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> Message:
-        values = {
-            name: _check(kind, name, data.get(name), name in cls.OPTIONAL)
-            for name, kind in cls.FIELDS.items()
-        }
-        return cls(**values)
 
 
 @dataclass
@@ -118,8 +64,8 @@ class GenerateRequest(Message):
 
     KIND = "generate"
     FIELDS = {
-        "rid": _STR, "reply_to": _STR, "prompt": _STR, "messages": _LIST, "input_ids": _IDS,
-        "sampling": _MAP, "created": _FLOAT,
+        "rid": STR, "reply_to": STR, "prompt": STR, "messages": LIST, "input_ids": IDS,
+        "sampling": MAP, "created": FLOAT,
     }  # fmt: skip
     OPTIONAL = frozenset({"prompt", "messages", "input_ids", "created"})
 
@@ -143,7 +89,7 @@ class GenerateRequest(Message):
 class TokenizedRequest(Message):
     KIND = "tokenized"
     FIELDS = {
-        "rid": _STR, "reply_to": _STR, "input_ids": _IDS, "sampling": _MAP, "created": _FLOAT,
+        "rid": STR, "reply_to": STR, "input_ids": IDS, "sampling": MAP, "created": FLOAT,
     }  # fmt: skip
     OPTIONAL = frozenset({"created"})
 
@@ -157,7 +103,7 @@ class TokenizedRequest(Message):
 @dataclass
 class Abort(Message):
     KIND = "abort"
-    FIELDS = {"rid": _STR}
+    FIELDS = {"rid": STR}
 
     rid: str
 
@@ -189,12 +135,12 @@ class Finish:
         if not isinstance(data, list) or len(data) not in (5, 7):
             raise ProtocolError("field 'finish' must be a list of 5 or 7")
         reason, matched, *counts = data
-        _check(_STR, "finish.reason", reason, optional=False)
+        check_field(STR, "finish.reason", reason, optional=False)
         if matched is not None and not isinstance(matched, (str, int)):
             raise ProtocolError("field 'finish.matched' must be str, int or nil")
         names = ("prompt", "completion", "cached", "draft", "accepted_draft")
         for name, value in zip(names, counts, strict=False):
-            _check(_INT, f"finish.{name}_tokens", value, optional=False)
+            check_field(INT, f"finish.{name}_tokens", value, optional=False)
         return cls(reason, matched, *counts)
 
     def usage(self) -> dict[str, int]:
@@ -246,11 +192,11 @@ class TokenItem:
         if not isinstance(data, list) or len(data) != 11:
             raise ProtocolError("a token item must be a list of 11")
         rid, reply_to, start, ids, context, prompt_context, stop, skip, finish, lps, tops = data
-        _check(_STR, "rid", rid, False)
-        _check(_STR, "reply_to", reply_to, False)
-        _check(_INT, "start", start, False)
-        _check(_INT, "prompt_context", prompt_context, False)
-        _check(_BOOL, "skip_special_tokens", skip, False)
+        check_field(STR, "rid", rid, False)
+        check_field(STR, "reply_to", reply_to, False)
+        check_field(INT, "start", start, False)
+        check_field(INT, "prompt_context", prompt_context, False)
+        check_field(BOOL, "skip_special_tokens", skip, False)
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise ProtocolError("field 'stop' must be a list of strings")
         if lps is not None and not isinstance(lps, list):
@@ -258,8 +204,8 @@ class TokenItem:
         if tops is not None and not isinstance(tops, list):
             raise ProtocolError("field 'top_logprobs' must be a list")
         item = cls(
-            rid, reply_to, start, _check(_IDS, "ids", ids, False),
-            _check(_IDS, "context", context, False), prompt_context, stop, skip,
+            rid, reply_to, start, check_field(IDS, "ids", ids, False),
+            check_field(IDS, "context", context, False), prompt_context, stop, skip,
             None if finish is None else Finish.from_wire(finish), lps, tops,
         )  # fmt: skip
         if not 0 <= item.prompt_context <= len(item.context):
@@ -287,7 +233,7 @@ class TokenBatch(Message):
     """Everything one engine step produced, for every request that got a token."""
 
     KIND = "tokens"
-    FIELDS = {"worker_id": _STR, "step": _INT, "items": _LIST}
+    FIELDS = {"worker_id": STR, "step": INT, "items": LIST}
 
     worker_id: str
     step: int
@@ -315,9 +261,9 @@ class TextDelta(Message):
 
     KIND = "delta"
     FIELDS = {
-        "rid": _STR, "seq": _INT, "ids": _IDS, "text": _STR, "finish": _LIST,
-        "logprobs": _LIST, "top_logprobs": _LIST, "token_texts": _LIST,
-        "top_token_texts": _LIST,
+        "rid": STR, "seq": INT, "ids": IDS, "text": STR, "finish": LIST,
+        "logprobs": LIST, "top_logprobs": LIST, "token_texts": LIST,
+        "top_token_texts": LIST,
     }  # fmt: skip
     OPTIONAL = frozenset(
         {"text", "finish", "logprobs", "top_logprobs", "token_texts", "top_token_texts"}
@@ -349,8 +295,8 @@ class ErrorReply(Message):
     """A request that failed: HTTP-like ``status``, OpenAI-style ``type``/``param``/``code``."""
 
     KIND = "error"
-    FIELDS = {"rid": _STR, "status": _INT, "message": _STR, "type": _STR, "param": _STR,
-              "code": _STR}  # fmt: skip
+    FIELDS = {"rid": STR, "status": INT, "message": STR, "type": STR, "param": STR,
+              "code": STR}  # fmt: skip
     OPTIONAL = frozenset({"param", "code"})
 
     rid: str
@@ -367,9 +313,9 @@ class Heartbeat(Message):
 
     KIND = "heartbeat"
     FIELDS = {
-        "worker_id": _STR, "stream": _STR, "model": _STR, "running": _INT, "waiting": _INT,
-        "free_kv_tokens": _INT, "total_kv_tokens": _INT, "admitted": _INT, "time": _FLOAT,
-        "attention": _STR,
+        "worker_id": STR, "stream": STR, "model": STR, "running": INT, "waiting": INT,
+        "free_kv_tokens": INT, "total_kv_tokens": INT, "admitted": INT, "time": FLOAT,
+        "attention": STR,
     }  # fmt: skip
     OPTIONAL = frozenset({"attention"})  # workers from before it was added leave it out
 
@@ -400,10 +346,6 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 }
 
 
-def encode(message: Message) -> bytes:
-    return msgpack.packb(message.to_wire(), use_bin_type=True)
-
-
 def decode(payload: bytes | None, *accepted: type[Message]) -> Message:
     """Parse one entry's payload into one of the ``accepted`` message types."""
     if payload is None:
@@ -425,8 +367,3 @@ def decode(payload: bytes | None, *accepted: type[Message]) -> Message:
         raise
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"malformed {kind}: {exc}") from None
-
-
-def fields_of(message: Message) -> dict[str, Any]:
-    """The message's fields as a plain dict (for logs and tests)."""
-    return dataclasses.asdict(message)
