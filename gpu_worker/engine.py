@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from bus.field_error import FieldError
 from bus.sampling_params import SamplingParams
 from gpu_worker.config import DEFAULT_MODEL, EngineConfig
 from gpu_worker.model_executor.model_runner import ModelRunner
@@ -100,7 +101,7 @@ class Engine:
         detokenize: bool = True,
         output_ids: list[int] | None = None,
     ) -> Req:
-        """A checked request, ready for `scheduler.add_request`; ValueError names the field.
+        """A checked request, ready for `scheduler.add_request`; a FieldError names the field.
 
         With `detokenize` False the request gets a text stream only if it has stop strings
         (the worker stage leaves text to the detokenizer and only needs to find stops).
@@ -152,11 +153,10 @@ class Engine:
         prompts, single = normalize_prompts(
             self.tokenizer, self.vocab_size, prompt, input_ids, messages
         )
-        params = normalize_sampling_params(sampling_params, len(prompts), self.vocab_size)
-        for ids, one in zip(prompts, params, strict=True):
-            self._check_fits(ids, one)
+        params = normalize_sampling_params(sampling_params, len(prompts))
+        # Every request is checked before any is queued.
         reqs = [
-            self._make_req(ids, one, uuid.uuid4().hex)
+            self.build_request(uuid.uuid4().hex, ids, one)
             for ids, one in zip(prompts, params, strict=True)
         ]
         for req in reqs:
@@ -166,19 +166,23 @@ class Engine:
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         total = len(ids) + params.max_new_tokens
         limit = self.runner.context_length
+        asked = (
+            f"max_new_tokens: the prompt ({len(ids)} tokens) plus max_new_tokens "
+            f"({params.max_new_tokens})"
+        )
         if total > limit:
-            raise ValueError(
-                f"max_new_tokens: the prompt ({len(ids)} tokens) plus max_new_tokens "
-                f"({params.max_new_tokens}) is {total}, beyond the context length {limit}"
+            raise FieldError(
+                "max_new_tokens",
+                f"{asked} is {total}, beyond the context length {limit}",
+                code="context_length_exceeded",
             )
         if total > self.runner.max_total_tokens:
-            raise ValueError(
-                f"max_new_tokens: the prompt ({len(ids)} tokens) plus max_new_tokens "
-                f"({params.max_new_tokens}) needs {total} KV slots; the pool has "
-                f"{self.runner.max_total_tokens}"
+            raise FieldError(
+                "max_new_tokens",
+                f"{asked} needs {total} KV slots; the pool has {self.runner.max_total_tokens}",
             )
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer; this model has none")
+            raise FieldError("stop", "stop: stop strings need a tokenizer; this model has none")
 
     def _make_req(
         self, ids: list[int], params: SamplingParams, rid: str, detokenize: bool = True

@@ -63,6 +63,7 @@ from bus.actor import (
     write_outputs,
 )
 from bus.config import BusConfig
+from bus.field_error import FieldError
 from bus.protocol import (
     ENTRY_FIELD,
     Abort,
@@ -307,21 +308,17 @@ class Worker:
             return
         try:
             generated = unpack_ids(progress) if progress else []
-            sampling = dict(job.sampling)
-            if "max_new_tokens" not in sampling:
-                # OpenAI's missing max_tokens: as many as the context allows.
-                sampling["max_new_tokens"] = max(1, self.engine.token_budget(len(job.input_ids)))
-            params = SamplingParams.from_dict(sampling)
+            # OpenAI's missing max_tokens: as many as the context allows.
+            budget = max(1, self.engine.token_budget(len(job.input_ids)))
+            params = SamplingParams.from_wire(job.sampling, default_max_new_tokens=budget)
             req = self.engine.build_request(
                 job.rid, job.input_ids, params, detokenize=False, output_ids=generated
             )
         except (ValueError, TypeError, ProtocolError) as exc:
             self._acks.append(entry_id)
-            message = str(exc)
-            param = message.split(" ", 1)[0].rstrip(":") if message else None
-            code = "context_length_exceeded" if "context length" in message else None
+            param, code = (exc.field, exc.code) if isinstance(exc, FieldError) else (None, None)
             self._outbox.append(reply(self.config, job.reply_to, ErrorReply(
-                job.rid, 400, message, "invalid_request_error", param, code)))  # fmt: skip
+                job.rid, 400, str(exc), "invalid_request_error", param, code)))  # fmt: skip
             return
         window = stop_window_tokens(params.stop, CONTEXT_TOKENS)
         running = RunningJob(req, job.reply_to, entry_id, window, reported=len(generated))
