@@ -1,10 +1,11 @@
 """SamplingParams: what one request asks of the sampler and of the stop checks.
 
 The dataclass is the one table of sampling parameters. Each field's metadata is a `Param`:
-its JSON types and how a value is type-checked (`Kind`), its range check, its names in an
-OpenAI request and a line for the OpenAPI description. `SAMPLING_FIELDS` lists those rows in
-field order; the ingress's field checks, its OpenAI mapping and its OpenAPI schema are read
-off it, so a parameter is added here and nowhere else.
+its JSON types and how a value is type-checked (`Kind`), its range check (both in
+bus/sampling_checks.py), its names in an OpenAI request and a line for the OpenAPI
+description. `SAMPLING_FIELDS` lists those rows in field order; the ingress's field checks,
+its OpenAI mapping and its OpenAPI schema are read off it, so no other list of the
+parameters is kept in step with this one.
 
 A request's parameters are checked where it enters the system: `wire_sampling` (the ingress
 and the direct Redis client) turns a client's map into its wire form, the map of the fields
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from bus.protocol import MAX_TOKEN_ID
@@ -60,84 +61,69 @@ class Param:
 
     kind: Kind
     doc: str  # one line, for the OpenAPI description
-    check: Check | None = None  # its range check, run by `validate`
+    check: Check | None  # its range check, run by `validate`
     openai: tuple[str, ...] | None = None  # its names in OpenAI requests; None: its own name
     openai_off: int | None = None  # an OpenAI value that means null (vLLM's top_k: -1)
     name: str = ""  # filled in from the dataclass field
 
 
-def _param(kind: Kind, doc: str, *, default: Any = MISSING, factory: Any = MISSING,
-           **row: Any) -> Any:  # fmt: skip
-    return dataclasses.field(
-        default=default, default_factory=factory, metadata={"param": Param(kind, doc, **row)}
-    )
+def _param(default: Any, kind: Kind, check: Check | None, doc: str, **openai: Any) -> Any:
+    """A SamplingParams field with its row of the table; a list or dict default is copied."""
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(
+            default_factory=default.copy, metadata={"param": Param(kind, doc, check, **openai)}
+        )
+    return dataclasses.field(default=default, metadata={"param": Param(kind, doc, check, **openai)})
 
 
 @dataclass
 class SamplingParams:
     max_new_tokens: int = _param(
-        INTEGER, "the most tokens to generate (absent: as many as the context allows)",
-        default=128, check=check_max_new_tokens, openai=("max_tokens", "max_completion_tokens"),
+        128, INTEGER, check_max_new_tokens, "the most tokens to generate (absent: all that fit)",
+        openai=("max_tokens", "max_completion_tokens"),
     )  # fmt: skip
     min_new_tokens: int = _param(
-        INTEGER, "the fewest tokens to generate: stops and EOS are ignored before",
-        default=0, check=check_min_new_tokens, openai=("min_tokens",),
+        0, INTEGER, check_min_new_tokens, "the fewest tokens to generate: stops and EOS wait",
+        openai=("min_tokens",),
     )  # fmt: skip
-    temperature: float = _param(
-        NUMBER, "0 is greedy; higher flattens the distribution",
-        default=1.0, check=check_temperature,
-    )  # fmt: skip
+    temperature: float = _param(1.0, NUMBER, check_temperature, "0 is greedy; higher is flatter")
     top_p: float = _param(
-        NUMBER, "sample from the likeliest tokens that make up this much probability",
-        default=1.0, check=check_top_p,
-    )  # fmt: skip
+        1.0, NUMBER, check_top_p, "sample from the likeliest tokens that make up this probability"
+    )
     top_k: int | None = _param(
-        OPTIONAL_INTEGER, "sample from this many likeliest tokens; null: no limit, 1: greedy",
-        default=None, check=check_top_k, openai_off=-1,
+        None, OPTIONAL_INTEGER, check_top_k, "sample from the k likeliest tokens; null: all",
+        openai_off=-1,
     )  # fmt: skip
     min_p: float = _param(
-        NUMBER, "drop tokens less likely than this fraction of the likeliest",
-        default=0.0, check=check_min_p,
-    )  # fmt: skip
+        0.0, NUMBER, check_min_p, "drop tokens less likely than min_p x the likeliest"
+    )
     # HF semantics, over prompt + output tokens: positive logits / p, negative logits * p.
     repetition_penalty: float = _param(
-        NUMBER, "above 1 discourages tokens of the prompt and output (HF semantics)",
-        default=1.0, check=check_repetition_penalty,
-    )  # fmt: skip
+        1.0, NUMBER, check_repetition_penalty, "above 1 discourages the tokens of prompt and output"
+    )
     # OpenAI semantics, over output tokens only: logit -= count * freq + (count > 0) * presence.
     frequency_penalty: float = _param(
-        NUMBER, "subtracted from a logit once per time its token was generated",
-        default=0.0, check=check_openai_penalty,
-    )  # fmt: skip
+        0.0, NUMBER, check_openai_penalty, "subtracted from a logit per time its token was output"
+    )
     presence_penalty: float = _param(
-        NUMBER, "subtracted from the logit of every token generated so far",
-        default=0.0, check=check_openai_penalty,
-    )  # fmt: skip
-    seed: int | None = _param(
-        OPTIONAL_INTEGER, "makes sampling repeatable", default=None, check=check_seed
+        0.0, NUMBER, check_openai_penalty, "subtracted once from the logit of each token output"
     )
-    stop: list[str] = _param(
-        STOP_STRINGS, "strings that end the output (not included in it)",
-        factory=list, check=check_stop,
-    )  # fmt: skip
+    seed: int | None = _param(None, OPTIONAL_INTEGER, check_seed, "makes sampling repeatable")
+    stop: list[str] = _param([], STOP_STRINGS, check_stop, "strings that end the output")
     stop_token_ids: list[int] = _param(
-        TOKEN_IDS, "token ids that end the output", factory=list, check=check_stop_token_ids
+        [], TOKEN_IDS, check_stop_token_ids, "token ids that end the output"
     )
-    ignore_eos: bool = _param(BOOLEAN, "go on past the end-of-sequence token", default=False)
+    ignore_eos: bool = _param(False, BOOLEAN, None, "go on past the end-of-sequence token")
     logit_bias: dict[int, float] = _param(
-        TOKEN_BIASES, "token id (as a string) -> bias added to its logit",
-        factory=dict, check=check_logit_bias,
-    )  # fmt: skip
-    logprobs: bool = _param(
-        BOOLEAN, "return each output token's log probability", default=False, openai=()
+        {}, TOKEN_BIASES, check_logit_bias, "token id (as a string) -> bias added to its logit"
     )
+    # Not OpenAI parameters as they are: parse_chat and parse_completion map their logprobs.
+    logprobs: bool = _param(False, BOOLEAN, None, "return each token's log probability", openai=())
     top_logprobs: int = _param(
-        INTEGER, "with logprobs: how many likeliest alternatives each token gets",
-        default=0, check=check_top_logprobs, openai=(),
+        0, INTEGER, check_top_logprobs, "with logprobs: how many alternatives per token",
+        openai=(),
     )  # fmt: skip
-    skip_special_tokens: bool = _param(
-        BOOLEAN, "leave special tokens out of the text", default=True
-    )
+    skip_special_tokens: bool = _param(True, BOOLEAN, None, "leave special tokens out of the text")
 
     def __post_init__(self) -> None:
         for param in SAMPLING_FIELDS:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -30,6 +30,20 @@ from gpu_worker.scheduling.scheduler import Scheduler
 from gpu_worker.speculative.drafter import speculative_usage
 from gpu_worker.text_stream import TextStream
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
+
+Prompts = str | Sequence[str] | None  # one text prompt, or a list of them
+TokenPrompts = Sequence[int] | Sequence[Sequence[int]]
+Sampling = Mapping[str, Any] | Sequence[Mapping[str, Any]] | None  # one for all, or one each
+
+
+class Inputs(TypedDict, total=False):
+    """The prompts as token ids or as chats, instead of text: one kind per call."""
+
+    input_ids: TokenPrompts
+    messages: Sequence[Any]  # a conversation of {role, content} dicts, or a list of them
+
 
 class Engine:
     def __init__(self, model: str = DEFAULT_MODEL, **options: Any) -> None:
@@ -46,15 +60,10 @@ class Engine:
     # ---- public API ------------------------------------------------------------------------
 
     def generate(
-        self,
-        prompt: str | Sequence[str] | None = None,
-        sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-        *,
-        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-        messages: Sequence[Any] | None = None,
+        self, prompt: Prompts = None, sampling_params: Sampling = None, **inputs: Unpack[Inputs]
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Run to completion. One prompt gives one dict; a list gives a list in order."""
-        reqs, single = self._submit(prompt, sampling_params, input_ids, messages)
+        reqs, single = self._submit(prompt, sampling_params, **inputs)
         try:
             while not all(req.finished for req in reqs):
                 self._step()
@@ -64,18 +73,13 @@ class Engine:
         return results[0] if single else results
 
     def generate_stream(
-        self,
-        prompt: str | Sequence[str] | None = None,
-        sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-        *,
-        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-        messages: Sequence[Any] | None = None,
+        self, prompt: Prompts = None, sampling_params: Sampling = None, **inputs: Unpack[Inputs]
     ) -> Iterator[dict[str, Any]]:
         """Yield incremental chunks {index, text, output_ids, finish_reason[, usage]}.
 
         Closing the iterator early aborts the requests it still owns and frees their KV.
         """
-        reqs, _ = self._submit(prompt, sampling_params, input_ids, messages)
+        reqs, _ = self._submit(prompt, sampling_params, **inputs)
         reported = [0] * len(reqs)
         done = [False] * len(reqs)
         try:
@@ -149,7 +153,13 @@ class Engine:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _submit(self, prompt, sampling_params, input_ids, messages) -> tuple[list[Req], bool]:
+    def _submit(
+        self,
+        prompt: Prompts,
+        sampling_params: Sampling,
+        input_ids: TokenPrompts | None = None,
+        messages: Sequence[Any] | None = None,
+    ) -> tuple[list[Req], bool]:
         prompts, single = normalize_prompts(
             self.tokenizer, self.vocab_size, prompt, input_ids, messages
         )
