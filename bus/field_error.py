@@ -9,11 +9,7 @@ from __future__ import annotations
 
 
 class FieldError(ValueError):
-    def __init__(self, field: str | None, message: str, code: str | None = None) -> None:
+    def __init__(self, field: str, message: str, code: str | None = None) -> None:
         super().__init__(message)
-        self.field = field  # None: the request as a whole
+        self.field = field
         self.code = code  # an OpenAI-style error code, e.g. "context_length_exceeded"
-
-    @property
-    def message(self) -> str:
-        return str(self)
