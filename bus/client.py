@@ -38,38 +38,13 @@ from bus.config import REDIS_URL_ENV, BusConfig
 from bus.errors import RequestError
 from bus.protocol import ENTRY_FIELD, MAX_TOKEN_ID, ErrorReply, GenerateRequest, encode
 from bus.replies import AsyncReplyReader, Reply, ReplyReader
-from bus.sampling_params import SamplingParams
+from bus.sampling_params import wire_sampling
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11+; annotations are never evaluated here
     from typing_extensions import Unpack
 
 SUBMIT_PIPELINE_SIZE = 1_000  # XADDs per round trip in submit_many
 CONNECT_TIMEOUT_S = 5.0
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-
-def wire_sampling(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
-    """`sampling` checked as SamplingParams (ValueError naming the field), ready for msgpack.
-
-    Only the fields given are sent, so the worker's defaults apply to the rest; a missing
-    ``max_new_tokens`` means "up to the context length". Checks that need the model's
-    vocabulary are left to the worker.
-    """
-    given = dict(sampling or {})
-    params = SamplingParams.from_dict(given)
-    for name, value in given.items():
-        # SamplingParams bounds few integers above; msgpack carries only 64 bits.
-        if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
-            raise ValueError(f"{name} is out of range: {value}")
-    if "max_new_tokens" not in given:
-        params.max_new_tokens = MAX_TOKEN_ID  # the context length bounds it downstream
-    params.validate(vocab_size=MAX_TOKEN_ID)
-    if "logit_bias" in given:
-        # msgpack map keys must be strings for the readers (strict_map_key).
-        given["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
-    if "stop" in given:
-        given["stop"] = params.stop
-    return given
 
 
 def _is_token_id(value: Any) -> bool:

@@ -1,179 +1,201 @@
 """SamplingParams: what one request asks of the sampler and of the stop checks.
 
+The dataclass is the one table of sampling parameters. Each field's metadata is a `Param`:
+its JSON types and how a value is type-checked (`Kind`), its range check (both in
+bus/sampling_checks.py), its names in an OpenAI request and a line for the OpenAPI
+description. `SAMPLING_FIELDS` lists those rows in field order; the ingress's field checks,
+its OpenAI mapping and its OpenAPI schema are read off it, so no other list of the
+parameters is kept in step with this one.
+
+A request's parameters are checked where it enters the system: `wire_sampling` (the ingress
+and the direct Redis client) turns a client's map into its wire form, the map of the fields
+the client gave. The worker turns that map back into parameters with `SamplingParams.from_wire`.
+
 Types are checked and normalised on construction (a single stop string becomes a list, JSON
 string keys of logit_bias become ints); ranges are checked by `validate`, which needs the
-model's vocabulary size. Every mistake is a ValueError whose message starts with the field.
+model's vocabulary size. Every mistake is a SamplingParamError carrying its field.
 """
 
 from __future__ import annotations
 
-import math
-import re
+import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
-MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20
-MAX_LOGIT_BIAS = 100.0
-# OpenAI's range for frequency_penalty and presence_penalty.
-MAX_OPENAI_PENALTY = 2.0
+from bus.protocol import MAX_TOKEN_ID
+from bus.sampling_checks import (
+    BOOLEAN,
+    INTEGER,
+    NUMBER,
+    OPTIONAL_INTEGER,
+    STOP_STRINGS,
+    TOKEN_BIASES,
+    TOKEN_IDS,
+    Check,
+    Kind,
+    SamplingParamError,
+    check_logit_bias,
+    check_max_new_tokens,
+    check_min_new_tokens,
+    check_min_p,
+    check_openai_penalty,
+    check_repetition_penalty,
+    check_seed,
+    check_stop,
+    check_stop_token_ids,
+    check_temperature,
+    check_top_k,
+    check_top_logprobs,
+    check_top_p,
+)
+
 # Below this a temperature is treated as greedy: dividing logits by it would overflow.
 GREEDY_TEMPERATURE = 1e-5
-SEED_LIMIT = 2**63
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what msgpack carries
+
+
+@dataclass(frozen=True)
+class Param:
+    """One row of the table: what a SamplingParams field declares besides its Python type."""
+
+    kind: Kind
+    doc: str  # one line, for the OpenAPI description
+    check: Check | None  # its range check, run by `validate`
+    openai: tuple[str, ...] | None = None  # its names in OpenAI requests; None: its own name
+    openai_off: int | None = None  # an OpenAI value that means null (vLLM's top_k: -1)
+    name: str = ""  # filled in from the dataclass field
+
+
+def _param(default: Any, kind: Kind, check: Check | None, doc: str, **openai: Any) -> Any:
+    """A SamplingParams field with its row of the table; a list or dict default is copied."""
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(
+            default_factory=default.copy, metadata={"param": Param(kind, doc, check, **openai)}
+        )
+    return dataclasses.field(default=default, metadata={"param": Param(kind, doc, check, **openai)})
 
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int | None = None  # None = off; 1 = greedy
-    min_p: float = 0.0
+    max_new_tokens: int = _param(
+        128, INTEGER, check_max_new_tokens, "the most tokens to generate (absent: all that fit)",
+        openai=("max_tokens", "max_completion_tokens"),
+    )  # fmt: skip
+    min_new_tokens: int = _param(
+        0, INTEGER, check_min_new_tokens, "the fewest tokens to generate: stops and EOS wait",
+        openai=("min_tokens",),
+    )  # fmt: skip
+    temperature: float = _param(1.0, NUMBER, check_temperature, "0 is greedy; higher is flatter")
+    top_p: float = _param(
+        1.0, NUMBER, check_top_p, "sample from the likeliest tokens that make up this probability"
+    )
+    top_k: int | None = _param(
+        None, OPTIONAL_INTEGER, check_top_k, "sample from the k likeliest tokens; null: all",
+        openai_off=-1,
+    )  # fmt: skip
+    min_p: float = _param(
+        0.0, NUMBER, check_min_p, "drop tokens less likely than min_p x the likeliest"
+    )
     # HF semantics, over prompt + output tokens: positive logits / p, negative logits * p.
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = _param(
+        1.0, NUMBER, check_repetition_penalty, "above 1 discourages the tokens of prompt and output"
+    )
     # OpenAI semantics, over output tokens only: logit -= count * freq + (count > 0) * presence.
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: bool = False
-    top_logprobs: int = 0
-    skip_special_tokens: bool = True
+    frequency_penalty: float = _param(
+        0.0, NUMBER, check_openai_penalty, "subtracted from a logit per time its token was output"
+    )
+    presence_penalty: float = _param(
+        0.0, NUMBER, check_openai_penalty, "subtracted once from the logit of each token output"
+    )
+    seed: int | None = _param(None, OPTIONAL_INTEGER, check_seed, "makes sampling repeatable")
+    stop: list[str] = _param([], STOP_STRINGS, check_stop, "strings that end the output")
+    stop_token_ids: list[int] = _param(
+        [], TOKEN_IDS, check_stop_token_ids, "token ids that end the output"
+    )
+    ignore_eos: bool = _param(False, BOOLEAN, None, "go on past the end-of-sequence token")
+    logit_bias: dict[int, float] = _param(
+        {}, TOKEN_BIASES, check_logit_bias, "token id (as a string) -> bias added to its logit"
+    )
+    # Not OpenAI parameters as they are: parse_chat and parse_completion map their logprobs.
+    logprobs: bool = _param(False, BOOLEAN, None, "return each token's log probability", openai=())
+    top_logprobs: int = _param(
+        0, INTEGER, check_top_logprobs, "with logprobs: how many alternatives per token",
+        openai=(),
+    )  # fmt: skip
+    skip_special_tokens: bool = _param(True, BOOLEAN, None, "leave special tokens out of the text")
 
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "min_new_tokens", "top_logprobs"):
-            _require_int(name, getattr(self, name))
-        for name in ("top_k", "seed"):
-            if getattr(self, name) is not None:
-                _require_int(name, getattr(self, name))
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "frequency_penalty",
-            "presence_penalty",
-        ):
-            setattr(self, name, _require_float(name, getattr(self, name)))
-        for name in ("ignore_eos", "logprobs", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        self.stop = _as_stop_list(self.stop)
-        if self.stop_token_ids is None:
-            self.stop_token_ids = []
-        if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(
-                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
-            )
-        for token in self.stop_token_ids:
-            _require_int("stop_token_ids", token)
-        self.stop_token_ids = list(self.stop_token_ids)
-        self.logit_bias = _as_logit_bias(self.logit_bias)
+        for param in SAMPLING_FIELDS:
+            setattr(self, param.name, param.kind.parse(param.name, getattr(self, param.name)))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
         if d is None:
             return cls()
         if not isinstance(d, Mapping):
-            raise ValueError(f"sampling_params must be a dict, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)}
+            raise SamplingParamError(
+                "sampling_params", f"sampling_params must be a dict, got {type(d).__name__}"
+            )
         for key in d:
-            if key not in known:
-                raise ValueError(f"unknown sampling parameter {key!r}")
+            if key not in FIELD_NAMES:
+                raise SamplingParamError(str(key), f"unknown sampling parameter {key!r}")
         return cls(**d)
+
+    @classmethod
+    def from_wire(cls, sampling: Mapping[str, Any], default_max_new_tokens: int) -> SamplingParams:
+        """A job's sampling map (see `wire_sampling`) as parameters, before `validate`.
+
+        `default_max_new_tokens` applies where the client gave none: a worker passes what
+        the context leaves after the prompt.
+        """
+        return cls.from_dict({"max_new_tokens": default_max_new_tokens, **sampling})
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self, vocab_size: int) -> None:
-        """Raise ValueError, naming the field, for the first value out of its range."""
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(
-                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
-                f"got {self.min_new_tokens}"
-            )
-        # Written as `not (lo <= x <= hi)` so that NaN fails too.
-        if not 0.0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 (or null for no limit), got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not 0.0 < self.repetition_penalty < math.inf:
-            raise ValueError(
-                f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"
-            )
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if not -MAX_OPENAI_PENALTY <= value <= MAX_OPENAI_PENALTY:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop: a stop string is empty")
-        for token in self.stop_token_ids:
-            if not 0 <= token < vocab_size:
-                raise ValueError(f"stop_token_ids: token id {token} is not in [0, {vocab_size})")
-        for token, bias in self.logit_bias.items():
-            if not 0 <= token < vocab_size:
-                raise ValueError(f"logit_bias: token id {token} is not in [0, {vocab_size})")
-            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias: bias {bias} for token {token} is not in [-100, 100]")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(
-                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
-            )
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
+        """Raise SamplingParamError for the first value out of its range."""
+        for param in SAMPLING_FIELDS:
+            if param.check is not None:
+                problem = param.check(param.name, getattr(self, param.name), self, vocab_size)
+                if problem is not None:
+                    raise SamplingParamError(param.name, problem)
 
 
-def _require_int(name: str, value: Any) -> None:
-    # bool is an int subclass; `true` for a count is a client bug, not 1.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+def _rows() -> tuple[Param, ...]:
+    rows = []
+    for f in fields(SamplingParams):
+        param = f.metadata["param"]
+        openai = (f.name,) if param.openai is None else param.openai
+        rows.append(dataclasses.replace(param, name=f.name, openai=openai))
+    return tuple(rows)
 
 
-def _require_float(name: str, value: Any) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    return float(value)
+SAMPLING_FIELDS: tuple[Param, ...] = _rows()
+FIELD_NAMES = frozenset(param.name for param in SAMPLING_FIELDS)
 
 
-def _as_stop_list(stop: Any) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
-    return list(stop)
+def wire_sampling(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`sampling` checked as SamplingParams (SamplingParamError), ready for msgpack.
 
-
-def _as_logit_bias(bias: Any) -> dict[int, float]:
-    if bias is None:
-        return {}
-    if not isinstance(bias, Mapping):
-        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
-    result: dict[int, float] = {}
-    for key, value in bias.items():
-        # JSON object keys are strings: {"50256": -100} means token 50256.
-        if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key):
-            token = int(key)
-        elif isinstance(key, int) and not isinstance(key, bool):
-            token = key
-        else:
-            raise ValueError(f"logit_bias: key {key!r} is not a token id")
-        result[token] = _require_float("logit_bias", value)
-    return result
+    Only the fields given are sent, so the worker's defaults apply to the rest; a missing
+    ``max_new_tokens`` means "up to the context length". Checks that need the model's
+    vocabulary are left to the worker.
+    """
+    given = dict(sampling or {})
+    params = SamplingParams.from_dict(given)
+    for name, value in given.items():
+        # SamplingParams bounds few integers above; msgpack carries only 64 bits.
+        if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+            raise SamplingParamError(name, f"{name} is out of range: {value}")
+    if "max_new_tokens" not in given:
+        params.max_new_tokens = MAX_TOKEN_ID  # the context length bounds it downstream
+    params.validate(vocab_size=MAX_TOKEN_ID)
+    if "logit_bias" in given:
+        # msgpack map keys must be strings for the readers (strict_map_key).
+        given["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
+    if "stop" in given:
+        given["stop"] = params.stop
+    return given

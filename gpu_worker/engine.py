@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
+from bus.field_error import FieldError
 from bus.sampling_params import SamplingParams
 from gpu_worker.config import DEFAULT_MODEL, EngineConfig
 from gpu_worker.model_executor.model_runner import ModelRunner
@@ -28,6 +29,20 @@ from gpu_worker.scheduling.req import Req
 from gpu_worker.scheduling.scheduler import Scheduler
 from gpu_worker.speculative.drafter import speculative_usage
 from gpu_worker.text_stream import TextStream
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
+
+Prompts = str | Sequence[str] | None  # one text prompt, or a list of them
+TokenPrompts = Sequence[int] | Sequence[Sequence[int]]
+Sampling = Mapping[str, Any] | Sequence[Mapping[str, Any]] | None  # one for all, or one each
+
+
+class Inputs(TypedDict, total=False):
+    """The prompts as token ids or as chats, instead of text: one kind per call."""
+
+    input_ids: TokenPrompts
+    messages: Sequence[Any]  # a conversation of {role, content} dicts, or a list of them
 
 
 class Engine:
@@ -45,15 +60,10 @@ class Engine:
     # ---- public API ------------------------------------------------------------------------
 
     def generate(
-        self,
-        prompt: str | Sequence[str] | None = None,
-        sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-        *,
-        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-        messages: Sequence[Any] | None = None,
+        self, prompt: Prompts = None, sampling_params: Sampling = None, **inputs: Unpack[Inputs]
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Run to completion. One prompt gives one dict; a list gives a list in order."""
-        reqs, single = self._submit(prompt, sampling_params, input_ids, messages)
+        reqs, single = self._submit(prompt, sampling_params, **inputs)
         try:
             while not all(req.finished for req in reqs):
                 self._step()
@@ -63,18 +73,13 @@ class Engine:
         return results[0] if single else results
 
     def generate_stream(
-        self,
-        prompt: str | Sequence[str] | None = None,
-        sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-        *,
-        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-        messages: Sequence[Any] | None = None,
+        self, prompt: Prompts = None, sampling_params: Sampling = None, **inputs: Unpack[Inputs]
     ) -> Iterator[dict[str, Any]]:
         """Yield incremental chunks {index, text, output_ids, finish_reason[, usage]}.
 
         Closing the iterator early aborts the requests it still owns and frees their KV.
         """
-        reqs, _ = self._submit(prompt, sampling_params, input_ids, messages)
+        reqs, _ = self._submit(prompt, sampling_params, **inputs)
         reported = [0] * len(reqs)
         done = [False] * len(reqs)
         try:
@@ -100,7 +105,7 @@ class Engine:
         detokenize: bool = True,
         output_ids: list[int] | None = None,
     ) -> Req:
-        """A checked request, ready for `scheduler.add_request`; ValueError names the field.
+        """A checked request, ready for `scheduler.add_request`; a FieldError names the field.
 
         With `detokenize` False the request gets a text stream only if it has stop strings
         (the worker stage leaves text to the detokenizer and only needs to find stops).
@@ -148,15 +153,20 @@ class Engine:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _submit(self, prompt, sampling_params, input_ids, messages) -> tuple[list[Req], bool]:
+    def _submit(
+        self,
+        prompt: Prompts,
+        sampling_params: Sampling,
+        input_ids: TokenPrompts | None = None,
+        messages: Sequence[Any] | None = None,
+    ) -> tuple[list[Req], bool]:
         prompts, single = normalize_prompts(
             self.tokenizer, self.vocab_size, prompt, input_ids, messages
         )
-        params = normalize_sampling_params(sampling_params, len(prompts), self.vocab_size)
-        for ids, one in zip(prompts, params, strict=True):
-            self._check_fits(ids, one)
+        params = normalize_sampling_params(sampling_params, len(prompts))
+        # Every request is checked before any is queued.
         reqs = [
-            self._make_req(ids, one, uuid.uuid4().hex)
+            self.build_request(uuid.uuid4().hex, ids, one)
             for ids, one in zip(prompts, params, strict=True)
         ]
         for req in reqs:
@@ -166,19 +176,23 @@ class Engine:
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         total = len(ids) + params.max_new_tokens
         limit = self.runner.context_length
+        asked = (
+            f"max_new_tokens: the prompt ({len(ids)} tokens) plus max_new_tokens "
+            f"({params.max_new_tokens})"
+        )
         if total > limit:
-            raise ValueError(
-                f"max_new_tokens: the prompt ({len(ids)} tokens) plus max_new_tokens "
-                f"({params.max_new_tokens}) is {total}, beyond the context length {limit}"
+            raise FieldError(
+                "max_new_tokens",
+                f"{asked} is {total}, beyond the context length {limit}",
+                code="context_length_exceeded",
             )
         if total > self.runner.max_total_tokens:
-            raise ValueError(
-                f"max_new_tokens: the prompt ({len(ids)} tokens) plus max_new_tokens "
-                f"({params.max_new_tokens}) needs {total} KV slots; the pool has "
-                f"{self.runner.max_total_tokens}"
+            raise FieldError(
+                "max_new_tokens",
+                f"{asked} needs {total} KV slots; the pool has {self.runner.max_total_tokens}",
             )
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer; this model has none")
+            raise FieldError("stop", "stop: stop strings need a tokenizer; this model has none")
 
     def _make_req(
         self, ids: list[int], params: SamplingParams, rid: str, detokenize: bool = True

@@ -2,7 +2,7 @@
 
 A caller gives exactly one of: text prompt(s), token-id prompt(s), or chat conversation(s);
 and either one sampling-params dict for all requests or one per request. Every mistake is a
-ValueError that names the field.
+ValueError; one about a field is a FieldError carrying it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bus.sampling_params import SamplingParams
+from bus.field_error import FieldError
+from bus.sampling_params import SamplingParamError, SamplingParams
 
 
 def normalize_prompts(
@@ -35,19 +36,20 @@ def normalize_prompts(
         single = isinstance(prompt, str)
         texts = [prompt] if single else list(prompt)
         if not all(isinstance(text, str) for text in texts):
-            raise ValueError("prompt must be a string or a list of strings")
+            raise FieldError("prompt", "prompt must be a string or a list of strings")
         _require_tokenizer(tokenizer, "prompt")
         ids = [tokenizer.encode(text) if text else [] for text in texts]
         return checked_ids(ids, vocab_size, "prompt"), single
     if input_ids is not None:
         if not isinstance(input_ids, Sequence) or isinstance(input_ids, str):
-            raise ValueError("input_ids must be a list of token ids or a list of such lists")
+            message = "input_ids must be a list of token ids or a list of such lists"
+            raise FieldError("input_ids", message)
         single = len(input_ids) == 0 or not isinstance(input_ids[0], Sequence)
         ids = [list(input_ids)] if single else [list(seq) for seq in input_ids]
         return checked_ids(ids, vocab_size, "input_ids"), single
     _require_tokenizer(tokenizer, "messages")
     if not isinstance(messages, Sequence) or not messages:
-        raise ValueError("messages must be a non-empty list of {role, content} dicts")
+        raise FieldError("messages", "messages must be a non-empty list of {role, content} dicts")
     single = isinstance(messages[0], Mapping)
     conversations = [messages] if single else list(messages)
     ids = [_apply_chat_template(tokenizer, conversation) for conversation in conversations]
@@ -55,32 +57,30 @@ def normalize_prompts(
 
 
 def normalize_sampling_params(
-    params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None, count: int, vocab_size: int
+    params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None, count: int
 ) -> list[SamplingParams]:
+    """One SamplingParams per prompt (their ranges are checked with the request they go in)."""
     if params is None or isinstance(params, Mapping):
-        parsed = SamplingParams.from_dict(params)
-        parsed.validate(vocab_size)
-        return [parsed] * count
+        return [SamplingParams.from_dict(params)] * count
     if not isinstance(params, Sequence) or len(params) != count:
-        raise ValueError(
-            f"sampling_params must be one dict or a list of {count} dicts (one per prompt)"
+        raise SamplingParamError(
+            "sampling_params",
+            f"sampling_params must be one dict or a list of {count} dicts (one per prompt)",
         )
-    result = []
-    for one in params:
-        parsed = SamplingParams.from_dict(one)
-        parsed.validate(vocab_size)
-        result.append(parsed)
-    return result
+    return [SamplingParams.from_dict(one) for one in params]
 
 
 def _apply_chat_template(tokenizer: Any, conversation: Sequence[Mapping[str, Any]]) -> list[int]:
     for message in conversation:
         if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-            raise ValueError(f"messages: each message needs 'role' and 'content', got {message!r}")
+            raise FieldError(
+                "messages", f"messages: each message needs 'role' and 'content', got {message!r}"
+            )
         if not isinstance(message["content"], str):
-            raise ValueError("messages: 'content' must be a string")
+            raise FieldError("messages", "messages: 'content' must be a string")
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("messages: this model's tokenizer has no chat template; send a prompt")
+        message = "messages: this model's tokenizer has no chat template; send a prompt"
+        raise FieldError("messages", message)
     text = tokenizer.apply_chat_template(
         list(conversation), tokenize=False, add_generation_prompt=True
     )
@@ -90,16 +90,18 @@ def _apply_chat_template(tokenizer: Any, conversation: Sequence[Mapping[str, Any
 
 def checked_ids(ids: list[list[int]], vocab_size: int, field: str) -> list[list[int]]:
     if not ids:
-        raise ValueError(f"{field} is empty: give at least one prompt")
+        raise FieldError(field, f"{field} is empty: give at least one prompt")
     for seq in ids:
         if not seq:
-            raise ValueError(f"{field}: a prompt is empty")
+            raise FieldError(field, f"{field}: a prompt is empty")
         for token in seq:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
-                raise ValueError(f"{field}: token id {token!r} is not in [0, {vocab_size})")
+                message = f"{field}: token id {token!r} is not in [0, {vocab_size})"
+                raise FieldError(field, message)
     return ids
 
 
 def _require_tokenizer(tokenizer: Any, field: str) -> None:
     if tokenizer is None:
-        raise ValueError(f"{field}: this model has no tokenizer (a random: model); send input_ids")
+        message = f"{field}: this model has no tokenizer (a random: model); send input_ids"
+        raise FieldError(field, message)

@@ -28,13 +28,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
 from bus.config import BusConfig
-from bus.effects import AppendKey, DeleteKey, Outbound, Output, dead_letter_fields, reply
+from bus.effects import AppendKey, DeleteKey, Outbound, dead_letter_fields, reply
 from bus.fenced_stream import Entry, Fenced, FencedStream
+from bus.field_error import FieldError
 from bus.protocol import (
     ENTRY_FIELD,
     Abort,
@@ -94,20 +94,6 @@ class Worker:
             client, config, worker_id, self.bus.stream, model, engine.runner.max_total_tokens,
             attention=engine.runner.serving_path(),
         )  # fmt: skip
-
-    # What the next commit writes (bus/fenced_stream.py), all or nothing.
-
-    @property
-    def _outbox(self) -> list[Output]:
-        return self.bus.outbox
-
-    @property
-    def _acks(self) -> list[bytes]:
-        return self.bus.acks
-
-    @property
-    def _dead(self) -> list[dict[str, Any]]:
-        return self.bus.dead
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -177,17 +163,19 @@ class Worker:
         jobs: list[tuple[bytes, TokenizedRequest]] = []
         for entry_id, fields in entries:
             if fields is None:
-                self._acks.append(entry_id)
+                self.bus.acks.append(entry_id)
                 continue
             payload = fields.get(ENTRY_FIELD)
             try:
                 message = decode(payload, TokenizedRequest, Abort)
             except ProtocolError as exc:
-                self._acks.append(entry_id)
-                self._dead.append(dead_letter_fields(self.bus.stream, entry_id, str(exc), payload))
+                self.bus.acks.append(entry_id)
+                self.bus.dead.append(
+                    dead_letter_fields(self.bus.stream, entry_id, str(exc), payload)
+                )
                 continue
             if isinstance(message, Abort):
-                self._acks.append(entry_id)
+                self.bus.acks.append(entry_id)
                 self._abort(message.rid)
             else:
                 jobs.append((entry_id, message))
@@ -202,7 +190,7 @@ class Worker:
         aborted, progress = pipe.execute()
         for (entry_id, job), abort_flag, done in zip(jobs, aborted, progress, strict=True):
             if abort_flag is not None:
-                self._acks.append(entry_id)
+                self.bus.acks.append(entry_id)
                 self._publish_items([self._aborted_on_arrival(job, done)])
             else:
                 self._start(entry_id, job, done)
@@ -212,32 +200,28 @@ class Worker:
         (whoever aborted it may still be reading: POST /v1/abort, Client.abort)."""
         generated = len(unpack_ids(progress)) if progress else 0
         if progress:
-            self._outbox.append(DeleteKey(self.config.progress_key(job.rid)))
+            self.bus.outbox.append(DeleteKey(self.config.progress_key(job.rid)))
         finish = Finish("abort", None, len(job.input_ids), generated)
         return TokenItem(job.rid, job.reply_to, generated, [], [], 0, finish=finish)
 
     def _start(self, entry_id: bytes, job: TokenizedRequest, progress: bytes | None) -> None:
         if job.rid in self.jobs:
             logger.warning("worker %s: duplicate job %s ignored", self.worker_id, job.rid)
-            self._acks.append(entry_id)
+            self.bus.acks.append(entry_id)
             return
         try:
             generated = unpack_ids(progress) if progress else []
-            sampling = dict(job.sampling)
-            if "max_new_tokens" not in sampling:
-                # OpenAI's missing max_tokens: as many as the context allows.
-                sampling["max_new_tokens"] = max(1, self.engine.token_budget(len(job.input_ids)))
-            params = SamplingParams.from_dict(sampling)
+            # OpenAI's missing max_tokens: as many as the context allows.
+            budget = max(1, self.engine.token_budget(len(job.input_ids)))
+            params = SamplingParams.from_wire(job.sampling, default_max_new_tokens=budget)
             req = self.engine.build_request(
                 job.rid, job.input_ids, params, detokenize=False, output_ids=generated
             )
         except (ValueError, TypeError, ProtocolError) as exc:
-            self._acks.append(entry_id)
-            message = str(exc)
-            param = message.split(" ", 1)[0].rstrip(":") if message else None
-            code = "context_length_exceeded" if "context length" in message else None
-            self._outbox.append(reply(self.config, job.reply_to, ErrorReply(
-                job.rid, 400, message, "invalid_request_error", param, code)))  # fmt: skip
+            self.bus.acks.append(entry_id)
+            param, code = (exc.field, exc.code) if isinstance(exc, FieldError) else (None, None)
+            self.bus.outbox.append(reply(self.config, job.reply_to, ErrorReply(
+                job.rid, 400, str(exc), "invalid_request_error", param, code)))  # fmt: skip
             return
         window = stop_window_tokens(params.stop, CONTEXT_TOKENS)
         running = RunningJob(req, job.reply_to, entry_id, window, reported=len(generated))
@@ -266,7 +250,7 @@ class Worker:
     def _publish_items(self, items: list[TokenItem]) -> None:
         if items:
             batch = TokenBatch(self.worker_id, self.steps, items)
-            self._outbox.append(Outbound(self.config.tokens_stream(), batch))
+            self.bus.outbox.append(Outbound(self.config.tokens_stream(), batch))
 
     def _item(self, job: RunningJob) -> TokenItem:
         req = job.req
@@ -277,7 +261,7 @@ class Worker:
             ttl = None if job.progress_ttl_set else self.config.reply_ttl_s
             job.progress_ttl_set = True
             key = self.config.progress_key(req.rid)
-            self._outbox.append(AppendKey(key, pack_ids(req.output_ids[start:end]), ttl))
+            self.bus.outbox.append(AppendKey(key, pack_ids(req.output_ids[start:end]), ttl))
         context, prompt_context = token_context(
             req.origin_input_ids, req.output_ids, start, job.window
         )
@@ -299,8 +283,8 @@ class Worker:
                 reason.kind, reason.matched, len(req.origin_input_ids), len(req.output_ids),
                 req.prompt_cache_hit or 0, *drafted,
             )  # fmt: skip
-            self._outbox.append(DeleteKey(self.config.progress_key(req.rid)))
-            self._acks.append(job.entry_id)
+            self.bus.outbox.append(DeleteKey(self.config.progress_key(req.rid)))
+            self.bus.acks.append(job.entry_id)
             del self.jobs[req.rid]
         return item
 

@@ -52,8 +52,9 @@ def test_token_id_outside_the_vocabulary_is_rejected(tiny):
 
 def test_prompt_plus_max_new_tokens_beyond_context_is_rejected(tiny):
     context = tiny.runner.context_length
-    with pytest.raises(ValueError, match="context length"):
+    with pytest.raises(ValueError, match="context length") as caught:
         tiny.generate(input_ids=[1] * (context - 5), sampling_params={"max_new_tokens": 10})
+    assert (caught.value.field, caught.value.code) == ("max_new_tokens", "context_length_exceeded")
 
 
 def test_text_prompt_without_a_tokenizer_is_rejected(tiny):

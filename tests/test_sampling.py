@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from bus.sampling_params import SamplingParams
+from bus.sampling_params import SamplingParamError, SamplingParams, wire_sampling
 from gpu_worker.sampling.penalties import LogitAdjustments
 from gpu_worker.sampling.sampler import SamplingBatch, sample
 
@@ -123,6 +123,32 @@ def test_from_dict_normalises_json_shapes():
     assert params.stop == ["END"]
     assert params.logit_bias == {7: 5.0, 3: -1.5}
     assert SamplingParams.from_dict(None) == SamplingParams()
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        ({"top_p": 0.0}, "top_p"),  # a range
+        ({"seed": "42"}, "seed"),  # a type
+        ({"stop": [""]}, "stop"),
+        ({"xyz": 1}, "xyz"),  # unknown
+        ({"top_k": 2**64}, "top_k"),  # past what msgpack carries
+    ],
+)
+def test_a_bad_value_raises_an_error_carrying_its_field(sampling, field):
+    with pytest.raises(SamplingParamError) as caught:
+        wire_sampling(sampling)
+    assert caught.value.field == field
+
+
+def test_from_wire_defaults_max_new_tokens_only_where_the_client_gave_none():
+    assert SamplingParams.from_wire({}, default_max_new_tokens=900).max_new_tokens == 900
+    given = SamplingParams.from_wire({"max_new_tokens": 7}, default_max_new_tokens=900)
+    assert given.max_new_tokens == 7
+
+
+def test_wire_form_keeps_only_the_fields_given():
+    assert wire_sampling({"temperature": 0, "stop": "x"}) == {"temperature": 0, "stop": ["x"]}
 
 
 def test_is_greedy_for_zero_temperature_or_top_k_one():

@@ -1,9 +1,9 @@
 """The OpenAPI 3.1 description of the HTTP API, served at ``GET /openapi.json``.
 
-The request schemas are built from the tables the parsers check bodies against
-(params.py), so a field the server accepts is a field the description names, with the same
-JSON types; `tests/test_openapi.py` holds the two together and checks every route is
-described.
+The request schemas are built from the tables the parsers check bodies against (params.py,
+and the sampling parameters' table in bus/sampling_params.py), so a field the server accepts
+is a field the description names, with the same JSON types; `tests/test_openapi.py` holds
+the two together and checks every route is described.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from bus.protocol import MAX_TOKEN_ID
-from stages.ingress.body import ARRAY, BOOL, INT, NUMBER, OBJECT, STR
+from bus.sampling_params import SAMPLING_FIELDS, Param
 from stages.ingress.params import (
     CHAT_FIELDS,
     CHAT_ROLES,
@@ -19,7 +19,6 @@ from stages.ingress.params import (
     GENERATE_FIELDS,
     MAX_CHOICES,
     OPENAI_SAMPLING,
-    SAMPLING_KINDS,
 )
 
 TOKEN_IDS = {
@@ -27,33 +26,24 @@ TOKEN_IDS = {
     "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
     "minItems": 1,
 }
-STOP = {
-    "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]
-}
 SSE = "each event `data: <chunk JSON>`; the last one `data: [DONE]`"
-JSON_TYPES = {STR: "string", INT: "integer", NUMBER: "number", BOOL: "boolean", OBJECT: "object",
-              ARRAY: "array"}  # fmt: skip
 
 
-def _optional(*kinds: str) -> dict[str, Any]:
-    """A field the parsers take as absent when null."""
-    return {"type": [*(JSON_TYPES[kind] for kind in kinds), "null"]}
+def _sampling_property(param: Param) -> dict[str, Any]:
+    """A sampling parameter's schema, read off its row in the table (null: not given)."""
+    return {"type": [*param.kind.json, "null"], **param.kind.schema, "description": param.doc}
 
 
 def _sampling_properties() -> dict[str, Any]:
-    properties: dict[str, Any] = {name: _optional(*kinds) for name, kinds in SAMPLING_KINDS.items()}
-    properties["stop"] = STOP
-    properties["stop_token_ids"] = {"type": ["array", "null"], "items": {"type": "integer"}}
-    properties["logit_bias"] = {
-        "type": ["object", "null"], "additionalProperties": {"type": "number"},
-        "description": "token id (as a string) -> bias added to its logit",
-    }  # fmt: skip
-    return properties
+    return {param.name: _sampling_property(param) for param in SAMPLING_FIELDS}
 
 
 def _openai_properties() -> dict[str, Any]:
-    sampling = _sampling_properties()
-    properties = {name: sampling[target] for name, target in OPENAI_SAMPLING.items()}
+    properties = {}
+    for name, param in OPENAI_SAMPLING.items():
+        properties[name] = _sampling_property(param)
+        if param.openai_off is not None:
+            properties[name]["description"] += f"; {param.openai_off} too means null"
     properties.update(
         model={"type": "string", "description": "the served model (GET /v1/models)"},
         n={"type": ["integer", "null"], "minimum": 1, "maximum": MAX_CHOICES},
@@ -65,7 +55,6 @@ def _openai_properties() -> dict[str, Any]:
         },
         user={"type": ["string", "null"]},
     )
-    properties["top_k"] = {**properties["top_k"], "description": "-1 or null: no top-k"}
     return properties
 
 

@@ -8,19 +8,22 @@ downstream and comes back as an ErrorReply.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from bus.client import wire_sampling
 from bus.protocol import MAX_TOKEN_ID, GenerateRequest
-from bus.sampling_params import SEED_LIMIT
+from bus.sampling_checks import SEED_LIMIT
+from bus.sampling_params import (
+    FIELD_NAMES,
+    SAMPLING_FIELDS,
+    Param,
+    SamplingParamError,
+    wire_sampling,
+)
 from stages.ingress.body import (
-    ARRAY,
     BOOL,
     INT,
-    NUMBER,
     OBJECT,
     STR,
     field,
@@ -33,46 +36,8 @@ from stages.ingress.errors import ApiError
 MAX_CHOICES = 128  # prompts x n of one HTTP request
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
-# SamplingParams fields and their JSON kinds (for /generate's sampling_params).
-SAMPLING_KINDS: dict[str, tuple[str, ...]] = {
-    "max_new_tokens": (INT,),
-    "min_new_tokens": (INT,),
-    "temperature": (NUMBER,),
-    "top_p": (NUMBER,),
-    "top_k": (INT,),
-    "min_p": (NUMBER,),
-    "repetition_penalty": (NUMBER,),
-    "frequency_penalty": (NUMBER,),
-    "presence_penalty": (NUMBER,),
-    "seed": (INT,),
-    "stop": (STR, ARRAY),
-    "stop_token_ids": (ARRAY,),
-    "ignore_eos": (BOOL,),
-    "logit_bias": (OBJECT,),
-    "logprobs": (BOOL,),
-    "top_logprobs": (INT,),
-    "skip_special_tokens": (BOOL,),
-}
-
-# OpenAI (and vLLM-extension) parameter -> SamplingParams field, for both OpenAI endpoints.
-OPENAI_SAMPLING = {
-    "max_tokens": "max_new_tokens",
-    "max_completion_tokens": "max_new_tokens",
-    "min_tokens": "min_new_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty",
-    "seed": "seed",
-    "stop": "stop",
-    "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
-    "logit_bias": "logit_bias",
-    "skip_special_tokens": "skip_special_tokens",
-}
+# OpenAI (and vLLM-extension) request name -> its sampling parameter, for both OpenAI endpoints.
+OPENAI_SAMPLING: dict[str, Param] = {name: p for p in SAMPLING_FIELDS for name in p.openai}
 OPENAI_COMMON = {*OPENAI_SAMPLING, "model", "n", "stream", "stream_options", "user", "logprobs"}
 CHAT_FIELDS = {*OPENAI_COMMON, "messages", "top_logprobs"}
 COMPLETION_FIELDS = {*OPENAI_COMMON, "prompt"}
@@ -166,8 +131,8 @@ def parse_generate(data: dict[str, Any], served: str) -> ApiRequest:
         )
     prompt = {"prompt": text} if text is not None else {"input_ids": token_ids(ids, "input_ids")}
     given = field(data, "sampling_params", OBJECT) or {}
-    reject_unknown(given, SAMPLING_KINDS, where="in sampling_params: ")
-    checked = {name: field(given, name, *kinds) for name, kinds in SAMPLING_KINDS.items()}
+    reject_unknown(given, FIELD_NAMES, where="in sampling_params: ")
+    checked = {p.name: field(given, p.name, *p.kind.json) for p in SAMPLING_FIELDS}
     sampling = {name: value for name, value in checked.items() if value is not None}
     stream = bool(field(data, "stream", BOOL))
     return ApiRequest([prompt], _checked(sampling, {}), stream=stream)
@@ -175,12 +140,11 @@ def parse_generate(data: dict[str, Any], served: str) -> ApiRequest:
 
 def openai_sampling(data: dict[str, Any]) -> dict[str, Any]:
     sampling: dict[str, Any] = {}
-    for name, target in OPENAI_SAMPLING.items():
-        value = field(data, name, *SAMPLING_KINDS[target])
+    for name, param in OPENAI_SAMPLING.items():
+        value = field(data, name, *param.kind.json)
         if value is not None:
-            sampling[target] = value
-    if sampling.get("top_k") == -1:  # vLLM's spelling of "no top-k"
-        sampling["top_k"] = None
+            # A value that means null: vLLM's top_k: -1 is no top-k.
+            sampling[param.name] = None if value == param.openai_off else value
     return sampling
 
 
@@ -217,7 +181,7 @@ def _job(data: dict[str, Any], prompts: list[dict[str, Any]], sampling: dict) ->
         field(options or {}, "include_usage", BOOL, label="stream_options.include_usage")
     )
     field(data, "user", STR)
-    openai_names = {target: name for name, target in OPENAI_SAMPLING.items() if name in data}
+    openai_names = {param.name: name for name, param in OPENAI_SAMPLING.items() if name in data}
     if "logprobs" in sampling:
         openai_names.setdefault("logprobs", "logprobs")
         openai_names["top_logprobs"] = "top_logprobs" if "top_logprobs" in data else "logprobs"
@@ -228,11 +192,9 @@ def _checked(sampling: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
     """`sampling` in wire form; a bad value is a 400 naming the request's own field."""
     try:
         return wire_sampling(sampling)
-    except ValueError as exc:
-        message = str(exc)
-        match = re.match(r"[a-z_]+", message)
-        param = names.get(match.group(), match.group()) if match else None
-        raise ApiError(400, message, param=param, code="invalid_value") from None
+    except SamplingParamError as exc:
+        param = names.get(exc.field, exc.field)
+        raise ApiError(400, str(exc), param=param, code="invalid_value") from None
 
 
 def chat_messages(value: Any) -> list[dict[str, str]]:

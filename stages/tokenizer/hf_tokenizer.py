@@ -27,6 +27,7 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from bus.field_error import FieldError
 from bus.model_files import build_once, cached_folder, default_cache_dir, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ class StageTokenizer:
     def render_chat(self, messages: list[dict]) -> str:
         """The chat template's text for `messages`, before tokenization."""
         if self.chat_template is None:
-            raise ValueError("messages: this model has no chat template; send a prompt instead")
+            raise FieldError(
+                "messages", "messages: this model has no chat template; send a prompt instead"
+            )
         chat = _checked_messages(messages)
         if self._template is None:
             self._template = _compile_template(self.chat_template)
@@ -90,7 +93,8 @@ class StageTokenizer:
         except Exception as exc:
             # The template is code shipped with the model and fed by the client: whatever it
             # raises is this request's error, and must not stop the stage.
-            raise ValueError(f"messages: the chat template rejected them: {exc}") from exc
+            message = f"messages: the chat template rejected them: {exc}"
+            raise FieldError("messages", message) from exc
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._clean_up(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
@@ -218,15 +222,16 @@ def _default_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
 
 def _checked_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages: expected a non-empty list of {role, content} objects")
+        message = "messages: expected a non-empty list of {role, content} objects"
+        raise FieldError("messages", message)
     chat = []
     for i, message in enumerate(messages):
+        where = f"messages[{i}]"
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ValueError(f"messages[{i}]: each message needs a 'role' and a 'content'")
-        if not isinstance(message["role"], str):
-            raise ValueError(f"messages[{i}].role: must be a string")
-        if not isinstance(message["content"], str):
-            raise ValueError(f"messages[{i}].content: must be a string")
+            raise FieldError(where, f"{where}: each message needs a 'role' and a 'content'")
+        for key in ("role", "content"):
+            if not isinstance(message[key], str):
+                raise FieldError(f"{where}.{key}", f"{where}.{key}: must be a string")
         # As transformers does: templates handle a missing key better than a None value.
         chat.append({key: value for key, value in message.items() if value is not None})
     return chat

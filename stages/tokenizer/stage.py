@@ -11,12 +11,12 @@ to retry.
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from bus.actor import Inbound
 from bus.config import BusConfig
 from bus.effects import Outbound, Output, reply
+from bus.field_error import FieldError
 from bus.protocol import ErrorReply, GenerateRequest, TokenizedRequest
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class TokenizerStage:
             field = "input_ids"
         elif self.tokenizer is None:
             field = "prompt" if job.prompt is not None else "messages"
-            raise ValueError(f"{field}: this model has no tokenizer (a random model); "
+            raise FieldError(field, f"{field}: this model has no tokenizer (a random model); "
                              "send input_ids")  # fmt: skip
         elif job.prompt is not None:
             ids = next(encoded)
@@ -63,15 +63,12 @@ class TokenizerStage:
             ids = self.tokenizer.apply_chat_template(job.messages)
             field = "messages"
         if not ids:
-            raise ValueError(f"{field}: the prompt is empty")
+            raise FieldError(field, f"{field}: the prompt is empty")
         if min(ids) < 0:
-            raise ValueError(f"{field}: token ids must be >= 0")
+            raise FieldError(field, f"{field}: token ids must be >= 0")
         return ids
 
 
 def _bad_request(job: GenerateRequest, exc: ValueError) -> ErrorReply:
-    message = str(exc)
-    # Messages start with the field they are about ("messages: ..."), as SamplingParams' do.
-    head = message.split(":", 1)[0]
-    param = head if ":" in message and re.fullmatch(r"[A-Za-z_][\w.\[\]]*", head) else None
-    return ErrorReply(job.rid, 400, message, "invalid_request_error", param)
+    param = exc.field if isinstance(exc, FieldError) else None
+    return ErrorReply(job.rid, 400, str(exc), "invalid_request_error", param)
