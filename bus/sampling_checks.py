@@ -11,12 +11,9 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bus.field_error import FieldError
-
-if TYPE_CHECKING:
-    from bus.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -30,8 +27,8 @@ class SamplingParamError(FieldError):
     """A sampling parameter of the wrong type or out of its range; `field` names it."""
 
 
-# (field name, value, all the parameters, vocabulary size) -> the problem, or None.
-Check = Callable[[str, Any, "SamplingParams", int], "str | None"]
+# (field name, value, every field's value by name, vocabulary size) -> the problem, or None.
+Check = Callable[[str, Any, Mapping[str, Any], int], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -123,10 +120,10 @@ def check_max_new_tokens(name: str, value: int, *_: Any) -> str | None:
     return None if value >= 1 else f"{name} must be at least 1, got {value}"
 
 
-def check_min_new_tokens(name: str, value: int, params: SamplingParams, _: int) -> str | None:
-    if 0 <= value <= params.max_new_tokens:
+def check_min_new_tokens(name: str, value: int, values: Mapping[str, Any], _: int) -> str | None:
+    if 0 <= value <= values["max_new_tokens"]:
         return None
-    return f"{name} must be in [0, max_new_tokens={params.max_new_tokens}], got {value}"
+    return f"{name} must be in [0, max_new_tokens={values['max_new_tokens']}], got {value}"
 
 
 def check_temperature(name: str, value: float, *_: Any) -> str | None:
@@ -185,9 +182,9 @@ def check_logit_bias(name: str, bias: dict[int, float], _: Any, vocab_size: int)
     return None
 
 
-def check_top_logprobs(name: str, value: int, params: SamplingParams, _: int) -> str | None:
+def check_top_logprobs(name: str, value: int, values: Mapping[str, Any], _: int) -> str | None:
     if not 0 <= value <= MAX_TOP_LOGPROBS:
         return f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}"
-    if value and not params.logprobs:
+    if value and not values["logprobs"]:
         return f"{name} needs logprobs set to true"
     return None

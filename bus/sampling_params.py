@@ -159,7 +159,7 @@ class SamplingParams:
         """Raise SamplingParamError for the first value out of its range."""
         for param in SAMPLING_FIELDS:
             if param.check is not None:
-                problem = param.check(param.name, getattr(self, param.name), self, vocab_size)
+                problem = param.check(param.name, getattr(self, param.name), vars(self), vocab_size)
                 if problem is not None:
                     raise SamplingParamError(param.name, problem)
 
