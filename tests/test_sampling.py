@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bus.sampling_params import SamplingParamError, SamplingParams, wire_sampling
-from gpu_worker.sampling.penalties import LogitAdjustments
+from gpu_worker.sampling.penalties import LogitAdjustments, SamplingRows
 from gpu_worker.sampling.sampler import SamplingBatch, sample
 
 VOCAB = 50
@@ -24,11 +24,14 @@ def make_batch(
     vocab_size: int = VOCAB,
 ) -> SamplingBatch:
     bs = len(params)
-    return SamplingBatch.build(
+    rows = SamplingRows(
         params,
         prompt_ids or [[] for _ in range(bs)],
         output_ids or [[] for _ in range(bs)],
         blocked or [[] for _ in range(bs)],
+    )
+    return SamplingBatch.build(
+        rows,
         generators or [None] * bs,
         vocab_size,
         "cpu",
@@ -36,9 +39,8 @@ def make_batch(
 
 
 def adjusted(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]):
-    adjustments = LogitAdjustments.build(
-        [params], [prompt], [output], [[]], logits.shape[-1], "cpu"
-    )
+    rows = SamplingRows([params], [prompt], [output], [[]])
+    adjustments = LogitAdjustments.build(rows, logits.shape[-1], "cpu")
     return adjustments.apply(logits.clone().unsqueeze(0))[0]
 
 

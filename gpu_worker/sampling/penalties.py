@@ -36,6 +36,16 @@ class SparseEdit:
 
 
 @dataclass
+class SamplingRows:
+    """What sampling reads of each row's request: its settings and its token history."""
+
+    params: list[SamplingParams]
+    prompt_ids: list[list[int]]
+    output_ids: list[list[int]]
+    blocked_until_min_tokens: list[list[int]]  # stop ids masked while below min_new_tokens
+
+
+@dataclass
 class LogitAdjustments:
     bias: SparseEdit | None  # added to the logits
     repetition: torch.Tensor | None  # [bs, 1] float32, 1.0 on rows without the penalty
@@ -46,16 +56,9 @@ class LogitAdjustments:
     min_tokens_mask: SparseEdit | None  # cells set to -inf
 
     @classmethod
-    def build(
-        cls,
-        params: list[SamplingParams],
-        prompt_ids: list[list[int]],
-        output_ids: list[list[int]],
-        blocked_until_min_tokens: list[list[int]],
-        vocab_size: int,
-        device,
-    ) -> LogitAdjustments | None:
+    def build(cls, rows: SamplingRows, vocab_size: int, device) -> LogitAdjustments | None:
         """None when no row needs any edit (the sampler's fast path)."""
+        params, prompt_ids, output_ids = rows.params, rows.prompt_ids, rows.output_ids
         bias_rows, bias_cols, bias_values = [], [], []
         for row, p in enumerate(params):
             for token, value in p.logit_bias.items():
@@ -63,7 +66,7 @@ class LogitAdjustments:
                 bias_cols.append(token)
                 bias_values.append(value)
         mask_rows, mask_cols = [], []
-        for row, blocked in enumerate(blocked_until_min_tokens):
+        for row, blocked in enumerate(rows.blocked_until_min_tokens):
             mask_rows.extend([row] * len(blocked))
             mask_cols.extend(blocked)
 
@@ -71,28 +74,28 @@ class LogitAdjustments:
         repetition = seen = None
         if any(p.repetition_penalty != 1.0 for p in params):
             repetition = _column([p.repetition_penalty for p in params], device)
-            rows, cols = [], []
+            seen_rows, seen_cols = [], []
             for row, p in enumerate(params):
                 if p.repetition_penalty != 1.0:
                     history = prompt_ids[row] + output_ids[row]
-                    rows.extend([row] * len(history))
-                    cols.extend(history)
+                    seen_rows.extend([row] * len(history))
+                    seen_cols.extend(history)
             seen = torch.zeros(bs, vocab_size, dtype=torch.bool, device=device)
-            seen[_indices(rows, device), _indices(cols, device)] = True
+            seen[_indices(seen_rows, device), _indices(seen_cols, device)] = True
 
         frequency = presence = counts = None
         if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
             frequency = _column([p.frequency_penalty for p in params], device)
             presence = _column([p.presence_penalty for p in params], device)
-            rows, cols = [], []
+            out_rows, out_cols = [], []
             for row, p in enumerate(params):
                 if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-                    rows.extend([row] * len(output_ids[row]))
-                    cols.extend(output_ids[row])
+                    out_rows.extend([row] * len(output_ids[row]))
+                    out_cols.extend(output_ids[row])
             counts = torch.zeros(bs, vocab_size, dtype=torch.float32, device=device)
             counts.index_put_(
-                (_indices(rows, device), _indices(cols, device)),
-                torch.ones(len(rows), dtype=torch.float32, device=device),
+                (_indices(out_rows, device), _indices(out_cols, device)),
+                torch.ones(len(out_rows), dtype=torch.float32, device=device),
                 accumulate=True,
             )
 

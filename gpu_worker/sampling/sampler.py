@@ -18,10 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from bus.sampling_params import SamplingParams
 from gpu_worker.kernels.cpu_kernels import CpuKernels
 from gpu_worker.sampling.logprobs import TopLogprobs, gather_logprobs
-from gpu_worker.sampling.penalties import LogitAdjustments
+from gpu_worker.sampling.penalties import LogitAdjustments, SamplingRows
 
 
 @dataclass
@@ -44,17 +43,13 @@ class SamplingBatch:
     @classmethod
     def build(
         cls,
-        params: list[SamplingParams],
-        prompt_ids: list[list[int]],
-        output_ids: list[list[int]],
-        blocked_until_min_tokens: list[list[int]],
-        generators: list[torch.Generator | None],
+        rows: SamplingRows,
+        generators: list[torch.Generator | None],  # per row: a seeded request's own
         vocab_size: int,
         device,
     ) -> SamplingBatch:
-        adjustments = LogitAdjustments.build(
-            params, prompt_ids, output_ids, blocked_until_min_tokens, vocab_size, device
-        )
+        adjustments = LogitAdjustments.build(rows, vocab_size, device)
+        params = rows.params
         sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
         sampled = [params[row] for row in sampled_rows]
         sampled_index = temperature = top_k = top_p = min_p = None

@@ -19,6 +19,7 @@ from gpu_worker.config import EngineConfig
 from gpu_worker.memory.radix_cache import RadixCache
 from gpu_worker.model_executor.forward_batch import ForwardMode
 from gpu_worker.model_executor.model_runner import ModelRunner
+from gpu_worker.sampling.penalties import SamplingRows
 from gpu_worker.sampling.sampler import SamplingBatch, sample
 from gpu_worker.scheduling.policy import order_waiting, shares_prefix_with_batch
 from gpu_worker.scheduling.req import FinishReason, Req
@@ -315,7 +316,7 @@ class Scheduler:
         return sample(logits, batch, self.default_generator, self.runner.cpu_kernels)
 
     def _sampling_batch(self, reqs: list[Req], outputs: list[list[int]], device) -> SamplingBatch:
-        return SamplingBatch.build(
+        rows = SamplingRows(
             [req.params for req in reqs],
             [req.origin_input_ids for req in reqs],
             outputs,
@@ -323,6 +324,9 @@ class Scheduler:
                 req.blocked_until_min_tokens(len(out))
                 for req, out in zip(reqs, outputs, strict=True)
             ],
+        )
+        return SamplingBatch.build(
+            rows,
             [req.generator for req in reqs],
             self.runner.model_config.vocab_size,
             device,

@@ -18,6 +18,7 @@ import torch
 from gpu_worker.config import EngineConfig
 from gpu_worker.model_executor.forward_batch import ForwardMode
 from gpu_worker.model_executor.model_runner import ModelRunner
+from gpu_worker.sampling.penalties import SamplingRows
 from gpu_worker.sampling.sampler import SamplingBatch, sample, sampling_probs
 from gpu_worker.scheduling.req import Req
 from gpu_worker.scheduling.request_kv import RequestKV
@@ -164,11 +165,14 @@ class DraftModelDrafter(Drafter):
         logits = self.runner.forward(batch.to_forward_batch(self.runner.device))
         for seq, n in zip(seqs, batch.extend_lens, strict=True):
             seq.kv_len += n
-        sampling = SamplingBatch.build(
+        rows = SamplingRows(
             [s.target.params for s in seqs],
             [s.origin_input_ids for s in seqs],
             [s.output_ids for s in seqs],
             [s.target.blocked_until_min_tokens(len(s.output_ids)) for s in seqs],
+        )
+        sampling = SamplingBatch.build(
+            rows,
             [None] * len(seqs),  # the request's own generator is the target's to use
             self.runner.model_config.vocab_size,
             logits.device,
