@@ -21,17 +21,8 @@ from typing import Any
 import redis
 
 from bus.config import BusConfig
-from bus.protocol import (
-    ENTRY_FIELD,
-    Finish,
-    GenerateRequest,
-    Heartbeat,
-    Message,
-    ProtocolError,
-    TextDelta,
-    decode,
-    encode,
-)
+from bus.protocol import Finish, GenerateRequest, Heartbeat, TextDelta, decode
+from bus.wire import ENTRY_FIELD, Message, ProtocolError, encode
 from stages.ingress.server import create_app, serve
 
 MODEL = "test-model"
