@@ -16,6 +16,7 @@ fence (bus/fenced_stream.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -55,10 +56,9 @@ class HeartbeatThread(threading.Thread):
         self.client = client
         self.config = config
         self.worker_id = worker_id
-        self.stream = stream
-        self.model = model
-        self.max_total_tokens = max_total_tokens
-        self.attention = attention
+        # What every beat says: who we are and serve, with the load and time of the beat.
+        self._beat = Heartbeat(worker_id, stream, model, 0, 0, max_total_tokens,
+                               max_total_tokens, 0, 0.0, attention)  # fmt: skip
         self.on_stall = on_stall or _exit_hung
         self.load = Load(0, 0, max_total_tokens, 0)
         self.stop = threading.Event()
@@ -72,10 +72,9 @@ class HeartbeatThread(threading.Thread):
 
     def beat(self) -> None:
         load = self.load
-        heartbeat = Heartbeat(
-            self.worker_id, self.stream, self.model, load.running, load.waiting,
-            load.free_kv_tokens, self.max_total_tokens, load.admitted, time.time(),
-            self.attention,
+        heartbeat = dataclasses.replace(
+            self._beat, running=load.running, waiting=load.waiting,
+            free_kv_tokens=load.free_kv_tokens, admitted=load.admitted, time=time.time(),
         )  # fmt: skip
         pipe = self.client.pipeline(transaction=True)
         pipe.sismember(self.config.workers_key(), self.worker_id)
