@@ -1,5 +1,6 @@
 """Request bodies of /v1/chat/completions, /v1/completions and /generate, checked and turned
-into a `ApiRequest`: the prompts, the sampling parameters (SamplingParams names) and how to answer.
+into an `ApiRequest`: the prompts, the sampling parameters (SamplingParams names) and how to
+answer.
 
 Everything that can be checked without the model is checked here, so a bad request is a 4xx
 before anything is queued; what needs the vocabulary or the context length is checked
