@@ -57,7 +57,10 @@ def _as_optional_int(name: str, value: Any) -> int | None:
 def _as_float(name: str, value: Any) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise SamplingParamError(name, f"{name} must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer past any float; too long to quote
+        raise SamplingParamError(name, f"{name}: a number is out of range") from None
 
 
 def _as_bool(name: str, value: Any) -> bool:
@@ -92,8 +95,9 @@ def _as_logit_bias(name: str, bias: Any) -> dict[int, float]:
         raise SamplingParamError(name, f"{name} must be a dict of token id -> bias, got {bias!r}")
     result: dict[int, float] = {}
     for key, value in bias.items():
-        # JSON object keys are strings: {"50256": -100} means token 50256.
-        if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key):
+        # JSON object keys are strings: {"50256": -100} means token 50256. No token id has
+        # more digits than an int64 (and int() refuses strings of thousands of them).
+        if isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,19}", key):
             token = int(key)
         elif isinstance(key, int) and not isinstance(key, bool):
             token = key

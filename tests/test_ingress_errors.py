@@ -51,6 +51,7 @@ def chat_body(**extra):
         (CHAT, chat_body(seed=-1), 400, "seed"),
         (CHAT, chat_body(stop=[""]), 400, "stop"),
         (CHAT, chat_body(logit_bias={"x": 1}), 400, "logit_bias"),
+        (CHAT, chat_body(logit_bias={"1": 10**400}), 400, "logit_bias"),  # past any float
         (CHAT, chat_body(top_logprobs=3), 400, "top_logprobs"),  # needs logprobs: true
         (CHAT, chat_body(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
         (CHAT, chat_body(max_tokens=10**30), 400, "max_tokens"),

@@ -105,6 +105,8 @@ def test_top_logprobs_without_logprobs_is_rejected():
         ("stop_token_ids", "2"),
         ("logit_bias", {"abc": 1.0}),
         ("logit_bias", {"3": "high"}),
+        ("logit_bias", {"1" * 5000: 1.0}),  # more digits than int() takes
+        ("logit_bias", {"3": 10**400}),  # past any float
         ("ignore_eos", 1),
         ("logprobs", "yes"),
     ],
