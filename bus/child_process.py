@@ -6,7 +6,10 @@ running log "Redis unreachable" and a worker cannot say goodbye. A child started
 `owned_child` has a session of its own, so only its parent hears the terminal, and stops its
 children in the order it chooses (`streamserve up`: the stages, then the server). On Linux
 the child also gets SIGTERM when its parent dies, so a parent that is killed outright
-(SIGKILL, a crash) leaves no orphan serving on.
+(SIGKILL, a crash) leaves no orphan serving on. Linux sends it when the *thread* that started
+the child ends, so start an owned child from a thread that outlives it (the main thread, as
+`streamserve up` and EmbeddedRedis's users do). The function run between fork and exec takes
+no lock, so it is safe beside other threads.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""`streamserve up` stops as a user stops it: a terminal's Ctrl-C, or the launcher killed.
+"""`streamserve up` stops as a user stops it: a terminal's Ctrl-C or hangup, or the launcher
+killed.
 
-Ctrl-C reaches the terminal's whole process group. The stages must stop before the embedded
-server they talk to (no "Redis unreachable", every worker says goodbye), and a launcher
-killed outright must take its replicas and server with it.
+Ctrl-C and a closed terminal reach the terminal's whole process group. The stages must stop
+before the embedded server they talk to (no "Redis unreachable", every worker says goodbye),
+and a launcher killed outright must take its replicas and server with it.
 """
 
 from __future__ import annotations
@@ -87,11 +88,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_ctrl_c_stops_the_stages_before_the_embedded_server():
+# SIGINT: a terminal's Ctrl-C; SIGHUP: the terminal closed. Both reach its whole group.
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hangup"])
+def test_a_terminal_stops_the_stages_before_the_embedded_server(signum):
     up = _Up()
     try:
         up.wait_until_up()
-        os.killpg(up.process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        os.killpg(up.process.pid, signum)
         assert up.process.wait(timeout=STOP_TIMEOUT_S) == 0
     finally:
         up.kill()

@@ -61,7 +61,8 @@ class Launcher:
         self.server: EmbeddedRedis | None = None
 
     def run(self) -> int:
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP: the terminal closed. The replicas, in sessions of their own, do not get it.
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, lambda *_: self.stop.set())
         try:
             if self.config.redis_url is not None:
