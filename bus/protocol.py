@@ -27,7 +27,7 @@ from typing import Any
 
 import msgpack
 
-# The codec's names are the protocol's too: importers need only bus.protocol.
+# The codec's names are the protocol's too: an importer of messages needs no second import.
 from bus.wire import (
     BOOL,
     ENTRY_FIELD,

@@ -26,6 +26,7 @@ import redis
 import redis.asyncio as aredis
 
 from bus.protocol import ENTRY_FIELD, ErrorReply, Message, ProtocolError, TextDelta, decode
+from bus.reconnect import RECONNECT_BACKOFF_S, REDIS_TRANSIENT
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,6 @@ READ_COUNT = 1024  # one XREAD drains a busy stream; entries are small
 # XREAD returns as soon as a reply lands, so this bounds only how long a stop can take.
 BLOCK_MS = 250
 TRIM_INTERVAL_S = 1.0
-RECONNECT_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 START_ID = "0-0"
 
 Reply = TextDelta | ErrorReply
@@ -229,7 +229,7 @@ class AsyncReplyReader:
         if delete_stream:
             try:
                 await self.client.delete(self.stream)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except REDIS_TRANSIENT as exc:
                 logger.warning("%s: could not delete the reply stream: %s", self.stream, exc)
 
     async def _run(self) -> None:
@@ -238,7 +238,7 @@ class AsyncReplyReader:
             try:
                 response = await self.client.xread(**self._router.read_args())
                 failures = 0
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except REDIS_TRANSIENT as exc:
                 delay = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
                 failures += 1
                 logger.warning(
@@ -274,7 +274,7 @@ class AsyncReplyReader:
             return
         try:
             await self.client.xtrim(self.stream, minid=trim_to, approximate=True)
-        except (redis.ConnectionError, redis.TimeoutError):
+        except REDIS_TRANSIENT:
             pass  # the next read reports it
 
 
@@ -365,5 +365,5 @@ class ReplyReader:
         if delete_stream:
             try:
                 self.client.delete(self.stream)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except REDIS_TRANSIENT as exc:
                 logger.warning("%s: could not delete the reply stream: %s", self.stream, exc)

@@ -15,8 +15,8 @@ from bus.access import check_access
 from bus.actor import stop_on_signals
 from bus.config import BusConfig
 from gpu_worker import worker as worker_module
+from gpu_worker.config import DEFAULT_MODEL
 from gpu_worker.engine import Engine
-from gpu_worker.worker import Worker
 
 
 def default_worker_id() -> str:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--worker-id", default=None, help="default: <host>-<random>")
     parser.add_argument("--log-level", default="INFO")
     _engine_option_arguments(parser)
@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    worker = Worker(engine, client, config, args.worker_id or default_worker_id(), args.model)
+    worker = worker_module.Worker(
+        engine, client, config, args.worker_id or default_worker_id(), args.model
+    )
     stop_on_signals(worker.stop)
     worker.run()
     return 0

@@ -302,3 +302,9 @@ class Worker:
         per_step_ms = 1000 * self.bus_seconds / max(self.steps, 1)
         logger.info("worker %s stopped after %d steps (%.3f ms of Redis per step)",
                     self.worker_id, self.steps, per_step_ms)  # fmt: skip
+
+
+if __name__ == "__main__":  # this module was the worker's command once: say where it went
+    raise SystemExit(
+        "python -m gpu_worker.worker is now python -m gpu_worker (or streamserve worker)"
+    )

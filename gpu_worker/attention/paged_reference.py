@@ -1,6 +1,6 @@
 """Attention that reads exactly FlashInfer's page table and paged K/V, in plain torch.
 
-It stands where FlashInfer's kernels stand (gpu_worker/attention/flashinfer.py), on any
+It stands where FlashInfer's kernels stand (gpu_worker/attention/flashinfer_backend.py), on any
 device: its answers against the torch_native backend are what prove a PagedKVMetadata
 right without a GPU, and on a GPU the same comparison is the start-up self-check. A
 request at a time, in float32; a check, not a fast path.

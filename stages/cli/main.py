@@ -19,6 +19,7 @@ import sys
 
 from bus.config import BusConfig
 from bus.model_files import DEFAULT_MODEL
+from stages.cli.run_stage import STAGES
 
 DEFAULT_PORT = 8000
 WORKER_MODULE = "gpu_worker"  # started by name: stages never import gpu_worker
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     _ingress_limits(up)
 
     stage = commands.add_parser("stage", help="run one replica of a CPU stage")
-    stage.add_argument("name", choices=("ingress", "tokenizer", "router", "detokenizer"))
+    stage.add_argument("name", choices=STAGES)
     _common(stage)
     stage.add_argument("--host", default="0.0.0.0", help="ingress only")
     stage.add_argument("--port", type=int, default=DEFAULT_PORT, help="ingress only")
