@@ -49,7 +49,7 @@ from benchmarks.jsonl import emit  # noqa: E402
 from bus.model_files import default_cache_dir, default_gguf_path  # noqa: E402
 from gpu_worker.config import EngineConfig  # noqa: E402
 from gpu_worker.models.gguf_convert import convert_gguf  # noqa: E402
-from stages import bench  # noqa: E402
+from stages.cli import bench  # noqa: E402
 from stages.cli.workloads import Workload, make_workload  # noqa: E402
 
 READY_TIMEOUT_S = 600  # vLLM compiles its model on first start

@@ -34,7 +34,7 @@ from benchmarks.jsonl import emit  # noqa: E402
 from bus.embedded_server import EmbeddedRedis  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
 from gpu_worker.config import EngineConfig  # noqa: E402
-from stages import bench  # noqa: E402
+from stages.cli import bench  # noqa: E402
 from stages.cli.workloads import Workload, make_workload  # noqa: E402
 
 READY_TIMEOUT_S = 300
