@@ -203,7 +203,12 @@ class Client:
         self.replies = ReplyReader(self.redis, self.reply_stream)
 
     def submit(self, prompt: str | None = None, **options: Unpack[JobOptions]) -> str:
-        """Queue one job; returns its rid. ValueError for a malformed job."""
+        """Queue one job; returns its rid. ValueError for a malformed job.
+
+        The job is `prompt` (text), or `messages=` (a chat) or `input_ids=` (token ids); with
+        `sampling=` (sampling parameters, as /generate's sampling_params) and `rid=` (default:
+        a new uuid). The same keywords as `JobOptions`, for every method that takes a job.
+        """
         return self.submit_many([{"prompt": prompt, **options}])[0]
 
     def submit_many(self, jobs: Iterable[JobSpec]) -> list[str]:
