@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus.field_error import FieldError
+from bus.grammar import GRAMMAR_FIELDS, grammar_problem, json_schema_text
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -107,6 +108,21 @@ def _as_logit_bias(name: str, bias: Any) -> dict[int, float]:
     return result
 
 
+def _as_optional_str(name: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise SamplingParamError(name, f"{name} must be a string, got {value!r}")
+    return value
+
+
+def _as_json_schema(name: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, (str, dict)):
+        raise SamplingParamError(name, f"{name} must be a JSON Schema object, got {value!r}")
+    try:
+        return json_schema_text(value)
+    except ValueError as exc:
+        raise SamplingParamError(name, f"{name} {exc}") from None
+
+
 INTEGER = Kind(("integer",), _as_int)
 OPTIONAL_INTEGER = Kind(("integer",), _as_optional_int)
 NUMBER = Kind(("number",), _as_float)
@@ -114,6 +130,8 @@ BOOLEAN = Kind(("boolean",), _as_bool)
 STOP_STRINGS = Kind(("string", "array"), _as_stop_list, {"items": {"type": "string"}})
 TOKEN_IDS = Kind(("array",), _as_token_ids, {"items": {"type": "integer"}})
 TOKEN_BIASES = Kind(("object",), _as_logit_bias, {"additionalProperties": {"type": "number"}})
+OPTIONAL_STRING = Kind(("string",), _as_optional_str)
+JSON_SCHEMA = Kind(("object", "string"), _as_json_schema)
 
 
 # ---- ranges --------------------------------------------------------------------------------
@@ -192,3 +210,14 @@ def check_top_logprobs(name: str, value: int, values: Mapping[str, Any], _: int)
     if value and not values["logprobs"]:
         return f"{name} needs logprobs set to true"
     return None
+
+
+def check_grammar(name: str, value: str | None, values: Mapping[str, Any], _: int) -> str | None:
+    """One structure at most, and one that compiles (bus/grammar.py)."""
+    if value is None:
+        return None
+    given = [field for field in GRAMMAR_FIELDS if values.get(field) is not None]
+    if len(given) > 1:
+        return f"{name}: give at most one of {', '.join(GRAMMAR_FIELDS)}, got {', '.join(given)}"
+    problem = grammar_problem(name, value)
+    return None if problem is None else f"{name} does not compile: {problem}"

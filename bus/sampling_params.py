@@ -27,14 +27,17 @@ from bus.protocol import MAX_TOKEN_ID
 from bus.sampling_checks import (
     BOOLEAN,
     INTEGER,
+    JSON_SCHEMA,
     NUMBER,
     OPTIONAL_INTEGER,
+    OPTIONAL_STRING,
     STOP_STRINGS,
     TOKEN_BIASES,
     TOKEN_IDS,
     Check,
     Kind,
     SamplingParamError,
+    check_grammar,
     check_logit_bias,
     check_max_new_tokens,
     check_min_new_tokens,
@@ -124,6 +127,18 @@ class SamplingParams:
         openai=(),
     )  # fmt: skip
     skip_special_tokens: bool = _param(True, BOOLEAN, None, "leave special tokens out of the text")
+    # Structured output (bus/grammar.py), one at most; OpenAI's response_format maps to the first.
+    json_schema: str | None = _param(
+        None, JSON_SCHEMA, check_grammar, "a JSON Schema the output must match", openai=()
+    )
+    regex: str | None = _param(
+        None, OPTIONAL_STRING, check_grammar, "a regular expression the output must match",
+        openai=(),
+    )  # fmt: skip
+    ebnf: str | None = _param(
+        None, OPTIONAL_STRING, check_grammar, "a grammar the output must match: GBNF or Lark",
+        openai=(),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         for param in SAMPLING_FIELDS:
@@ -198,4 +213,6 @@ def wire_sampling(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
         given["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
     if "stop" in given:
         given["stop"] = params.stop
+    if "json_schema" in given:
+        given["json_schema"] = params.json_schema  # its JSON text, however it was given
     return given
