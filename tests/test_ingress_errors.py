@@ -53,6 +53,20 @@ def chat_body(**extra):
         (CHAT, chat_body(logit_bias={"x": 1}), 400, "logit_bias"),
         (CHAT, chat_body(logit_bias={"1": 10**400}), 400, "logit_bias"),  # past any float
         (CHAT, chat_body(top_logprobs=3), 400, "top_logprobs"),  # needs logprobs: true
+        (CHAT, chat_body(response_format={"type": "xml"}), 400, "response_format"),
+        (CHAT, chat_body(response_format={"type": "json_schema"}), 400, "response_format"),
+        (
+            CHAT,
+            chat_body(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nope"}},
+                }
+            ),
+            400,
+            "response_format",
+        ),  # fmt: skip
+        (CHAT, chat_body(response_format="json"), 422, "response_format"),
         (CHAT, chat_body(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
         (CHAT, chat_body(max_tokens=10**30), 400, "max_tokens"),
         (CHAT, chat_body(stream_options={"include_usage": True}), 400, "stream_options"),
@@ -72,6 +86,15 @@ def chat_body(**extra):
         ("/generate", {"text": "a", "input_ids": [1]}, 400, "text"),
         ("/generate", {"text": "a", "sampling_params": {"nope": 1}}, 400, "nope"),
         ("/generate", {"text": "a", "sampling_params": {"temperature": -2}}, 400, "temperature"),
+        ("/generate", {"text": "a", "sampling_params": {"regex": "a(b"}}, 400, "regex"),
+        ("/generate", {"text": "a", "sampling_params": {"ebnf": "root ::= ("}}, 400, "ebnf"),
+        ("/generate", {"text": "a", "sampling_params": {"json_schema": "{"}}, 400, "json_schema"),
+        (
+            "/generate",
+            {"text": "a", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}},
+            400,
+            "regex",
+        ),  # fmt: skip
         # The body is JSON but a field has the wrong JSON type: 422.
         (CHAT, chat_body(temperature="hot"), 422, "temperature"),
         (CHAT, chat_body(max_tokens=True), 422, "max_tokens"),

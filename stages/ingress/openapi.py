@@ -12,6 +12,7 @@ from typing import Any
 
 from bus.protocol import MAX_TOKEN_ID
 from bus.sampling_params import SAMPLING_FIELDS, Param
+from stages.ingress import response_format
 from stages.ingress.params import (
     CHAT_FIELDS,
     CHAT_ROLES,
@@ -54,6 +55,7 @@ def _openai_properties() -> dict[str, Any]:
             "description": "only with stream: true",
         },
         user={"type": ["string", "null"]},
+        response_format=response_format.openapi_property(),
     )
     return properties
 

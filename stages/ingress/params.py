@@ -22,6 +22,7 @@ from bus.sampling_params import (
     SamplingParamError,
     wire_sampling,
 )
+from stages.ingress import response_format
 from stages.ingress.body import (
     BOOL,
     INT,
@@ -39,7 +40,8 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 
 # OpenAI (and vLLM-extension) request name -> its sampling parameter, for both OpenAI endpoints.
 OPENAI_SAMPLING: dict[str, Param] = {name: p for p in SAMPLING_FIELDS for name in p.openai}
-OPENAI_COMMON = {*OPENAI_SAMPLING, "model", "n", "stream", "stream_options", "user", "logprobs"}
+OPENAI_COMMON = {*OPENAI_SAMPLING, "model", "n", "stream", "stream_options", "user", "logprobs",
+                 response_format.NAME}  # fmt: skip
 CHAT_FIELDS = {*OPENAI_COMMON, "messages", "top_logprobs"}
 COMPLETION_FIELDS = {*OPENAI_COMMON, "prompt"}
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "model"}
@@ -140,7 +142,11 @@ def parse_generate(data: dict[str, Any], served: str) -> ApiRequest:
 
 
 def openai_sampling(data: dict[str, Any]) -> dict[str, Any]:
+    """The sampling parameters of either OpenAI endpoint's body, by their parameter names."""
     sampling: dict[str, Any] = {}
+    schema = response_format.response_schema(data)
+    if schema is not None:
+        sampling["json_schema"] = schema
     for name, param in OPENAI_SAMPLING.items():
         value = field(data, name, *param.kind.json)
         if value is not None:
@@ -183,6 +189,7 @@ def _job(data: dict[str, Any], prompts: list[dict[str, Any]], sampling: dict) ->
     )
     field(data, "user", STR)
     openai_names = {param.name: name for name, param in OPENAI_SAMPLING.items() if name in data}
+    openai_names["json_schema"] = response_format.NAME
     if "logprobs" in sampling:
         openai_names.setdefault("logprobs", "logprobs")
         openai_names["top_logprobs"] = "top_logprobs" if "top_logprobs" in data else "logprobs"
@@ -195,7 +202,10 @@ def _checked(sampling: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
         return wire_sampling(sampling)
     except SamplingParamError as exc:
         param = names.get(exc.field, exc.field)
-        raise ApiError(400, str(exc), param=param, code="invalid_value") from None
+        message = str(exc)
+        if param != exc.field and message.startswith(exc.field):
+            message = param + message[len(exc.field) :]  # in the request's own words
+        raise ApiError(400, message, param=param, code="invalid_value") from None
 
 
 def chat_messages(value: Any) -> list[dict[str, str]]:
