@@ -147,3 +147,16 @@ def test_grammar_on_a_model_without_tokenizer_is_a_field_error():
     with pytest.raises(FieldError, match="no tokenizer") as caught:
         tiny.generate(input_ids=[1, 2, 3], sampling_params={"regex": PHONE, "max_new_tokens": 4})
     assert caught.value.field == "regex"
+
+
+def test_retracted_grammar_request_keeps_its_matcher_state(engine):
+    prompts = ["Name some animals:", "List colours:", "Say words:", "Fruit names:"]
+    params = {"temperature": 0, "max_new_tokens": 24, "regex": "[a-z ]+"}
+    roomy = [out["output_ids"] for out in engine.generate(prompts, params)]
+    longest = max(len(engine.tokenizer.encode(p)) for p in prompts) + 24
+    # Room for one request and two slots: decode must retract and recompute the others.
+    small = Engine("smollm2-135m-instruct", dtype="float32", max_total_tokens=longest + 2)
+    outs = small.generate(prompts, params)
+    assert small.scheduler.num_retractions > 0
+    assert [out["output_ids"] for out in outs] == roomy
+    assert all(re.fullmatch("[a-z ]+", out["text"]) for out in outs)
