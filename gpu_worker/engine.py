@@ -25,6 +25,7 @@ from gpu_worker.request_input import (
     normalize_prompts,
     normalize_sampling_params,
 )
+from gpu_worker.sampling.grammar import Grammars
 from gpu_worker.scheduling.req import Req
 from gpu_worker.scheduling.scheduler import Scheduler
 from gpu_worker.speculative.drafter import speculative_usage
@@ -56,6 +57,7 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -110,14 +112,20 @@ class Engine:
         With `detokenize` False the request gets a text stream only if it has stop strings
         (the worker stage leaves text to the detokenizer and only needs to find stops).
         `output_ids` resumes a request another worker began: those tokens count as output
-        already generated (as after a retraction), and generation continues after them.
+        already generated (as after a retraction), and generation continues after them; a
+        grammar's matcher consumes them, so the output goes on matching it.
         """
         checked_ids([input_ids], self.vocab_size, "input_ids")
         params.validate(self.vocab_size)
         self._check_fits(input_ids, params)
         req = self._make_req(input_ids, params, rid, detokenize or bool(params.stop))
+        req.matcher = self.grammars.matcher(params)
         if output_ids:
             checked_ids([output_ids], self.vocab_size, "output_ids")
+            if req.matcher is not None and not req.matcher.consume_tokens(list(output_ids)):
+                raise FieldError(
+                    "output_ids", f"output_ids do not match the grammar: {req.matcher.get_error()}"
+                )
             req.output_ids = list(output_ids)
             # Their logprobs were published by the worker that produced them.
             req.logprobs = [0.0] * len(output_ids)

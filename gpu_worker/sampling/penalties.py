@@ -1,17 +1,23 @@
 """Logit edits that come from a request's settings and history, applied before sampling.
 
 In order: logit_bias, the repetition penalty, frequency/presence penalties, the min-tokens
-mask. Each is built only when some row in the batch uses it, so a batch that uses none costs
-nothing here. Every tensor is per row, so a row's result never depends on its neighbours.
+mask, the grammar mask (grammar.py). Each is built only when some row in the batch uses it,
+so a batch that uses none costs nothing here. Every tensor is per row, so a row's result
+never depends on its neighbours.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from bus.sampling_params import SamplingParams
+from gpu_worker.sampling.grammar import GrammarMask
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 @dataclass
@@ -43,6 +49,8 @@ class SamplingRows:
     prompt_ids: list[list[int]]
     output_ids: list[list[int]]
     blocked_until_min_tokens: list[list[int]]  # stop ids masked while below min_new_tokens
+    # Per row, the grammar's matcher in the state after output_ids; None: no grammar.
+    matchers: list[LLMatcher | None] = field(default_factory=list)
 
 
 @dataclass
@@ -54,6 +62,7 @@ class LogitAdjustments:
     presence: torch.Tensor | None  # [bs, 1] float32
     counts: torch.Tensor | None  # [bs, vocab] float32: occurrences in the output
     min_tokens_mask: SparseEdit | None  # cells set to -inf
+    grammar: GrammarMask | None  # cells the grammar does not allow set to -inf
 
     @classmethod
     def build(cls, rows: SamplingRows, vocab_size: int, device) -> LogitAdjustments | None:
@@ -101,9 +110,11 @@ class LogitAdjustments:
 
         bias = SparseEdit.build(bias_rows, bias_cols, bias_values, device)
         min_tokens_mask = SparseEdit.build(mask_rows, mask_cols, float("-inf"), device)
-        if bias is None and repetition is None and counts is None and min_tokens_mask is None:
+        grammar = GrammarMask.build(rows.matchers, vocab_size, device)
+        edits = (bias, repetition, counts, min_tokens_mask, grammar)
+        if all(edit is None for edit in edits):
             return None
-        return cls(bias, repetition, seen, frequency, presence, counts, min_tokens_mask)
+        return cls(bias, repetition, seen, frequency, presence, counts, min_tokens_mask, grammar)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Edit `logits` ([bs, vocab] float32, owned by the caller) in place and return it."""
@@ -120,6 +131,8 @@ class LogitAdjustments:
         if self.min_tokens_mask is not None:
             mask = self.min_tokens_mask
             logits.index_put_((mask.rows, mask.cols), mask.values)
+        if self.grammar is not None:
+            self.grammar.apply(logits)
         return logits
 
 

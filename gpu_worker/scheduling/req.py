@@ -16,6 +16,8 @@ import torch
 from bus.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
     from gpu_worker.speculative.draft_state import DraftState
     from gpu_worker.text_stream import TextStream
 
@@ -36,12 +38,16 @@ class Req:
         eos_ids: frozenset[int],
         generator: torch.Generator | None = None,
         text_stream: TextStream | None = None,
+        matcher: LLMatcher | None = None,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = input_ids
         self.params = params
         self.generator = generator
         self.text_stream = text_stream
+        # The grammar's matcher (sampling/grammar.py), in the state after output_ids; None
+        # when the request has no grammar.
+        self.matcher = matcher
         self.output_ids: list[int] = []
         # Tokens whose generation stops the request (unless min_new_tokens holds them back).
         self.stop_ids = frozenset(params.stop_token_ids) | (

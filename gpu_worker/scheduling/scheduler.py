@@ -19,6 +19,7 @@ from gpu_worker.config import EngineConfig
 from gpu_worker.memory.radix_cache import RadixCache
 from gpu_worker.model_executor.forward_batch import ForwardMode
 from gpu_worker.model_executor.model_runner import ModelRunner
+from gpu_worker.sampling.grammar import consume
 from gpu_worker.sampling.penalties import SamplingRows
 from gpu_worker.sampling.sampler import SamplingBatch, sample
 from gpu_worker.scheduling.policy import order_waiting, shares_prefix_with_batch
@@ -316,6 +317,12 @@ class Scheduler:
         return sample(logits, batch, self.default_generator, self.runner.cpu_kernels)
 
     def _sampling_batch(self, reqs: list[Req], outputs: list[list[int]], device) -> SamplingBatch:
+        # A matcher masks for the state after the request's own output: grammar requests do
+        # not draft, so their only row is the one after output_ids.
+        assert all(
+            req.matcher is None or len(out) == len(req.output_ids)
+            for req, out in zip(reqs, outputs, strict=True)
+        ), "a grammar request's row must follow its output (grammar requests do not draft)"
         rows = SamplingRows(
             [req.params for req in reqs],
             [req.origin_input_ids for req in reqs],
@@ -324,6 +331,7 @@ class Scheduler:
                 req.blocked_until_min_tokens(len(out))
                 for req, out in zip(reqs, outputs, strict=True)
             ],
+            [req.matcher for req in reqs],
         )
         return SamplingBatch.build(
             rows,
@@ -343,8 +351,15 @@ class Scheduler:
             text, stopped_by_string = req.text_stream.push([token])
             req.pending_text += text
         num_out = len(req.output_ids)
-        if token in req.stop_ids and num_out >= req.params.min_new_tokens:
+        grammar_error = None if req.matcher is None else consume(req.matcher, token)
+        if grammar_error is not None:
+            # The mask allows only tokens the grammar takes, so this is a bug, not a user's.
+            logger.error("request %s: grammar matcher failed: %s", req.rid, grammar_error)
+            req.finished_reason = FinishReason("abort", f"grammar matcher failed: {grammar_error}")
+        elif token in req.stop_ids and num_out >= req.params.min_new_tokens:
             req.finished_reason = FinishReason("stop", token)
+        elif req.matcher is not None and req.matcher.is_stopped():
+            req.finished_reason = FinishReason("stop")  # the grammar is complete
         elif stopped_by_string:
             req.finished_reason = FinishReason("stop", req.text_stream.matched_stop)
         elif num_out >= req.params.max_new_tokens or req.num_tokens >= self.runner.context_length:

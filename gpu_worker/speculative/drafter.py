@@ -86,6 +86,11 @@ class Drafter:
         state = req.draft
         if state is None:
             state = req.draft = DraftState(length=self.num_draft_tokens)
+        if req.matcher is not None:
+            # A grammar request does not draft: verifying drafts would need the matcher to
+            # mask each draft position and roll back the rejected ones. It decodes plainly,
+            # with a 0-draft row in verify steps.
+            return 0
         if state.pause:
             state.pause -= 1
             return 0

@@ -1,0 +1,103 @@
+"""Grammar-constrained decoding: each request's llguidance matcher, and its token mask.
+
+A request with a grammar (bus/grammar.py) carries an `LLMatcher` that has consumed every
+token of its output. Before each sampling step the matcher fills one row of a packed
+bitmask (bit t of word t // 32 set: token t allowed); the sampler turns the rows into
+-inf cells with tensor ops (`GrammarMask`). EOS is allowed only where the grammar accepts,
+and a matcher that is stopped (its grammar complete) ends the request with "stop".
+
+Compiling a grammar is the expensive part, so `Grammars` keeps one template matcher per
+grammar string and gives each request a deep copy. llguidance's tokenizer is built once,
+at the first grammar request, from the model's Hugging Face tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from llguidance import LLMatcher, LLTokenizer
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+from bus.field_error import FieldError
+from bus.grammar import CACHED_GRAMMARS, GRAMMAR_FIELDS, grammar_of
+from bus.sampling_params import SamplingParams
+
+
+class Grammars:
+    """Matchers for one model's vocabulary."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: Iterable[int]) -> None:
+        self.hf_tokenizer = hf_tokenizer  # None for models without one (random: shapes)
+        self.vocab_size = vocab_size
+        self.eos_ids = sorted(eos_ids)
+        self._tokenizer: LLTokenizer | None = None
+        self._templates: OrderedDict[str, LLMatcher] = OrderedDict()
+
+    def matcher(self, params: SamplingParams) -> LLMatcher | None:
+        """A fresh matcher for the request's grammar, None when it has none; FieldError when
+        this model cannot serve it."""
+        grammar = grammar_of(vars(params))
+        if grammar is None:
+            return None
+        field = next(name for name in GRAMMAR_FIELDS if getattr(params, name) is not None)
+        if self.hf_tokenizer is None:
+            raise FieldError(field, f"{field}: this model has no tokenizer to match a grammar with")
+        template = self._templates.get(grammar)
+        if template is None:
+            template = LLMatcher(self._llg_tokenizer(), grammar)
+            if template.is_error():
+                raise FieldError(field, f"{field}: {template.get_error()}")
+            self._templates[grammar] = template
+            if len(self._templates) > CACHED_GRAMMARS:
+                self._templates.popitem(last=False)
+        else:
+            self._templates.move_to_end(grammar)
+        return template.deep_copy()
+
+    def _llg_tokenizer(self) -> LLTokenizer:
+        if self._tokenizer is None:
+            from llguidance.hf import from_tokenizer
+
+            self._tokenizer = from_tokenizer(
+                self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids
+            )
+        return self._tokenizer
+
+
+@dataclass
+class GrammarMask:
+    """The tokens each grammar row may take next; rows without a grammar are not touched."""
+
+    rows: torch.Tensor  # [n] int64, on the logits' device: the rows that have a matcher
+    bitmask: torch.Tensor  # [n, ceil(vocab / 32)] int32, on the logits' device
+
+    @classmethod
+    def build(cls, matchers: list[LLMatcher | None], vocab_size: int, device) -> GrammarMask | None:
+        rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
+        if not rows:
+            return None
+        bitmask = allocate_token_bitmask(len(rows), vocab_size)
+        for i, row in enumerate(rows):
+            fill_next_token_bitmask(matchers[row], bitmask, i)
+        return cls(
+            torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.from_numpy(bitmask).to(device),
+        )
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set the disallowed cells of `logits` ([bs, vocab] float32) to -inf, in place."""
+        vocab = logits.shape[-1]
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        bits = (self.bitmask.unsqueeze(-1) >> shifts) & 1  # [n, words, 32]
+        allowed = bits.flatten(1)[:, :vocab].bool()
+        logits[self.rows] = logits[self.rows].masked_fill_(~allowed, float("-inf"))
+
+
+def consume(matcher: LLMatcher, token: int) -> str | None:
+    """Advance `matcher` by the token the request emitted; why it cannot, or None."""
+    if matcher.consume_token(token):
+        return None
+    return matcher.get_error() or f"token {token} is not allowed by the grammar"

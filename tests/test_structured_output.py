@@ -1,0 +1,162 @@
+"""Grammar-constrained decoding: json_schema, regex and ebnf outputs match their grammar,
+on greedy and sampled rows, resumed or batched with plain requests."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from bus.field_error import FieldError
+from bus.sampling_params import SamplingParams
+from gpu_worker import Engine
+
+GREEDY = {"temperature": 0, "max_new_tokens": 48}
+KINDS = ["cat", "dog", "parrot"]
+PET_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "pet": {
+            "type": "object",
+            "properties": {
+                "kind": {"enum": KINDS},
+                "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                "toys": {
+                    "type": "array",
+                    "items": {"type": "string", "maxLength": 8},
+                    "maxItems": 2,
+                },
+            },
+            "required": ["kind", "age", "toys"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "pet"],
+    "additionalProperties": False,
+}
+JSON_PARAMS = {"json_schema": json.dumps(PET_SCHEMA)}
+PET_CHAT = [{"role": "user", "content": "Describe a pet owner and their pet as JSON."}]
+PHONE = r"[0-9]{3}-[0-9]{4}"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine("smollm2-135m-instruct", dtype="float32")
+
+
+def assert_valid_pet(text: str) -> None:
+    """PET_SCHEMA, checked by hand (jsonschema is not a dependency)."""
+    doc = json.loads(text)
+    assert set(doc) == {"name", "pet"}, doc
+    assert isinstance(doc["name"], str) and len(doc["name"]) <= 12
+    pet = doc["pet"]
+    assert set(pet) == {"kind", "age", "toys"}, pet
+    assert pet["kind"] in KINDS
+    assert isinstance(pet["age"], int) and not isinstance(pet["age"], bool)
+    assert 0 <= pet["age"] <= 99
+    assert isinstance(pet["toys"], list) and len(pet["toys"]) <= 2
+    assert all(isinstance(toy, str) and len(toy) <= 8 for toy in pet["toys"])
+
+
+def run_to_end(engine: Engine, req) -> None:
+    engine.scheduler.add_request(req)
+    while not req.finished:
+        engine._step()
+
+
+def test_json_schema_greedy_output_parses_and_validates(engine):
+    out = engine.generate(messages=PET_CHAT, sampling_params=dict(GREEDY, **JSON_PARAMS))
+    assert out["finish_reason"] == "stop", out
+    assert_valid_pet(out["text"])
+
+
+def test_regex_output_fully_matches(engine):
+    out = engine.generate(
+        messages=[{"role": "user", "content": "Give me a phone number."}],
+        sampling_params=dict(GREEDY, regex=PHONE),
+    )
+    assert re.fullmatch(PHONE, out["text"]), out["text"]
+    assert out["finish_reason"] == "stop"
+
+
+def test_ebnf_output_is_one_of_the_alternatives(engine):
+    out = engine.generate(
+        messages=[{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
+        sampling_params=dict(GREEDY, ebnf='root ::= "yes" | "no"'),
+    )
+    assert out["text"] in ("yes", "no")
+    assert out["finish_reason"] == "stop"
+
+
+def test_grammar_rows_leave_plain_rows_in_the_batch_untouched(engine):
+    plain = ["The capital of France is", "Once upon a time"]
+    alone = [out["output_ids"] for out in engine.generate(plain, GREEDY)]
+    # Plain rows first, so a mask landing on the wrong rows would hit them.
+    prompts = [*plain, "Describe a pet as JSON:", "Phone:"]
+    params = [GREEDY, GREEDY, dict(GREEDY, **JSON_PARAMS), dict(GREEDY, regex=PHONE)]
+    outs = engine.generate(prompts, params)
+    assert [out["output_ids"] for out in outs[:2]] == alone
+    assert_valid_pet(outs[2]["text"])
+    assert re.fullmatch(PHONE, outs[3]["text"])
+
+
+def test_resumed_grammar_request_continues_to_the_same_output(engine):
+    ids = engine.tokenizer.encode(PET_CHAT[0]["content"])
+    params = SamplingParams.from_dict(dict(GREEDY, **JSON_PARAMS))
+    full = engine.build_request("full", ids, params)
+    run_to_end(engine, full)
+    assert len(full.output_ids) > 8
+    k = len(full.output_ids) // 2
+    resumed = engine.build_request("resumed", ids, params, output_ids=full.output_ids[:k])
+    run_to_end(engine, resumed)
+    assert resumed.output_ids == full.output_ids
+    assert resumed.finished_reason == full.finished_reason
+
+
+def test_resume_with_output_the_grammar_refuses_is_a_field_error(engine):
+    params = SamplingParams.from_dict(dict(GREEDY, regex=PHONE))
+    not_digits = engine.tokenizer.encode("hello", add_special_tokens=False)
+    with pytest.raises(FieldError) as caught:
+        engine.build_request("bad", [1, 2, 3], params, output_ids=not_digits)
+    assert caught.value.field == "output_ids"
+
+
+def test_sampled_json_schema_outputs_always_parse(engine):
+    params = [dict(JSON_PARAMS, temperature=1.0, max_new_tokens=48, seed=seed) for seed in range(4)]
+    outs = engine.generate([PET_CHAT[0]["content"]] * 4, params)
+    for out in outs:
+        assert out["finish_reason"] == "stop", out
+        assert_valid_pet(out["text"])
+
+
+def test_grammar_request_does_not_draft_but_still_matches(engine):
+    spec = Engine("smollm2-135m-instruct", dtype="float32", speculative="ngram")
+    prompts = ["Count: one two three one two three one two", "Phone:"]
+    params = [GREEDY, dict(GREEDY, regex=PHONE)]
+    outs = spec.generate(prompts, params)
+    assert outs[0]["usage"]["draft_tokens"] > 0  # the grammar row rode in verify steps
+    assert outs[1]["output_ids"] == engine.generate(prompts[1], params[1])["output_ids"]
+    assert re.fullmatch(PHONE, outs[1]["text"])
+    assert outs[1]["usage"].get("draft_tokens", 0) == 0
+
+
+def test_grammar_on_a_model_without_tokenizer_is_a_field_error():
+    tiny = Engine("random:tiny-llama", dtype="float32")
+    with pytest.raises(FieldError, match="no tokenizer") as caught:
+        tiny.generate(input_ids=[1, 2, 3], sampling_params={"regex": PHONE, "max_new_tokens": 4})
+    assert caught.value.field == "regex"
+
+
+def test_retracted_grammar_request_keeps_its_matcher_state(engine):
+    prompts = ["Name some animals:", "List colours:", "Say words:", "Fruit names:"]
+    params = {"temperature": 0, "max_new_tokens": 24, "regex": "[a-z ]+"}
+    roomy = [out["output_ids"] for out in engine.generate(prompts, params)]
+    longest = max(len(engine.tokenizer.encode(p)) for p in prompts) + 24
+    # Room for one request and two slots: decode must retract and recompute the others.
+    small = Engine("smollm2-135m-instruct", dtype="float32", max_total_tokens=longest + 2)
+    outs = small.generate(prompts, params)
+    assert small.scheduler.num_retractions > 0
+    assert [out["output_ids"] for out in outs] == roomy
+    assert all(re.fullmatch("[a-z ]+", out["text"]) for out in outs)
