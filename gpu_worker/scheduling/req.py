@@ -45,14 +45,14 @@ class Req:
         self.params = params
         self.generator = generator
         self.text_stream = text_stream
-        # The grammar's matcher (sampling/grammar.py), in the state after output_ids; None
-        # when the request has no grammar.
-        self.matcher = matcher
         self.output_ids: list[int] = []
         # Tokens whose generation stops the request (unless min_new_tokens holds them back).
         self.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_ids
         )
+        # The grammar's matcher (sampling/grammar.py), in the state after output_ids; None
+        # when the request has no grammar.
+        self.matcher = matcher
 
         self.req_pool_idx: int | None = None
         self.kv_len = 0
