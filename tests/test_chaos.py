@@ -155,3 +155,57 @@ def test_a_stream_whose_ingress_is_killed_resumes_with_last_event_id(pipeline, u
     assert events[-1][1] == "[DONE]"
     text += "".join(json.loads(data)["choices"][0]["text"] for _, data in events[:-1])
     assert text == undisturbed[0][0]
+
+
+# Long enough to be cut mid-object: a list of bounded strings.
+TRIP_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "stops": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                  "minItems": 4, "maxItems": 6},
+    },
+    "required": ["city", "stops"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def _serving_worker_pid(pipeline: Pipeline, rid: str) -> int:
+    """The pid of the worker holding `rid`: its route names the worker, whose consumer name on
+    its own stream carries its pid (bus.actor.unique_consumer_name)."""
+    import redis
+
+    config = pipeline.config
+    client = redis.Redis.from_url(pipeline.redis_url)
+    try:
+        worker_id = client.get(config.route_key(rid)).decode()
+        consumers = client.xinfo_consumers(config.worker_stream(worker_id), "worker")
+    finally:
+        client.close()
+    busy = next(c["name"] for c in consumers if c["pending"])
+    return int((busy.decode() if isinstance(busy, bytes) else busy).rsplit("-", 2)[1])
+
+
+def test_a_json_schema_stream_whose_worker_dies_mid_object_completes_as_undisturbed(pipeline):
+    import openai
+
+    client = openai.OpenAI(base_url=pipeline.url + "/v1", api_key="unused", max_retries=0)
+    request = dict(
+        model=pipeline.model, max_tokens=120, temperature=0, timeout=180,
+        messages=[{"role": "user", "content": "Plan a day in Paris as JSON."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "trip", "schema": TRIP_SCHEMA}},
+    )  # fmt: skip
+    expected = client.chat.completions.create(**request).choices[0].message.content
+    text, killed = "", False
+    for chunk in client.chat.completions.create(**request, stream=True):
+        if not chunk.choices:
+            continue
+        text += chunk.choices[0].delta.content or ""
+        if not killed and len(text) > 12:  # inside the object, past its first key
+            os.kill(_serving_worker_pid(pipeline, chunk.id + "-0"), signal.SIGKILL)
+            killed = True
+    assert killed
+    assert text == expected
+    trip = json.loads(text)
+    assert set(trip) == {"city", "stops"} and 4 <= len(trip["stops"]) <= 6
