@@ -60,14 +60,15 @@ PROMPT_CONTEXT_TOKENS = 5
 
 @dataclass
 class GenerateRequest(Message):
-    """A job in text (``prompt``), chat (``messages``) or token-id (``input_ids``) form."""
+    """A job in text (``prompt``), chat (``messages``) or token-id (``input_ids``) form; a chat
+    may name ``tools`` (OpenAI's function definitions), which its template renders."""
 
     KIND = "generate"
     FIELDS = {
         "rid": STR, "reply_to": STR, "prompt": STR, "messages": LIST, "input_ids": IDS,
-        "sampling": MAP, "created": FLOAT,
+        "sampling": MAP, "created": FLOAT, "tools": LIST,
     }  # fmt: skip
-    OPTIONAL = frozenset({"prompt", "messages", "input_ids", "created"})
+    OPTIONAL = frozenset({"prompt", "messages", "input_ids", "created", "tools"})
 
     rid: str
     reply_to: str
@@ -76,6 +77,7 @@ class GenerateRequest(Message):
     input_ids: list[int] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     created: float | None = None  # unix time the job entered the system, for latency figures
+    tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         given = [n for n in ("prompt", "messages", "input_ids") if getattr(self, n) is not None]
@@ -83,6 +85,8 @@ class GenerateRequest(Message):
             raise ProtocolError(
                 f"a generate job needs exactly one of prompt, messages, input_ids; got {given}"
             )
+        if self.tools is not None and self.messages is None:
+            raise ProtocolError("tools come with a chat job (messages)")
 
 
 @dataclass

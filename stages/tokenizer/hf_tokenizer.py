@@ -29,6 +29,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from bus.field_error import FieldError
 from bus.model_files import build_once, cached_folder, default_cache_dir, resolve_model
+from stages.tool_format import messages_with_tools, template_knows_tools
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +72,17 @@ class StageTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [encoding.ids for encoding in self._tokenizer.encode_batch(texts)]
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None
+    ) -> list[int]:
         """The prompt for the assistant's next turn; ValueError if it cannot be rendered."""
-        text = self.render_chat(messages)
+        text = self.render_chat(messages, tools)
         # The template writes the special tokens itself, so none are added around it.
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """The chat template's text for `messages`, before tokenization."""
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The chat template's text for `messages` (and the `tools` the model may call, in
+        OpenAI's form), before tokenization."""
         if self.chat_template is None:
             raise FieldError(
                 "messages", "messages: this model has no chat template; send a prompt instead"
@@ -86,9 +90,18 @@ class StageTokenizer:
         chat = _checked_messages(messages)
         if self._template is None:
             self._template = _compile_template(self.chat_template)
+        extra = {}
+        if template_knows_tools(self.chat_template):
+            extra = {"tools": tools} if tools else {}
+        elif tools or any(m["role"] == "tool" or m.get("tool_calls") for m in chat):
+            try:
+                chat = messages_with_tools(chat, tools or [])
+            except (KeyError, TypeError, AttributeError) as exc:  # a direct job's own shape
+                message = "tools, messages: a tool call needs {function: {name, arguments}}"
+                raise FieldError("messages", f"{message} ({exc!r})") from exc
         try:
             return self._template.render(
-                messages=chat, add_generation_prompt=True, **self.special_tokens
+                messages=chat, add_generation_prompt=True, **extra, **self.special_tokens
             )
         except Exception as exc:
             # The template is code shipped with the model and fed by the client: whatever it

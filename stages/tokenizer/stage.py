@@ -60,7 +60,7 @@ class TokenizerStage:
             ids = next(encoded)
             field = "prompt"
         else:
-            ids = self.tokenizer.apply_chat_template(job.messages)
+            ids = self.tokenizer.apply_chat_template(job.messages, job.tools)
             field = "messages"
         if not ids:
             raise FieldError(field, f"{field}: the prompt is empty")
