@@ -35,6 +35,7 @@ from stages.ingress.params import (
 )
 from stages.ingress.state import STATE, IngressState
 from stages.ingress.submission import Submission
+from stages.ingress.tool_call_parser import ToolCallParser
 
 logger = logging.getLogger(__name__)
 
@@ -106,10 +107,10 @@ async def _openai(
     request_id = fmt.id_prefix + uuid.uuid4().hex
     created = int(time.time())
     head = {"id": request_id, "object": fmt.whole_object, "created": created, "model": state.model}
-    choices = [Choice(i) for i in range(len(job.prompts) * job.n)]
-    point = await _resume_point(request, state, job, len(choices))
+    point = await _resume_point(request, state, job, len(job.prompts) * job.n)
+    head["id"] = request_id if point is None else point.request_id
+    choices = _choices(job, head["id"])
     if point is not None:
-        head["id"] = point.request_id
         async with _resumed(state, job, point) as sub:
             return await _stream_openai(request, sub, job, fmt, head, choices, point)
     async with await _submit(state, job, request_id) as sub:
@@ -131,6 +132,14 @@ async def _openai(
         },
         dumps=lambda d: _json(d).decode(),
     )
+
+
+def _choices(job: ApiRequest, request_id: str) -> list[Choice]:
+    choices = [Choice(i) for i in range(len(job.prompts) * job.n)]
+    if job.tools is not None:
+        for c in choices:  # call ids from the request's: a resumed stream repeats them
+            c.tool_parser = ToolCallParser(job.tools.names, f"{request_id[-12:]}{c.index}")
+    return choices
 
 
 async def _stream_openai(
@@ -160,14 +169,14 @@ async def _stream_openai(
             index = sub.index[reply.rid]
             choice = choices[index]
             choice.add(reply)
-            text = reply.text or ""
+            delta = fmt.delta(choice, reply.text or "", final=reply.finish is not None)
             logprobs = fmt.logprobs(choice, reply) if job.logprobs and reply.ids else None
             finish = choice.finish_reason if reply.finish is not None else None
             if resumed and resumed.already_sent(index, reply):
                 continue  # the client had this one before it lost the stream
-            if not text and finish is None and logprobs is None:
-                continue  # tokens whose text is held back (a partial character, a stop prefix)
-            chunk_choice = fmt.chunk_choice(choice, text, logprobs, finish)
+            if not delta and finish is None and logprobs is None:
+                continue  # text held back (a partial character, a stop prefix, a tool call)
+            chunk_choice = fmt.chunk_choice(choice, delta, logprobs, finish)
             await _send(response, {**head, "choices": [chunk_choice], **extra}, event_id())
         else:
             if job.include_usage:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus.protocol import Finish, TextDelta
+from stages.ingress.tool_call_parser import ToolCallParser
 
 
 @dataclass
@@ -24,10 +25,14 @@ class Choice:
     finish: Finish | None = None
     text_offset: int = 0  # characters so far, for completions' text_offset
     logprobs: dict[str, list] | None = None  # the whole response's logprobs, accumulated
+    tool_parser: ToolCallParser | None = None  # a chat that may call tools
 
     @property
     def finish_reason(self) -> str | None:
-        return None if self.finish is None else self.finish.reason
+        reason = None if self.finish is None else self.finish.reason
+        if reason == "stop" and self.tool_parser is not None and self.tool_parser.calls:
+            return "tool_calls"  # as OpenAI: the model stopped to have its calls run
+        return reason
 
     def add(self, delta: TextDelta) -> None:
         self.text.append(delta.text or "")
@@ -123,20 +128,38 @@ class ChatFormat:
         choice.logprobs["content"].extend(content)
         return {"content": content}
 
+    def delta(self, choice: Choice, text: str, final: bool) -> dict[str, Any]:
+        """What a piece of the choice's text adds to the message: content, tool calls."""
+        if choice.tool_parser is None:
+            return {"content": text} if text else {}
+        first = len(choice.tool_parser.calls)
+        content, calls = choice.tool_parser.feed(text, final)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [call.entry(first + i) for i, call in enumerate(calls)]
+        return delta
+
     def chunk_choice(
-        self, choice: Choice, text: str, logprobs: dict | None, finish_reason: str | None
-    ) -> dict[str, Any]:
+        self, choice: Choice, delta: dict[str, Any], logprobs: dict | None,
+        finish_reason: str | None,
+    ) -> dict[str, Any]:  # fmt: skip
         return {
             "index": choice.index,
-            "delta": {"content": text} if text else {},
+            "delta": delta,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
 
     def whole_choice(self, choice: Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(choice.text)}
+        if choice.tool_parser is not None:
+            whole = self.delta(choice, message["content"], final=True)
+            message["content"] = whole.get("content")
+            if choice.tool_parser.calls:
+                message["tool_calls"] = whole["tool_calls"]
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": "".join(choice.text)},
+            "message": message,
             "logprobs": choice.logprobs,
             "finish_reason": choice.finish_reason,
         }
@@ -168,12 +191,16 @@ class CompletionFormat:
             choice.logprobs[key].extend(values)
         return part
 
+    def delta(self, choice: Choice, text: str, final: bool) -> dict[str, Any]:
+        return {"text": text} if text else {}
+
     def chunk_choice(
-        self, choice: Choice, text: str, logprobs: dict | None, finish_reason: str | None
-    ) -> dict[str, Any]:
+        self, choice: Choice, delta: dict[str, Any], logprobs: dict | None,
+        finish_reason: str | None,
+    ) -> dict[str, Any]:  # fmt: skip
         return {
             "index": choice.index,
-            "text": text,
+            "text": delta.get("text", ""),
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }

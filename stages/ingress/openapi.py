@@ -12,7 +12,7 @@ from typing import Any
 
 from bus.protocol import MAX_TOKEN_ID
 from bus.sampling_params import SAMPLING_FIELDS, Param
-from stages.ingress import response_format
+from stages.ingress import response_format, tool_request
 from stages.ingress.params import (
     CHAT_FIELDS,
     CHAT_ROLES,
@@ -74,6 +74,7 @@ def _chat_request() -> dict[str, Any]:
             "content": {
                 "anyOf": [{"type": "string"}, {"type": "array", "items": part}, {"type": "null"}]
             },  # fmt: skip
+            **tool_request.openapi_message_properties(),
         },
     }
     properties = _openai_properties()
@@ -81,6 +82,7 @@ def _chat_request() -> dict[str, Any]:
         messages={"type": "array", "items": message, "minItems": 1},
         logprobs={"type": ["boolean", "null"]},
         top_logprobs={"type": ["integer", "null"], "minimum": 0},
+        **tool_request.openapi_properties(),
     )
     return _object(properties, CHAT_FIELDS, ["model", "messages"])
 

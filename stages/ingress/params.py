@@ -22,7 +22,7 @@ from bus.sampling_params import (
     SamplingParamError,
     wire_sampling,
 )
-from stages.ingress import response_format
+from stages.ingress import response_format, tool_request
 from stages.ingress.body import (
     BOOL,
     INT,
@@ -34,15 +34,17 @@ from stages.ingress.body import (
     wrong_type,
 )
 from stages.ingress.errors import ApiError
+from stages.ingress.tool_request import ToolCalling
 
 MAX_CHOICES = 128  # prompts x n of one HTTP request
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+              "tool": "tool"}  # fmt: skip
 
 # OpenAI (and vLLM-extension) request name -> its sampling parameter, for both OpenAI endpoints.
 OPENAI_SAMPLING: dict[str, Param] = {name: p for p in SAMPLING_FIELDS for name in p.openai}
 OPENAI_COMMON = {*OPENAI_SAMPLING, "model", "n", "stream", "stream_options", "user", "logprobs",
                  response_format.NAME}  # fmt: skip
-CHAT_FIELDS = {*OPENAI_COMMON, "messages", "top_logprobs"}
+CHAT_FIELDS = {*OPENAI_COMMON, "messages", "top_logprobs", *tool_request.FIELDS}
 COMPLETION_FIELDS = {*OPENAI_COMMON, "prompt"}
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "model"}
 
@@ -56,6 +58,7 @@ class ApiRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    tools: ToolCalling | None = None  # a chat's tool calling, when it may call tools
 
     @property
     def logprobs(self) -> bool:
@@ -107,7 +110,15 @@ def parse_chat(data: dict[str, Any], served: str) -> ApiRequest:
         sampling["logprobs"] = logprobs
     if top is not None:
         sampling["top_logprobs"] = top
-    return _job(data, [{"messages": messages}], sampling)
+    tools = tool_request.tool_calling(data)
+    if tools is None:
+        return _job(data, [{"messages": messages}], sampling)
+    grammar = tools.grammar()
+    if grammar is not None:
+        sampling["ebnf"] = grammar  # the answer must be calls
+    job = _job(data, [{"messages": messages, "tools": tools.tools}], sampling)
+    job.tools = tools
+    return job
 
 
 def parse_completion(data: dict[str, Any], served: str) -> ApiRequest:
@@ -190,6 +201,7 @@ def _job(data: dict[str, Any], prompts: list[dict[str, Any]], sampling: dict) ->
     field(data, "user", STR)
     openai_names = {param.name: name for name, param in OPENAI_SAMPLING.items() if name in data}
     openai_names["json_schema"] = response_format.NAME
+    openai_names["ebnf"] = "tools"  # only a chat's tool grammar comes as ebnf
     if "logprobs" in sampling:
         openai_names.setdefault("logprobs", "logprobs")
         openai_names["top_logprobs"] = "top_logprobs" if "top_logprobs" in data else "logprobs"
@@ -227,7 +239,12 @@ def chat_messages(value: Any) -> list[dict[str, str]]:
                 param="messages",
                 code="invalid_value",
             )
-        out.append({"role": CHAT_ROLES[role], "content": _content(message.get("content"), where)})
+        entry = {"role": CHAT_ROLES[role], "content": _content(message.get("content"), where)}
+        if role == "assistant" and message.get("tool_calls"):
+            entry["tool_calls"] = tool_request.assistant_tool_calls(message, where)
+        elif role == "tool":
+            entry["tool_call_id"] = tool_request.tool_result_id(message, where)
+        out.append(entry)
     return out
 
 
