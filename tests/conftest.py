@@ -55,3 +55,21 @@ def redis_client(redis_url):
     client.flushall()
     yield client
     client.close()
+
+
+@pytest.fixture(scope="module")
+def float32_pipeline():
+    """`streamserve up` on the default model in float32 (greedy answers do not depend on the
+    batch), one per test module that asks for it."""
+    from tests.pipeline_harness import Pipeline
+
+    with Pipeline("smollm2-135m-instruct", worker_arg=["--dtype=float32"]) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def openai_client(float32_pipeline):
+    """The official client on `float32_pipeline`; no retries, so a failure shows at once."""
+    import openai
+
+    return openai.OpenAI(base_url=float32_pipeline.url + "/v1", api_key="unused", max_retries=0)

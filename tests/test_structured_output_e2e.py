@@ -12,8 +12,6 @@ import openai
 import pydantic
 import pytest
 
-from tests.pipeline_harness import Pipeline
-
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
@@ -40,17 +38,6 @@ class Capital(pydantic.BaseModel):
     founded: int = pydantic.Field(ge=0, le=3000)
 
 
-@pytest.fixture(scope="module")
-def pipeline():
-    with Pipeline(MODEL, worker_arg=["--dtype=float32"]) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(pipeline):
-    return openai.OpenAI(base_url=pipeline.url + "/v1", api_key="unused", max_retries=0)
-
-
 def _ask(client, content: str, **extra):
     return client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=160, **extra
@@ -75,8 +62,8 @@ def _is_city(value) -> bool:
     )  # fmt: skip
 
 
-def test_parse_with_a_pydantic_model_through_the_official_client(client):
-    completion = client.chat.completions.parse(
+def test_parse_with_a_pydantic_model_through_the_official_client(openai_client):
+    completion = openai_client.chat.completions.parse(
         model=MODEL,
         messages=[{"role": "user", "content": "Describe the capital of France as JSON."}],
         response_format=Capital,
@@ -88,27 +75,31 @@ def test_parse_with_a_pydantic_model_through_the_official_client(client):
     assert completion.choices[0].finish_reason == "stop"
 
 
-def test_a_nested_json_schema_holds_greedy_and_sampled_for_every_choice(client):
+def test_a_nested_json_schema_holds_greedy_and_sampled_for_every_choice(openai_client):
     response_format = _city_format(strict=True)
-    greedy = _ask(client, "Tell me about Paris.", response_format=response_format, temperature=0)
-    sampled = _ask(client, "Tell me about a city.", response_format=response_format,
+    greedy = _ask(
+        openai_client, "Tell me about Paris.", response_format=response_format, temperature=0
+    )
+    sampled = _ask(openai_client, "Tell me about a city.", response_format=response_format,
                    temperature=1.0, seed=7, n=3)  # fmt: skip
     for choice in [*greedy.choices, *sampled.choices]:
         assert choice.finish_reason == "stop", choice.message.content
         assert _is_city(json.loads(choice.message.content)), choice.message.content
 
 
-def test_json_object_mode_answers_a_json_object(client):
-    answer = _ask(client, "Give me a JSON object about cats.",
+def test_json_object_mode_answers_a_json_object(openai_client):
+    answer = _ask(openai_client, "Give me a JSON object about cats.",
                   response_format={"type": "json_object"}, temperature=0)  # fmt: skip
     assert isinstance(json.loads(answer.choices[0].message.content), dict)
 
 
-def test_streamed_structured_output_is_the_whole_answer(client):
+def test_streamed_structured_output_is_the_whole_answer(openai_client):
     response_format = _city_format()
-    whole = _ask(client, "Tell me about Rome.", response_format=response_format, temperature=0)
-    stream = _ask(client, "Tell me about Rome.", response_format=response_format, temperature=0,
-                  stream=True)  # fmt: skip
+    whole = _ask(
+        openai_client, "Tell me about Rome.", response_format=response_format, temperature=0
+    )
+    stream = _ask(openai_client, "Tell me about Rome.", response_format=response_format,
+                  temperature=0, stream=True)  # fmt: skip
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert text == whole.choices[0].message.content
     assert _is_city(json.loads(text))
@@ -122,17 +113,17 @@ def test_streamed_structured_output_is_the_whole_answer(client):
     ],
     ids=["regex", "ebnf"],
 )
-def test_generate_output_matches_its_regex_or_grammar(pipeline, sampling, matches):
+def test_generate_output_matches_its_regex_or_grammar(float32_pipeline, sampling, matches):
     sampling = {**sampling, "max_new_tokens": 32}
     body = {"text": "Is the sky blue? Answer:", "sampling_params": sampling}
-    status, answer = pipeline.post("/generate", body)
+    status, answer = float32_pipeline.post("/generate", body)
     assert status == 200, answer
     assert matches(answer["text"]), answer
     assert answer["meta_info"]["finish_reason"] == "stop", answer
 
 
-def test_a_schema_that_does_not_compile_is_a_400_before_anything_runs(client):
+def test_a_schema_that_does_not_compile_is_a_400_before_anything_runs(openai_client):
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
     with pytest.raises(openai.BadRequestError) as caught:
-        _ask(client, "Hi", response_format=bad)
+        _ask(openai_client, "Hi", response_format=bad)
     assert caught.value.body["param"] == "response_format"
