@@ -182,20 +182,32 @@ class TokenItem:
     finish: Finish | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[list[list[float]]] | None = None  # per token: [[id, logprob], ...]
+    # The prompt and its logprobs (sampling's prompt_logprobs), on a request's first item:
+    # one entry per prompt token, None for the first.
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[list[float]] | None] | None = None
 
     def to_wire(self) -> list[Any]:
+        prompt = None
+        if self.prompt_ids is not None:
+            prompt = [pack_ids(self.prompt_ids), self.prompt_logprobs, self.prompt_top_logprobs]
         return [
             self.rid, self.reply_to, self.start, pack_ids(self.ids), pack_ids(self.context),
             self.prompt_context, self.stop, self.skip_special_tokens,
             None if self.finish is None else self.finish.to_wire(),
-            self.logprobs, self.top_logprobs,
+            self.logprobs, self.top_logprobs, prompt,
         ]  # fmt: skip
 
     @classmethod
     def from_wire(cls, data: Any) -> TokenItem:
-        if not isinstance(data, list) or len(data) != 11:
-            raise ProtocolError("a token item must be a list of 11")
-        rid, reply_to, start, ids, context, prompt_context, stop, skip, finish, lps, tops = data
+        # 11 fields from a worker that predates prompt logprobs (a rolling upgrade).
+        if not isinstance(data, list) or len(data) not in (11, 12):
+            raise ProtocolError("a token item must be a list of 12")
+        prompt = data[11] if len(data) == 12 else None
+        rid, reply_to, start, ids, context, prompt_context, stop, skip, finish, lps, tops = data[
+            :11
+        ]
         check_field(STR, "rid", rid, False)
         check_field(STR, "reply_to", reply_to, False)
         check_field(INT, "start", start, False)
@@ -214,6 +226,14 @@ class TokenItem:
         )  # fmt: skip
         if not 0 <= item.prompt_context <= len(item.context):
             raise ProtocolError("field 'prompt_context' exceeds the context")
+        if prompt is not None:
+            if not isinstance(prompt, list) or len(prompt) != 3:
+                raise ProtocolError("field 'prompt' must be [ids, logprobs, top_logprobs]")
+            item.prompt_ids = check_field(IDS, "prompt_ids", prompt[0], False)
+            for name, value in (("prompt_logprobs", prompt[1]), ("prompt_top_logprobs", prompt[2])):
+                if value is not None and not isinstance(value, list):
+                    raise ProtocolError(f"field {name!r} must be a list")
+            item.prompt_logprobs, item.prompt_top_logprobs = prompt[1], prompt[2]
         return item
 
 
@@ -267,11 +287,11 @@ class TextDelta(Message):
     FIELDS = {
         "rid": STR, "seq": INT, "ids": IDS, "text": STR, "finish": LIST,
         "logprobs": LIST, "top_logprobs": LIST, "token_texts": LIST,
-        "top_token_texts": LIST,
+        "top_token_texts": LIST, "prompt_ids": IDS, "prompt_text": STR,
+        "prompt_logprobs": LIST, "prompt_top_logprobs": LIST, "prompt_token_texts": LIST,
+        "prompt_top_token_texts": LIST,
     }  # fmt: skip
-    OPTIONAL = frozenset(
-        {"text", "finish", "logprobs", "top_logprobs", "token_texts", "top_token_texts"}
-    )
+    OPTIONAL = frozenset(FIELDS) - {"rid", "seq", "ids"}
 
     rid: str
     seq: int
@@ -282,6 +302,14 @@ class TextDelta(Message):
     top_logprobs: list[list[list[float]]] | None = None
     token_texts: list[str] | None = None  # each token's own text, when logprobs are asked
     top_token_texts: list[list[str]] | None = None  # the texts of top_logprobs' ids
+    # The prompt, with its logprobs, on the first delta of a request that asked for them
+    # (TokenItem's, and the texts of the prompt and of its tokens).
+    prompt_ids: list[int] | None = None
+    prompt_text: str | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[list[float]] | None] | None = None
+    prompt_token_texts: list[str] | None = None
+    prompt_top_token_texts: list[list[str] | None] | None = None
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> TextDelta:

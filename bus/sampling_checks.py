@@ -138,8 +138,10 @@ JSON_SCHEMA = Kind(("object", "string"), _as_json_schema)
 # Written as `not (lo <= x <= hi)` so that NaN fails too.
 
 
-def check_max_new_tokens(name: str, value: int, *_: Any) -> str | None:
-    return None if value >= 1 else f"{name} must be at least 1, got {value}"
+def check_max_new_tokens(name: str, value: int, values: Mapping[str, Any], _: int) -> str | None:
+    if value >= 1 or (value == 0 and values.get("prompt_logprobs")):
+        return None  # 0: the prompt's logprobs only, as lm-evaluation-harness asks
+    return f"{name} must be at least 1 (0 only with prompt logprobs), got {value}"
 
 
 def check_min_new_tokens(name: str, value: int, values: Mapping[str, Any], _: int) -> str | None:
@@ -207,8 +209,8 @@ def check_logit_bias(name: str, bias: dict[int, float], _: Any, vocab_size: int)
 def check_top_logprobs(name: str, value: int, values: Mapping[str, Any], _: int) -> str | None:
     if not 0 <= value <= MAX_TOP_LOGPROBS:
         return f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}"
-    if value and not values["logprobs"]:
-        return f"{name} needs logprobs set to true"
+    if value and not values["logprobs"] and not values.get("prompt_logprobs"):
+        return f"{name} needs logprobs (or prompt_logprobs) set to true"
     return None
 
 

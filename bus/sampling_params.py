@@ -127,6 +127,11 @@ class SamplingParams:
         openai=(),
     )  # fmt: skip
     skip_special_tokens: bool = _param(True, BOOLEAN, None, "leave special tokens out of the text")
+    # Logits at every prompt position: no prefix-cache hit serves the positions still wanted.
+    prompt_logprobs: bool = _param(
+        False, BOOLEAN, None, "return each prompt token's log probability (top_logprobs "
+        "alternatives too); max_new_tokens may then be 0", openai=(),
+    )  # fmt: skip
     # Structured output (bus/grammar.py), one at most; OpenAI's response_format maps to the first.
     json_schema: str | None = _param(
         None, JSON_SCHEMA, check_grammar, "a JSON Schema the output must match", openai=()

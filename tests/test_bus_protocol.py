@@ -49,7 +49,11 @@ def _token_batch() -> TokenBatch:
         top_logprobs=[[[101, -0.25], [5, -2.0]], [[102, -1.5], [6, -1.75]]],
     )
     running = TokenItem("r2", "streamserve:reply:f2", 0, [INT32_MAX], [1], 1)
-    return TokenBatch(worker_id="gpu0", step=42, items=[finished, running])
+    first = TokenItem(
+        "r3", "streamserve:reply:f2", 0, [4], [2, 3], 2, prompt_ids=[2, 3],
+        prompt_logprobs=[None, -0.5], prompt_top_logprobs=[None, [[3, -0.5], [9, -1.0]]],
+    )  # fmt: skip
+    return TokenBatch(worker_id="gpu0", step=42, items=[finished, running, first])
 
 
 SAMPLES: list[Message] = [
@@ -73,6 +77,9 @@ SAMPLES: list[Message] = [
         [[[11, -0.5]], [[12, -0.125]]], ["a", "b"],
     ),
     TextDelta("d2", 0, [11]),
+    TextDelta("d3", 0, [], prompt_ids=[2, 3], prompt_text="ab", prompt_logprobs=[None, -0.5],
+              prompt_top_logprobs=[None, [[3, -0.5]]], prompt_token_texts=["a", "b"],
+              prompt_top_token_texts=[None, ["b"]]),  # fmt: skip
     ErrorReply("e1", 503, "no worker", "service_unavailable", "model", "no_worker"),
     ErrorReply("e2", 400, "bad"),
     Heartbeat("gpu0", "streamserve:worker:gpu0", "smollm2", 2, 3, 4096, 8192, 17, 1234.5),
@@ -107,7 +114,7 @@ def test_every_message_kind_survives_encode_then_decode(message):
 
 def test_token_batch_round_trip_keeps_items_finish_and_logprobs():
     decoded = decode(encode(_token_batch()), TokenBatch)
-    first, second = decoded.items
+    first, second, third = decoded.items
     assert isinstance(first, TokenItem) and isinstance(first.finish, Finish)
     assert first.finish.usage() == {
         "prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17, "cached_tokens": 4,
@@ -115,6 +122,9 @@ def test_token_batch_round_trip_keeps_items_finish_and_logprobs():
     assert first.logprobs == [-0.25, -1.5]
     assert first.top_logprobs[1] == [[102, -1.5], [6, -1.75]]
     assert second.finish is None and second.logprobs is None and second.ids == [INT32_MAX]
+    assert second.prompt_ids is None
+    assert third.prompt_ids == [2, 3] and third.prompt_logprobs == [None, -0.5]
+    assert third.prompt_top_logprobs == [None, [[3, -0.5], [9, -1.0]]]
 
 
 def test_text_delta_finish_reads_back_as_finish():
@@ -246,7 +256,7 @@ MALFORMED = [
      (GenerateRequest,), r"got \['prompt', 'messages', 'input_ids'\]"),
     ("items-not-list", _packed({"kind": "tokens", "worker_id": "w", "step": 1, "items": {}}),
      (TokenBatch,), r"field 'items' must be list, got dict"),
-    ("item-short", _batch_with(["r", "q", 0]), (TokenBatch,), r"token item must be a list of 11"),
+    ("item-short", _batch_with(["r", "q", 0]), (TokenBatch,), r"token item must be a list of 12"),
     ("item-prompt-context-too-big", _batch_with(_item_wire(prompt_context=5)), (TokenBatch,),
      r"'prompt_context' exceeds the context"),
     ("item-prompt-context-negative", _batch_with(_item_wire(prompt_context=-1)), (TokenBatch,),
@@ -366,3 +376,9 @@ def test_a_finish_carries_draft_counts_only_when_the_worker_speculated():
     assert Finish.from_wire(spec.to_wire()) == spec
     assert spec.usage()["accepted_draft_tokens"] == 30
     assert "draft_tokens" not in plain.usage()
+
+
+def test_a_token_item_of_a_worker_before_prompt_logprobs_still_decodes():
+    item = TokenItem("r", "q", 0, [5], [1], 1)
+    old = item.to_wire()[:11]  # what such a worker sends: no prompt element
+    assert TokenItem.from_wire(old) == item
