@@ -130,6 +130,7 @@ class Engine:
             # Their logprobs were published by the worker that produced them.
             req.logprobs = [0.0] * len(output_ids)
             req.top_logprobs = [[] for _ in output_ids]
+            req.prompt_logprobs = None  # and its prompt's, with its first tokens
             if req.text_stream is not None:
                 req.text_stream.push(req.output_ids)  # a stop string may span the resume
         return req
@@ -249,6 +250,7 @@ class Engine:
             result["logprobs"] = list(req.logprobs)
             if req.params.top_logprobs:
                 result["top_logprobs"] = list(req.top_logprobs)
+        result.update(_prompt_logprobs(req))
         return result
 
     def _chunk(self, index: int, req: Req, reported: int) -> dict[str, Any] | None:
@@ -265,7 +267,20 @@ class Engine:
         }
         if req.params.logprobs:
             chunk["logprobs"] = req.logprobs[reported:]
+        if reported == 0:
+            chunk.update(_prompt_logprobs(req))
         if req.finished:
             chunk["matched_stop"] = req.finished_reason.matched
             chunk["usage"] = self._usage(req)
         return chunk
+
+
+def _prompt_logprobs(req: Req) -> dict[str, Any]:
+    """The prompt's logprobs, in vLLM's shape: one entry per prompt token, None for the
+    first (nothing comes before it to score it)."""
+    if req.prompt_logprobs is None:
+        return {}
+    out: dict[str, Any] = {"prompt_logprobs": [None, *req.prompt_logprobs]}
+    if req.params.top_logprobs:
+        out["prompt_top_logprobs"] = [None, *req.prompt_top_logprobs]
+    return out

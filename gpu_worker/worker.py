@@ -276,6 +276,18 @@ class Worker:
                     [[token, logprob] for token, logprob in top]
                     for top in req.top_logprobs[start:end]
                 ]
+        if (
+            start == 0
+            and req.prompt_logprobs is not None
+            and req.prompt_logits_from == req.num_tokens
+        ):
+            item.prompt_ids = req.origin_input_ids
+            item.prompt_logprobs = [None, *req.prompt_logprobs]
+            if req.params.top_logprobs:
+                tops = [
+                    [[token, logprob] for token, logprob in top] for top in req.prompt_top_logprobs
+                ]
+                item.prompt_top_logprobs = [None, *tops]
         if req.finished:
             reason = req.finished_reason
             drafted = (req.draft.drafted, req.draft.accepted) if req.draft else (0, 0)

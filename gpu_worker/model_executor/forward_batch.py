@@ -11,6 +11,10 @@ from enum import IntEnum
 
 import torch
 
+# The most prompt positions one request gets logits for in one forward (prompt logprobs):
+# the scheduler cuts its prefill into chunks of this many, as [rows, vocab] logits are big.
+MAX_PROMPT_LOGIT_ROWS = 512
+
 
 class ForwardMode(IntEnum):
     # Some request computes more than one new token (prefill, a prefill chunk, or a
@@ -43,6 +47,9 @@ class ForwardBatch:
     # them already have KV in the pool. For DECODE these are all 1 and seq_len - 1.
     extend_seq_lens_cpu: list[int]
     extend_prefix_lens_cpu: list[int]
+    # EXTEND: token-axis indices of prompt positions whose logits prompt logprobs need; the
+    # forward returns their logits after those of `last_token_indices`.
+    prompt_logit_indices: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -57,3 +64,11 @@ class ForwardBatch:
             return torch.arange(self.num_tokens, device=self.input_ids.device)
         ends = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0) - 1
         return ends.to(self.input_ids.device)
+
+    def logit_indices(self) -> torch.Tensor:
+        """The rows the forward returns logits of: `last_token_indices`, then the prompt
+        positions of `prompt_logit_indices`."""
+        last = self.last_token_indices()
+        if self.prompt_logit_indices is None:
+            return last
+        return torch.cat([last, self.prompt_logit_indices])

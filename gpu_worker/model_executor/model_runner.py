@@ -19,7 +19,7 @@ from gpu_worker.memory.gpu_memory import forward_activation_bytes, plan_gpu_kv_p
 from gpu_worker.memory.kv_pool import TokenToKVPool
 from gpu_worker.memory.req_to_token_pool import ReqToTokenPool
 from gpu_worker.model_executor.cpu_malloc import keep_freed_memory_in_heap
-from gpu_worker.model_executor.forward_batch import ForwardBatch, ForwardMode
+from gpu_worker.model_executor.forward_batch import MAX_PROMPT_LOGIT_ROWS, ForwardBatch, ForwardMode
 from gpu_worker.model_executor.forward_context import (
     ForwardContext,
     capture_forward_context,
@@ -148,11 +148,13 @@ class ModelRunner:
         return tokens
 
     def _peak_activation_bytes(self) -> int:
-        """The largest forward the scheduler can form: a full prefill chunk, a full decode
-        batch, or a full batch verifying drafts (logits for every token)."""
+        """The largest forward the scheduler can form: a full prefill chunk (one request's
+        prompt logits among its rows), a full decode batch, or a full batch verifying drafts
+        (logits for every token)."""
         config, dtype_bytes = self.config, self.dtype.itemsize
         rows = config.max_running_requests
-        forwards = [(config.chunked_prefill_size, min(rows, config.chunked_prefill_size))]
+        chunk = config.chunked_prefill_size
+        forwards = [(chunk, min(rows + MAX_PROMPT_LOGIT_ROWS, chunk))]
         forwards.append((rows, rows))
         if config.speculative is not None:
             verify_tokens = rows * (config.num_draft_tokens + 1)
@@ -165,7 +167,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits of each request's last new token, [bs, vocab] float32; in TARGET_VERIFY
-        mode, of every new token, [num_tokens, vocab]. Decode batches go through the CUDA
+        mode, of every new token, [num_tokens, vocab]; then those of the prompt positions
+        the batch asks for (`ForwardBatch.prompt_logit_indices`). Decode batches go through the CUDA
         graphs when they are captured and the batch fits one."""
         if forward_batch.forward_mode == ForwardMode.IDLE:
             return torch.empty((0, self.model_config.vocab_size), device=self.device)
@@ -186,4 +189,4 @@ class ModelRunner:
 
     def _logits(self, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(forward_batch.input_ids, forward_batch.positions)
-        return self.model.compute_logits(hidden[forward_batch.last_token_indices()])
+        return self.model.compute_logits(hidden[forward_batch.logit_indices()])

@@ -8,7 +8,12 @@ settings. (A token the filters excluded still has a finite logprob here.)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from gpu_worker.scheduling.req import Req
 
 TopLogprobs = list[tuple[int, float]]
 
@@ -45,3 +50,26 @@ def gather_logprobs(
             if n > 0:
                 top[row] = list(zip(indices_list[i][:n], values_list[i][:n], strict=True))
     return chosen, top
+
+
+def record_prompt_logprobs(
+    reqs: list[Req],
+    spans: list[tuple[int, int, int]],  # (request row, first position, end position)
+    logits: torch.Tensor,  # [sum of the spans' lengths, vocab]: the prompt positions' logits
+) -> None:
+    """Append to each spanned request the logprobs of the prompt tokens its positions
+    predict (the logits at position p score token p + 1), with its top_logprobs
+    alternatives."""
+    offset = 0
+    for row, start, end in spans:
+        req, count = reqs[row], end - start
+        assert req.prompt_logprobs is not None and len(req.prompt_logprobs) == start
+        targets = torch.tensor(req.origin_input_ids[start + 1 : end + 1], device=logits.device)
+        top_n = req.params.top_logprobs
+        chosen, top = gather_logprobs(
+            logits[offset : offset + count].float(), targets, [True] * count, [top_n] * count
+        )
+        offset += count
+        req.prompt_logprobs.extend(chosen)
+        if top_n:
+            req.prompt_top_logprobs.extend(top)

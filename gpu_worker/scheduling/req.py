@@ -64,6 +64,11 @@ class Req:
         self.finished_reason: FinishReason | None = None
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
+        # With params.prompt_logprobs: entry p is prompt token p+1's, from the logits at
+        # position p. None where they are not wanted, or were published already (a request
+        # resumed after its first tokens).
+        self.prompt_logprobs: list[float] | None = [] if params.prompt_logprobs else None
+        self.prompt_top_logprobs: list[list[tuple[int, float]]] = []
         # Text produced by the text stream but not yet handed to the caller.
         self.pending_text = ""
         # Speculative decoding's per-request state, made at its first draft.
@@ -76,6 +81,15 @@ class Req:
     @property
     def num_tokens(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def prompt_logits_from(self) -> int:
+        """The first position whose logits the prompt logprobs still need; num_tokens if
+        none. Neither the prefix cache nor a retraction's recompute may skip past it."""
+        if self.prompt_logprobs is None:
+            return self.num_tokens
+        done = len(self.prompt_logprobs)
+        return done if done < len(self.origin_input_ids) - 1 else self.num_tokens
 
     @property
     def finished(self) -> bool:

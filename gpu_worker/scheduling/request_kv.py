@@ -140,8 +140,9 @@ class RequestKV:
         req.kv_len = req.cached_len = 0
 
     def _matchable_ids(self, req: Req) -> list[int]:
-        # At least one token must be computed: its logits give the next token.
-        return req.all_ids[: req.num_tokens - 1]
+        # At least one token must be computed: its logits give the next token. Positions
+        # whose logits the prompt logprobs still need are computed too.
+        return req.all_ids[: min(req.num_tokens - 1, req.prompt_logits_from)]
 
     def _last_slot(self, req: Req) -> int:
         if req.kv_len % self.page_size == 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,22 @@ class ScheduleBatch:
     out_cache_loc: torch.Tensor  # [sum(extend_lens)] int64 KV slots
     # TARGET_VERIFY: the tokens drafted after each request's last token.
     draft_ids: list[list[int]] | None = None
+
+    def prompt_logit_spans(self) -> list[tuple[int, int, int]]:
+        """(request row, first position, end position) of the prompt positions whose logits
+        this forward must return for prompt logprobs: each wanted position it computes, up
+        to the prompt's last but one (the last one's logits give the first output token)."""
+        if self.mode != ForwardMode.EXTEND:
+            return []
+        spans = []
+        for i, (req, prefix, new) in enumerate(
+            zip(self.reqs, self.prefix_lens, self.extend_lens, strict=True)
+        ):
+            start = max(prefix, req.prompt_logits_from)
+            end = min(prefix + new, len(req.origin_input_ids) - 1)
+            if start < end:
+                spans.append((i, start, end))
+        return spans
 
     def to_forward_batch(self, device: torch.device) -> ForwardBatch:
         seq_lens = [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
@@ -43,6 +60,14 @@ class ScheduleBatch:
                     for p, s in zip(self.prefix_lens, seq_lens, strict=True)
                 ]
             )
+        prompt_rows = None
+        spans = self.prompt_logit_spans()
+        if spans:
+            offsets = [0, *itertools.accumulate(self.extend_lens)]
+            prompt_rows = torch.cat([
+                torch.arange(start, end, dtype=torch.int64) + offsets[i] - self.prefix_lens[i]
+                for i, start, end in spans
+            ]).to(device, non_blocking=True)  # fmt: skip
         return ForwardBatch(
             forward_mode=self.mode,
             batch_size=len(self.reqs),
@@ -56,6 +81,7 @@ class ScheduleBatch:
             seq_lens_cpu=seq_lens,
             extend_seq_lens_cpu=list(self.extend_lens),
             extend_prefix_lens_cpu=list(self.prefix_lens),
+            prompt_logit_indices=prompt_rows,
         )
 
 

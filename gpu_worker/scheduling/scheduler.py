@@ -17,9 +17,10 @@ import torch
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.memory.radix_cache import RadixCache
-from gpu_worker.model_executor.forward_batch import ForwardMode
+from gpu_worker.model_executor.forward_batch import MAX_PROMPT_LOGIT_ROWS, ForwardMode
 from gpu_worker.model_executor.model_runner import ModelRunner
 from gpu_worker.sampling.grammar import consume
+from gpu_worker.sampling.logprobs import record_prompt_logprobs
 from gpu_worker.sampling.penalties import SamplingRows
 from gpu_worker.sampling.sampler import SamplingBatch, sample
 from gpu_worker.scheduling.policy import order_waiting, shares_prefix_with_batch
@@ -144,11 +145,12 @@ class Scheduler:
             prefix_lens.append(req.kv_len)
             extend_lens.append(num_new)
             locs.append(slots)
-            budget -= num_new
+            # A request cut short is the batch's last: only one goes on as `chunked`.
+            budget = budget - num_new if req.kv_len + num_new == req.num_tokens else 0
 
         if self.chunked is not None:
             req = self.chunked
-            num_new = min(req.num_tokens - req.kv_len, budget)
+            num_new = _chunk_len(req, budget)
             slots = self.kv.alloc_extend(req, num_new)
             if slots is None:
                 return None  # decode steps will finish requests and free room
@@ -167,7 +169,7 @@ class Scheduler:
                 continue
             if not self.kv.attach(req):
                 break
-            num_new = min(req.num_tokens - req.kv_len, budget)
+            num_new = _chunk_len(req, budget)
             # Keep a page per running request free so the next decode step does not retract.
             headroom = (len(self.running) + len(reqs) + 1) * self.runner.page_size
             slots = None
@@ -241,18 +243,24 @@ class Scheduler:
     def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
         if batch.mode == ForwardMode.TARGET_VERIFY:
             return self._process_verify_result(batch, logits)
-        rows, sampled = [], []
+        spans = batch.prompt_logit_spans()  # read before kv_len moves on
+        if spans:
+            record_prompt_logprobs(batch.reqs, spans, logits[len(batch.reqs) :])
+            logits = logits[: len(batch.reqs)]
+        rows, sampled, prompt_only = [], [], []
         for i, (req, num_new) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
             req.kv_len += num_new
+            if batch.mode == ForwardMode.EXTEND:
+                self.kv.cache_prefix(req)
             if req.kv_len < req.num_tokens:
                 self.chunked = req  # a prefill chunk: nothing to sample yet
+            elif req.params.max_new_tokens == 0:  # only its prompt's logprobs were asked for
+                prompt_only.append(self._finish(req, FinishReason("length")))
             else:
                 rows.append(i)
                 sampled.append(req)
-            if batch.mode == ForwardMode.EXTEND:
-                self.kv.cache_prefix(req)
         if not sampled:
-            return []
+            return prompt_only
         if len(rows) < len(batch.reqs):
             logits = logits[rows]
         result = self._sample(logits, sampled, [req.output_ids for req in sampled])
@@ -266,7 +274,7 @@ class Scheduler:
                 self.running.append(req)  # its prefill is done: it decodes from now on
         if batch.mode == ForwardMode.DECODE:
             self.running = [req for req in self.running if not req.finished]
-        return sampled
+        return [*prompt_only, *sampled]
 
     def _process_verify_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
         """Emit each request's accepted drafts and one token of the target's own (see
@@ -374,3 +382,12 @@ class Scheduler:
             req.pending_text += req.text_stream.flush()
         self.kv.release(req)
         return req
+
+
+def _chunk_len(req: Req, budget: int) -> int:
+    """The new tokens `req` computes in this forward. One that wants prompt logits takes at
+    most MAX_PROMPT_LOGIT_ROWS: their logits, [rows, vocab], are the forward's to hold."""
+    num_new = min(req.num_tokens - req.kv_len, budget)
+    if req.prompt_logits_from < req.num_tokens:
+        num_new = min(num_new, MAX_PROMPT_LOGIT_ROWS)
+    return num_new

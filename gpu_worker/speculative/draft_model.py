@@ -55,6 +55,10 @@ class DraftSeq:
     def num_tokens(self) -> int:
         return self.target.num_tokens + len(self.drafts)
 
+    @property
+    def prompt_logits_from(self) -> int:
+        return self.num_tokens  # the draft model's logits never score the prompt
+
 
 class DraftModelDrafter(Drafter):
     def __init__(self, target_config: EngineConfig, target_runner: ModelRunner) -> None:
