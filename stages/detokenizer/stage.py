@@ -43,10 +43,27 @@ class DetokenizerStage:
             delta.logprobs = item.logprobs
             delta.top_logprobs = item.top_logprobs
             if self.tokenizer is not None:
-                delta.token_texts = self.tokenizer.token_texts(item.ids)
-                if item.top_logprobs:
-                    delta.top_token_texts = [
-                        self.tokenizer.token_texts([int(token) for token, _ in top])
-                        for top in item.top_logprobs
-                    ]
+                delta.token_texts, delta.top_token_texts = self._texts(item.ids, item.top_logprobs)
+        if item.prompt_ids is not None:
+            delta.prompt_ids = item.prompt_ids
+            delta.prompt_logprobs = item.prompt_logprobs
+            delta.prompt_top_logprobs = item.prompt_top_logprobs
+            if self.tokenizer is not None:
+                delta.prompt_text = self.tokenizer.decode(
+                    item.prompt_ids, skip_special_tokens=item.skip_special_tokens
+                )
+                delta.prompt_token_texts, delta.prompt_top_token_texts = self._texts(
+                    item.prompt_ids, item.prompt_top_logprobs
+                )
         return delta
+
+    def _texts(self, ids: list[int], tops: list | None) -> tuple[list[str], list | None]:
+        """Each token's own text, and those of its top alternatives (None where it has none:
+        a prompt's first token)."""
+        top_texts = None
+        if tops:
+            top_texts = [
+                None if top is None else self.tokenizer.token_texts([int(t) for t, _ in top])
+                for top in tops
+            ]
+        return self.tokenizer.token_texts(ids), top_texts

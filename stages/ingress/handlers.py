@@ -25,6 +25,7 @@ from stages.ingress import resume
 from stages.ingress.body import read_object
 from stages.ingress.errors import ApiError, error_body, redis_unavailable
 from stages.ingress.health import serving_paths
+from stages.ingress.native_format import meta_info, native_logprobs, native_prompt_logprobs
 from stages.ingress.openai_format import ChatFormat, Choice, CompletionFormat, OpenAIFormat, usage
 from stages.ingress.params import (
     ApiRequest,
@@ -121,6 +122,7 @@ async def _openai(
             if isinstance(reply, ErrorReply):
                 raise ApiError.from_reply(reply)
             choice = choices[sub.index[reply.rid]]
+            _echoed(job, fmt, choice, reply)
             choice.add(reply)
             if job.logprobs:
                 fmt.logprobs(choice, reply)
@@ -132,6 +134,16 @@ async def _openai(
         },
         dumps=lambda d: _json(d).decode(),
     )
+
+
+def _echoed(
+    job: ApiRequest, fmt: OpenAIFormat, choice: Choice, reply: TextDelta
+) -> tuple[str, dict[str, Any] | None]:
+    """The prompt a completions choice echoes (and its logprobs), on the reply carrying it;
+    ("", None) on any other."""
+    if not job.echo or reply.prompt_ids is None or not isinstance(fmt, CompletionFormat):
+        return "", None
+    return fmt.echo(choice, reply, job.echo_text(choice.index), job.logprobs)
 
 
 def _choices(job: ApiRequest, request_id: str) -> list[Choice]:
@@ -168,9 +180,12 @@ async def _stream_openai(
                 break
             index = sub.index[reply.rid]
             choice = choices[index]
+            echoed, logprobs = _echoed(job, fmt, choice, reply)
             choice.add(reply)
-            delta = fmt.delta(choice, reply.text or "", final=reply.finish is not None)
-            logprobs = fmt.logprobs(choice, reply) if job.logprobs and reply.ids else None
+            delta = fmt.delta(choice, echoed + (reply.text or ""), final=reply.finish is not None)
+            if job.logprobs and reply.ids:
+                part = fmt.logprobs(choice, reply)
+                logprobs = part if logprobs is None else {k: logprobs[k] + part[k] for k in part}
             finish = choice.finish_reason if reply.finish is not None else None
             if resumed and resumed.already_sent(index, reply):
                 continue  # the client had this one before it lost the stream
@@ -200,35 +215,6 @@ def _internal(exc: Exception) -> ApiError:
 # ---- native /generate --------------------------------------------------------------------------
 
 
-def _meta(delta: TextDelta | None, rid: str) -> dict[str, Any]:
-    finish = None if delta is None else delta.finish_info()
-    meta: dict[str, Any] = {"id": rid, "finish_reason": None if finish is None else finish.reason}
-    if finish is not None:
-        meta.update(
-            matched_stop=finish.matched,
-            prompt_tokens=finish.prompt_tokens,
-            completion_tokens=finish.completion_tokens,
-            cached_tokens=finish.cached_tokens,
-        )
-        if finish.draft_tokens:
-            meta.update(draft_tokens=finish.draft_tokens,
-                        accepted_draft_tokens=finish.accepted_draft_tokens)  # fmt: skip
-    return meta
-
-
-def _native_logprobs(delta: TextDelta) -> dict[str, list]:
-    texts = delta.token_texts or [None] * len(delta.ids)
-    return {
-        "output_token_logprobs": [
-            [lp, token, text]
-            for lp, token, text in zip(delta.logprobs or [], delta.ids, texts, strict=False)
-        ],
-        "output_top_logprobs": [
-            [[lp, int(token), None] for token, lp in row] for row in delta.top_logprobs or []
-        ],
-    }
-
-
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     job = parse_generate(await read_object(request), state.model)
@@ -244,6 +230,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             return await _stream_generate(request, sub, job, rid)
         text, ids, last = [], [], None
         logprobs: dict[str, list] = {"output_token_logprobs": [], "output_top_logprobs": []}
+        prompt_logprobs: dict[str, list] = {}
         async for reply in sub.replies():
             if isinstance(reply, ErrorReply):
                 raise ApiError.from_reply(reply)
@@ -251,11 +238,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
             ids.extend(reply.ids)
             last = reply
             if job.logprobs:
-                for key, values in _native_logprobs(reply).items():
+                for key, values in native_logprobs(reply).items():
                     logprobs[key].extend(values)
-    meta = _meta(last, rid)
+            prompt_logprobs.update(native_prompt_logprobs(reply))
+    meta = meta_info(last, rid)
     if job.logprobs:
         meta.update(logprobs)
+    meta.update(prompt_logprobs)
     return web.json_response({"text": "".join(text), "output_ids": ids, "meta_info": meta})
 
 
@@ -277,9 +266,10 @@ async def _stream_generate(
             choice.add(reply)
             if resumed and resumed.already_sent(0, reply):
                 continue  # the client had this one before it lost the stream
-            meta = _meta(reply, rid)
+            meta = meta_info(reply, rid)
             if job.logprobs:
-                meta.update(_native_logprobs(reply))
+                meta.update(native_logprobs(reply))
+            meta.update(native_prompt_logprobs(reply))
             await _send(
                 response,
                 {"text": reply.text or "", "output_ids": reply.ids, "meta_info": meta},

@@ -174,17 +174,39 @@ class CompletionFormat:
         return []
 
     def logprobs(self, choice: Choice, delta: TextDelta) -> dict[str, Any]:
-        texts = token_texts(delta)
+        lps = [float(lp) for lp in delta.logprobs or []]
+        return self._part(choice, token_texts(delta), lps, [dict(r) for r in top_entries(delta)])
+
+    def echo(
+        self, choice: Choice, delta: TextDelta, prompt: str | None, logprobs: bool
+    ) -> tuple[str, dict[str, Any] | None]:
+        """The prompt before the completion: its text (the request's own, else decoded) and,
+        with `logprobs`, its tokens' part of the logprobs (None for the first token, as
+        OpenAI). `delta` is the one carrying the prompt."""
+        text = prompt if prompt is not None else delta.prompt_text or ""
+        choice.text.append(text)
+        if not logprobs:
+            return text, None
+        texts = delta.prompt_token_texts or [f"<{t}>" for t in delta.prompt_ids or []]
+        top_texts = delta.prompt_top_token_texts or []
+        tops = [
+            None if row is None else {
+                (top_texts[i][j] if i < len(top_texts) and top_texts[i] else f"<{int(token)}>"): lp
+                for j, (token, lp) in enumerate(row)
+            }
+            for i, row in enumerate(delta.prompt_top_logprobs or [None] * len(texts))
+        ]  # fmt: skip
+        return text, self._part(choice, texts, list(delta.prompt_logprobs or []), tops)
+
+    def _part(self, choice: Choice, texts: list[str], logprobs: list, tops: list) -> dict[str, Any]:
+        """These tokens' logprobs, in the shape of completions'; also appended to the
+        choice's whole."""
         offsets = []
         for text in texts:
             offsets.append(choice.text_offset)
             choice.text_offset += len(text)
-        part = {
-            "tokens": texts,
-            "token_logprobs": [float(lp) for lp in delta.logprobs or []],
-            "top_logprobs": [dict(row) for row in top_entries(delta)],
-            "text_offset": offsets,
-        }
+        part = {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops,
+                "text_offset": offsets}  # fmt: skip
         if choice.logprobs is None:
             choice.logprobs = {key: [] for key in part}
         for key, values in part.items():

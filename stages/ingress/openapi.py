@@ -103,6 +103,11 @@ def _completion_request() -> dict[str, Any]:
             "minimum": 0,
             "description": "how many top logprobs each token gets",
         },  # fmt: skip
+        echo={
+            "type": ["boolean", "null"],
+            "description": "the prompt before the completion, with its tokens' logprobs when "
+            "logprobs is given (max_tokens may then be 0)",
+        },
     )
     return _object(properties, COMPLETION_FIELDS, ["model", "prompt"])
 
@@ -119,6 +124,10 @@ def _generate_request() -> dict[str, Any]:
         "sampling_params": sampling,
         "stream": {"type": ["boolean", "null"]},
         "model": {"type": ["string", "null"]},
+        "return_prompt_logprobs": {
+            "type": ["boolean", "null"],
+            "description": "meta_info.input_token_logprobs: each prompt token's logprob",
+        },
     }
     schema = _object(properties, GENERATE_FIELDS, [])
     schema["oneOf"] = [{"required": ["text"]}, {"required": ["input_ids"]}]

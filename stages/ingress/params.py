@@ -45,8 +45,9 @@ OPENAI_SAMPLING: dict[str, Param] = {name: p for p in SAMPLING_FIELDS for name i
 OPENAI_COMMON = {*OPENAI_SAMPLING, "model", "n", "stream", "stream_options", "user", "logprobs",
                  response_format.NAME}  # fmt: skip
 CHAT_FIELDS = {*OPENAI_COMMON, "messages", "top_logprobs", *tool_request.FIELDS}
-COMPLETION_FIELDS = {*OPENAI_COMMON, "prompt"}
-GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "model"}
+COMPLETION_FIELDS = {*OPENAI_COMMON, "prompt", "echo"}
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "model",
+                   "return_prompt_logprobs"}  # fmt: skip
 
 
 @dataclass
@@ -59,6 +60,11 @@ class ApiRequest:
     stream: bool = False
     include_usage: bool = False
     tools: ToolCalling | None = None  # a chat's tool calling, when it may call tools
+    echo: bool = False  # completions: the prompt comes back before each choice's text
+
+    def echo_text(self, choice: int) -> str | None:
+        """The prompt choice `choice` echoes, where the request gave it as text."""
+        return self.prompts[choice // self.n].get("prompt")
 
     @property
     def logprobs(self) -> bool:
@@ -131,7 +137,12 @@ def parse_completion(data: dict[str, Any], served: str) -> ApiRequest:
     if top is not None:  # completions' logprobs is the number of top logprobs wanted
         sampling["logprobs"] = True
         sampling["top_logprobs"] = top
-    return _job(data, completion_prompts(data["prompt"]), sampling)
+    echo = bool(field(data, "echo", BOOL))
+    if echo:  # the prompt's tokens come back from the worker, with their logprobs
+        sampling["prompt_logprobs"] = True
+    job = _job(data, completion_prompts(data["prompt"]), sampling)
+    job.echo = echo
+    return job
 
 
 def parse_generate(data: dict[str, Any], served: str) -> ApiRequest:
@@ -148,8 +159,11 @@ def parse_generate(data: dict[str, Any], served: str) -> ApiRequest:
     reject_unknown(given, FIELD_NAMES, where="in sampling_params: ")
     checked = {p.name: field(given, p.name, *p.kind.json) for p in SAMPLING_FIELDS}
     sampling = {name: value for name, value in checked.items() if value is not None}
+    if field(data, "return_prompt_logprobs", BOOL):
+        sampling["prompt_logprobs"] = True
     stream = bool(field(data, "stream", BOOL))
-    return ApiRequest([prompt], _checked(sampling, {}), stream=stream)
+    names = {} if "prompt_logprobs" in given else {"prompt_logprobs": "return_prompt_logprobs"}
+    return ApiRequest([prompt], _checked(sampling, names), stream=stream)
 
 
 def openai_sampling(data: dict[str, Any]) -> dict[str, Any]:
@@ -202,6 +216,7 @@ def _job(data: dict[str, Any], prompts: list[dict[str, Any]], sampling: dict) ->
     openai_names = {param.name: name for name, param in OPENAI_SAMPLING.items() if name in data}
     openai_names["json_schema"] = response_format.NAME
     openai_names["ebnf"] = "tools"  # only a chat's tool grammar comes as ebnf
+    openai_names["prompt_logprobs"] = "echo"
     if "logprobs" in sampling:
         openai_names.setdefault("logprobs", "logprobs")
         openai_names["top_logprobs"] = "top_logprobs" if "top_logprobs" in data else "logprobs"
