@@ -9,7 +9,8 @@ and with ``--reference`` transformers' own for the same tokens (float32) and the
 lm-eval's install is heavy (datasets, evaluate, ...), so this is a script, not a test. In a
 virtualenv of its own::
 
-    python -m venv /tmp/lmeval && /tmp/lmeval/bin/pip install torch==2.13.0 lm-eval transformers accelerate gguf
+    python -m venv /tmp/lmeval
+    /tmp/lmeval/bin/pip install torch==2.13.0 lm-eval transformers accelerate gguf
     streamserve up --port 8300 --worker-arg=--dtype=float32 &
     /tmp/lmeval/bin/python benchmarks/bench_lm_eval_loglikelihood.py --url http://127.0.0.1:8300 \\
         --tokenizer ~/.cache/streamserve/tokenizers/<the model's folder> --reference GGUF_FILE

@@ -1,0 +1,92 @@
+"""Decode step time with and without a grammar, at batch 1 and 64, in the engine.
+
+    python benchmarks/bench_grammar_step.py [--batches 1,64] [--tokens 64] [--repeats 3]
+        [--dtype auto] [--out f.jsonl]
+
+Each run decodes `--tokens` tokens for a batch of the same chat prompt, once free (ignore_eos)
+and once constrained by a JSON schema long enough never to complete first (an array of at
+least 64 strings), so every decode step runs the full batch either way. The scheduler's
+steps are timed one by one; the figure is the median time of the decode steps whose batch is
+full, which covers the grammar's whole cost on the step: the mask filled on CPU, applied to
+the logits, and each matcher advanced by its token. Prints one JSON line per (batch,
+grammar) with the median over repeats, and the ratio constrained / free (target <= 1.10).
+Run on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.jsonl import emit  # noqa: E402
+from gpu_worker import Engine  # noqa: E402
+from gpu_worker.config import EngineConfig  # noqa: E402
+
+PROMPT = [{"role": "user", "content": "List as many fruits as you can, as a JSON array."}]
+LONG_ARRAY = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 64}
+
+
+def _decode_steps(engine: Engine, batch: int, sampling: dict) -> list[float]:
+    """Seconds of each decode step that ran the whole batch."""
+    scheduler, timed = engine.scheduler, []
+    step = scheduler.step
+
+    def timed_step():
+        started = time.perf_counter()
+        sampled = step()
+        seconds = time.perf_counter() - started
+        if (
+            sampled is not None
+            and len(sampled) == batch
+            and all(r.output_ids[:-1] for r in sampled)
+        ):
+            timed.append(seconds)  # a decode step (each had a token before) of the full batch
+        return sampled
+
+    scheduler.step = timed_step
+    try:
+        engine.generate(messages=[PROMPT] * batch, sampling_params=sampling)
+    finally:
+        scheduler.step = step
+    return timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto", help="auto: what the engine would pick")
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
+    args = parser.parse_args()
+    dtype = EngineConfig(model=args.model, dtype=args.dtype).dtype_name()
+    engine = Engine(args.model, dtype=dtype)
+    free = {"max_new_tokens": args.tokens, "ignore_eos": True, "temperature": 0}
+    constrained = {"max_new_tokens": args.tokens, "temperature": 0,
+                   "json_schema": json.dumps(LONG_ARRAY)}  # fmt: skip
+    engine.generate(messages=[PROMPT] * 2, sampling_params={**constrained, "max_new_tokens": 8})
+    for batch in (int(b) for b in args.batches.split(",")):
+        medians: dict[str, float] = {}
+        for name, sampling in (("free", free), ("json_schema", constrained)):
+            runs = [statistics.median(_decode_steps(engine, batch, sampling))
+                    for _ in range(args.repeats)]  # fmt: skip
+            medians[name] = statistics.median(runs)
+            emit({"bench": "grammar_step", "model": args.model, "dtype": dtype, "batch": batch,
+                  "grammar": name, "step_ms": round(medians[name] * 1e3, 3),
+                  "step_ms_runs": [round(r * 1e3, 3) for r in runs],
+                  "cpu": platform.processor() or platform.machine()}, args.out)  # fmt: skip
+        ratio = medians["json_schema"] / medians["free"]
+        emit({"bench": "grammar_step", "batch": batch, "ratio": round(ratio, 3),
+              "target": 1.10, "met": ratio <= 1.10}, args.out)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
