@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from bus.field_error import FieldError
 from bus.sampling_params import SamplingParams
@@ -131,15 +132,39 @@ def test_sampled_json_schema_outputs_always_parse(engine):
         assert_valid_pet(out["text"])
 
 
-def test_grammar_request_does_not_draft_but_still_matches(engine):
+COPY_PET = '{"name":"Ann","pet":{"kind":"cat","age":3,"toys":["ball","yarn"]}}'
+
+
+def test_grammar_requests_draft_ngrams_and_keep_the_greedy_output(engine):
     spec = Engine("smollm2-135m-instruct", dtype="float32", speculative="ngram")
-    prompts = ["Count: one two three one two three one two", "Phone:"]
-    params = [GREEDY, dict(GREEDY, regex=PHONE)]
+    prompts = [f"Copy this JSON exactly: {COPY_PET}\nCopy: ", "Count: one two three one two three",
+               "Phone: 555-1234. Again, phone: 555-1234. Phone:"]  # fmt: skip
+    params = [dict(GREEDY, **JSON_PARAMS), GREEDY, dict(GREEDY, regex=PHONE)]
     outs = spec.generate(prompts, params)
-    assert outs[0]["usage"]["draft_tokens"] > 0  # the grammar row rode in verify steps
-    assert outs[1]["output_ids"] == engine.generate(prompts[1], params[1])["output_ids"]
-    assert re.fullmatch(PHONE, outs[1]["text"])
-    assert outs[1]["usage"].get("draft_tokens", 0) == 0
+    plain = engine.generate(prompts, params)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
+    assert_valid_pet(outs[0]["text"])
+    assert re.fullmatch(PHONE, outs[2]["text"])
+    # The JSON request drafted from its prompt, and the grammar kept what matched.
+    assert outs[0]["usage"]["accepted_draft_tokens"] > 0, outs[0]["usage"]
+
+
+def test_a_verify_rows_mask_follows_the_drafts_before_it(engine):
+    from gpu_worker.sampling.grammar import GrammarMask
+
+    grammars = engine.grammars
+    matcher = grammars.matcher(SamplingParams(json_schema=json.dumps(PET_SCHEMA)))
+    drafts = engine.tokenizer.encode(COPY_PET)[:5]
+    assert matcher.validate_tokens(drafts) == len(drafts)
+    rows = [drafts[:j] for j in range(len(drafts) + 1)]
+    mask = GrammarMask.build([matcher] * len(rows), engine.vocab_size, "cpu", rows)
+    for j, before in enumerate(rows):
+        fresh = grammars.matcher(SamplingParams(json_schema=json.dumps(PET_SCHEMA)))
+        assert fresh.consume_tokens(before)
+        expected = GrammarMask.build([fresh], engine.vocab_size, "cpu")
+        assert torch.equal(mask.bitmask[j], expected.bitmask[0])
+    # The matcher is back where it was: it takes the first draft again.
+    assert matcher.consume_token(drafts[0])
 
 
 def test_grammar_on_a_model_without_tokenizer_is_a_field_error():

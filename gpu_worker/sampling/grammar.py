@@ -75,13 +75,35 @@ class GrammarMask:
     bitmask: torch.Tensor  # [n, ceil(vocab / 32)] int32, on the logits' device
 
     @classmethod
-    def build(cls, matchers: list[LLMatcher | None], vocab_size: int, device) -> GrammarMask | None:
+    def build(
+        cls,
+        matchers: list[LLMatcher | None],
+        vocab_size: int,
+        device,
+        drafts_before: list[list[int]] | None = None,
+    ) -> GrammarMask | None:
+        """The mask of each row with a matcher. A row with `drafts_before` (a verify step's:
+        the drafts it follows, which the grammar took when drafted) is masked in the state
+        after them: the matcher consumes them for the row and rolls back after the batch.
+        A request's rows come in draft order, each one draft further."""
         rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
         if not rows:
             return None
         bitmask = allocate_token_bitmask(len(rows), vocab_size)
-        for i, row in enumerate(rows):
-            fill_next_token_bitmask(matchers[row], bitmask, i)
+        ahead: dict[int, tuple[LLMatcher, int]] = {}  # id(matcher) -> (it, drafts consumed)
+        try:
+            for i, row in enumerate(rows):
+                matcher = matchers[row]
+                drafts = drafts_before[row] if drafts_before else []
+                done = ahead.get(id(matcher), (matcher, 0))[1]
+                if len(drafts) > done:
+                    if not matcher.consume_tokens(drafts[done:]):
+                        raise RuntimeError(f"a draft the grammar refuses: {matcher.get_error()}")
+                    ahead[id(matcher)] = (matcher, len(drafts))
+                fill_next_token_bitmask(matcher, bitmask, i)
+        finally:
+            for matcher, consumed in ahead.values():
+                matcher.rollback(consumed)
         return cls(
             torch.tensor(rows, dtype=torch.int64, device=device),
             torch.from_numpy(bitmask).to(device),

@@ -49,8 +49,10 @@ class SamplingRows:
     prompt_ids: list[list[int]]
     output_ids: list[list[int]]
     blocked_until_min_tokens: list[list[int]]  # stop ids masked while below min_new_tokens
-    # Per row, the grammar's matcher in the state after output_ids; None: no grammar.
+    # Per row, the grammar's matcher in the state after the request's own output; None: no
+    # grammar. A verify step's rows go past that output by the drafts before them.
     matchers: list[LLMatcher | None] = field(default_factory=list)
+    drafts_before: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -110,7 +112,7 @@ class LogitAdjustments:
 
         bias = SparseEdit.build(bias_rows, bias_cols, bias_values, device)
         min_tokens_mask = SparseEdit.build(mask_rows, mask_cols, float("-inf"), device)
-        grammar = GrammarMask.build(rows.matchers, vocab_size, device)
+        grammar = GrammarMask.build(rows.matchers, vocab_size, device, rows.drafts_before)
         edits = (bias, repetition, counts, min_tokens_mask, grammar)
         if all(edit is None for edit in edits):
             return None

@@ -325,12 +325,6 @@ class Scheduler:
         return sample(logits, batch, self.default_generator, self.runner.cpu_kernels)
 
     def _sampling_batch(self, reqs: list[Req], outputs: list[list[int]], device) -> SamplingBatch:
-        # A matcher masks for the state after the request's own output: grammar requests do
-        # not draft, so their only row is the one after output_ids.
-        assert all(
-            req.matcher is None or len(out) == len(req.output_ids)
-            for req, out in zip(reqs, outputs, strict=True)
-        ), "a grammar request's row must follow its output (grammar requests do not draft)"
         rows = SamplingRows(
             [req.params for req in reqs],
             [req.origin_input_ids for req in reqs],
@@ -340,6 +334,8 @@ class Scheduler:
                 for req, out in zip(reqs, outputs, strict=True)
             ],
             [req.matcher for req in reqs],
+            # A verify row's grammar state is the one after the drafts it follows.
+            [out[len(req.output_ids) :] for req, out in zip(reqs, outputs, strict=True)],
         )
         return SamplingBatch.build(
             rows,

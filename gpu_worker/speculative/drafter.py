@@ -66,6 +66,10 @@ class Drafter:
     # Per request id, the distribution each draft was sampled from ([k, vocab]), for
     # proposers that have one; None: drafts are verified by matching the target's samples.
     draft_probs: dict | None = None
+    # Whether a grammar request drafts: its drafts are cut where the grammar refuses one,
+    # and verify masks each row in the grammar's state after the drafts before it. The draft
+    # model samples its drafts without the grammar, so it leaves grammar requests alone.
+    drafts_under_grammar = False
 
     def __init__(self, num_draft_tokens: int) -> None:
         self.num_draft_tokens = num_draft_tokens
@@ -86,11 +90,8 @@ class Drafter:
         state = req.draft
         if state is None:
             state = req.draft = DraftState(length=self.num_draft_tokens)
-        if req.matcher is not None:
-            # A grammar request does not draft: verifying drafts would need the matcher to
-            # mask each draft position and roll back the rejected ones. It decodes plainly,
-            # with a 0-draft row in verify steps.
-            return 0
+        if req.matcher is not None and not self.drafts_under_grammar:
+            return 0  # it decodes plainly, with a 0-draft row in verify steps
         if state.pause:
             state.pause -= 1
             return 0
@@ -143,11 +144,16 @@ class Drafter:
 
 
 class NgramDrafter(Drafter):
+    drafts_under_grammar = True
+
     def propose(self, reqs: list[Req], context_length: int) -> list[list[int]] | None:
         drafts = []
         for req in reqs:
             k = self.draft_length(req, context_length)
-            drafts.append(req.draft.index.propose(req.all_ids, k) if k else [])
+            draft = req.draft.index.propose(req.all_ids, k) if k else []
+            if draft and req.matcher is not None:
+                draft = draft[: req.matcher.validate_tokens(draft)]  # up to one it refuses
+            drafts.append(draft)
         return drafts if self.worth_verifying(reqs, drafts) else None
 
 
