@@ -199,6 +199,24 @@ def test_argmax_equals_torch_argmax_on_ties_nan_and_infinities(kernels, rows, co
     assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("rows,cols", [(1, 40), (5, 1000), (64, 49152)])  # 64: parallel
+def test_token_bitmask_equals_the_torch_mask(kernels, rows, cols):
+    from gpu_worker.sampling.grammar import GrammarMask
+
+    generator = torch.Generator().manual_seed(rows)
+    words = (cols + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32,
+                            generator=generator)  # fmt: skip
+    bitmask[::2, ::3] = -1  # whole words allowed: the kernel's shortcut
+    x = torch.randn(rows + 2, cols, generator=generator)
+    mask = GrammarMask(torch.arange(1, rows + 1), bitmask)  # the batch's first row has none
+    expected, got = x.clone(), x.clone()
+    mask.apply(expected)
+    mask.apply(got, kernels)
+    assert torch.equal(got, expected)
+    assert torch.equal(got[0], x[0]) and torch.isinf(got).any()
+
+
 @pytest.mark.parametrize("new_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_stores_what_set_kv_buffer_stores(kernels, new_dtype, pool_dtype):

@@ -185,3 +185,14 @@ def test_retracted_grammar_request_keeps_its_matcher_state(engine):
     assert small.scheduler.num_retractions > 0
     assert [out["output_ids"] for out in outs] == roomy
     assert all(re.fullmatch("[a-z ]+", out["text"]) for out in outs)
+
+
+def test_a_batch_of_grammar_rows_filled_in_parallel_matches_them_one_by_one(engine):
+    from gpu_worker.sampling.grammar import PARALLEL_FILL_ROWS
+
+    prompts = [f"Phone number {i}:" for i in range(PARALLEL_FILL_ROWS + 1)]
+    params = [dict(GREEDY, regex=PHONE)] * len(prompts)
+    together = engine.generate(prompts, params)
+    for prompt, out in zip(prompts, together, strict=True):
+        assert re.fullmatch(PHONE, out["text"])
+        assert out["output_ids"] == engine.generate(prompt, params[0])["output_ids"]

@@ -79,6 +79,9 @@ class CpuKernels:
         self._argmax = library.argmax_rows
         self._argmax.restype = _int
         self._argmax.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
+        self._bitmask = library.apply_token_bitmask
+        self._bitmask.restype = _int
+        self._bitmask.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64]
 
     def paged_decode_attention(
         self,
@@ -223,6 +226,15 @@ class CpuKernels:
         out = torch.empty(rows, dtype=torch.int64)
         self._argmax(x.data_ptr(), rows, cols, x.stride(0), out.data_ptr())
         return out
+
+    def apply_token_bitmask(self, x: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
+        """Set x[rows[i], t] to -inf where bit t of mask[i] is clear (x float32 [bs, cols],
+        rows int64 [n], mask int32 [n, ceil(cols / 32)]), in place."""
+        assert x.dtype == torch.float32 and x.stride(1) == 1
+        assert rows.dtype == torch.int64 and mask.dtype == torch.int32 and mask.is_contiguous()
+        rows = rows.contiguous()
+        self._bitmask(x.data_ptr(), x.stride(0), x.shape[1], rows.data_ptr(), mask.data_ptr(),
+                      mask.shape[0], mask.shape[1])  # fmt: skip
 
 
 @cache

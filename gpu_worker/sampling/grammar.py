@@ -13,17 +13,31 @@ at the first grammar request, from the model's Hugging Face tokenizer.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from llguidance import LLMatcher, LLTokenizer
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from llguidance.numpy import (
+    allocate_token_bitmask,
+    fill_next_token_bitmask,
+    fill_next_token_bitmask_par,
+)
 
 from bus.field_error import FieldError
 from bus.grammar import CACHED_GRAMMARS, GRAMMAR_FIELDS, grammar_of
 from bus.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from gpu_worker.kernels.cpu_kernels import CpuKernels
+
+
+# From this many grammar rows a step, llguidance's threads fill the masks; below, handing
+# the work to them costs more than it saves.
+PARALLEL_FILL_ROWS = 8
 
 
 class Grammars:
@@ -90,6 +104,12 @@ class GrammarMask:
         if not rows:
             return None
         bitmask = allocate_token_bitmask(len(rows), vocab_size)
+        plain = not drafts_before or not any(drafts_before[row] for row in rows)
+        if plain and len(rows) >= PARALLEL_FILL_ROWS:
+            # One call for the batch: llguidance fills the rows on its own threads.
+            targets = [(matchers[row], i) for i, row in enumerate(rows)]
+            fill_next_token_bitmask_par(_executor(), targets, bitmask)
+            return cls(_index(rows, device), torch.from_numpy(bitmask).to(device))
         ahead: dict[int, tuple[LLMatcher, int]] = {}  # id(matcher) -> (it, drafts consumed)
         try:
             for i, row in enumerate(rows):
@@ -104,18 +124,27 @@ class GrammarMask:
         finally:
             for matcher, consumed in ahead.values():
                 matcher.rollback(consumed)
-        return cls(
-            torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.from_numpy(bitmask).to(device),
-        )
+        return cls(_index(rows, device), torch.from_numpy(bitmask).to(device))
 
-    def apply(self, logits: torch.Tensor) -> None:
+    def apply(self, logits: torch.Tensor, cpu_kernels: CpuKernels | None = None) -> None:
         """Set the disallowed cells of `logits` ([bs, vocab] float32) to -inf, in place."""
+        if cpu_kernels is not None and logits.device.type == "cpu":
+            cpu_kernels.apply_token_bitmask(logits, self.rows, self.bitmask)
+            return
         vocab = logits.shape[-1]
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
         bits = (self.bitmask.unsqueeze(-1) >> shifts) & 1  # [n, words, 32]
         allowed = bits.flatten(1)[:, :vocab].bool()
         logits[self.rows] = logits[self.rows].masked_fill_(~allowed, float("-inf"))
+
+
+@functools.cache
+def _executor() -> LLExecutor:
+    return LLExecutor()
+
+
+def _index(rows: list[int], device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
 def consume(matcher: LLMatcher, token: int) -> str | None:

@@ -19,6 +19,8 @@ from gpu_worker.sampling.grammar import GrammarMask
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
+    from gpu_worker.kernels.cpu_kernels import CpuKernels
+
 
 @dataclass
 class SparseEdit:
@@ -118,8 +120,9 @@ class LogitAdjustments:
             return None
         return cls(bias, repetition, seen, frequency, presence, counts, min_tokens_mask, grammar)
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Edit `logits` ([bs, vocab] float32, owned by the caller) in place and return it."""
+    def apply(self, logits: torch.Tensor, cpu_kernels: CpuKernels | None = None) -> torch.Tensor:
+        """Edit `logits` ([bs, vocab] float32, owned by the caller) in place and return it;
+        `cpu_kernels` apply the grammar mask on CPU."""
         if self.bias is not None:
             logits.index_put_((self.bias.rows, self.bias.cols), self.bias.values, accumulate=True)
         if self.repetition is not None:
@@ -134,7 +137,7 @@ class LogitAdjustments:
             mask = self.min_tokens_mask
             logits.index_put_((mask.rows, mask.cols), mask.values)
         if self.grammar is not None:
-            self.grammar.apply(logits)
+            self.grammar.apply(logits, cpu_kernels)
         return logits
 
 

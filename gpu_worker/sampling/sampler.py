@@ -104,7 +104,7 @@ def sample(
     if batch.adjustments is None:
         processed = raw  # the all-greedy fast path ends in a bare argmax
     else:
-        processed = batch.adjustments.apply(raw.clone())
+        processed = batch.adjustments.apply(raw.clone(), cpu_kernels)
     if len(batch.sampled_rows) == logits.shape[0]:
         next_ids = _sample_rows(processed, batch, default_generator)
     else:
