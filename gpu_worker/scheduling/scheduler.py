@@ -325,6 +325,11 @@ class Scheduler:
         return sample(logits, batch, self.default_generator, self.runner.cpu_kernels)
 
     def _sampling_batch(self, reqs: list[Req], outputs: list[list[int]], device) -> SamplingBatch:
+        matchers = [req.matcher for req in reqs]
+        drafts_before = []  # read only for grammar rows: a plain batch skips building it
+        if any(matcher is not None for matcher in matchers):
+            # A verify row's grammar state is the one after the drafts it follows.
+            drafts_before = [out[len(r.output_ids) :] for r, out in zip(reqs, outputs, strict=True)]
         rows = SamplingRows(
             [req.params for req in reqs],
             [req.origin_input_ids for req in reqs],
@@ -333,9 +338,8 @@ class Scheduler:
                 req.blocked_until_min_tokens(len(out))
                 for req, out in zip(reqs, outputs, strict=True)
             ],
-            [req.matcher for req in reqs],
-            # A verify row's grammar state is the one after the drafts it follows.
-            [out[len(req.output_ids) :] for req, out in zip(reqs, outputs, strict=True)],
+            matchers,
+            drafts_before,
         )
         return SamplingBatch.build(
             rows,
