@@ -1,6 +1,6 @@
 """Decode step time with and without a grammar, at batch 1 and 64, in the engine.
 
-    python benchmarks/bench_grammar_step.py [--batches 1,64] [--tokens 64] [--repeats 3]
+    python benchmarks/bench_grammar_step.py [--batches 1,64] [--tokens 128] [--repeats 3]
         [--dtype auto] [--out f.jsonl]
 
 Each run decodes `--tokens` tokens for a batch of the same chat prompt, once free (ignore_eos)
@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto", help="auto: what the engine would pick")
     parser.add_argument("--batches", default="1,64")
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     args = parser.parse_args()
