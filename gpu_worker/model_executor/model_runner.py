@@ -168,8 +168,8 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits of each request's last new token, [bs, vocab] float32; in TARGET_VERIFY
         mode, of every new token, [num_tokens, vocab]; then those of the prompt positions
-        the batch asks for (`ForwardBatch.prompt_logit_indices`). Decode batches go through the CUDA
-        graphs when they are captured and the batch fits one."""
+        the batch asks for (`ForwardBatch.prompt_logit_indices`). Decode batches go through
+        the CUDA graphs when they are captured and the batch fits one."""
         if forward_batch.forward_mode == ForwardMode.IDLE:
             return torch.empty((0, self.model_config.vocab_size), device=self.device)
         if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):

@@ -3,8 +3,9 @@
 A request with a grammar (bus/grammar.py) carries an `LLMatcher` that has consumed every
 token of its output. Before each sampling step the matcher fills one row of a packed
 bitmask (bit t of word t // 32 set: token t allowed); the sampler turns the rows into
--inf cells with tensor ops (`GrammarMask`). EOS is allowed only where the grammar accepts,
-and a matcher that is stopped (its grammar complete) ends the request with "stop".
+-inf cells (`GrammarMask`: a C kernel on CPU, tensor ops elsewhere). EOS is allowed only
+where the grammar accepts, and a matcher that is stopped (its grammar complete) ends the
+request with "stop".
 
 Compiling a grammar is the expensive part, so `Grammars` keeps one template matcher per
 grammar string and gives each request a deep copy. llguidance's tokenizer is built once,

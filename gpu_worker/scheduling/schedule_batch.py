@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -21,10 +22,12 @@ class ScheduleBatch:
     # TARGET_VERIFY: the tokens drafted after each request's last token.
     draft_ids: list[list[int]] | None = None
 
+    @functools.cached_property
     def prompt_logit_spans(self) -> list[tuple[int, int, int]]:
         """(request row, first position, end position) of the prompt positions whose logits
         this forward must return for prompt logprobs: each wanted position it computes, up
-        to the prompt's last but one (the last one's logits give the first output token)."""
+        to the prompt's last but one (the last one's logits give the first output token).
+        Read once, before the forward, for its rows and again for its results."""
         if self.mode != ForwardMode.EXTEND:
             return []
         spans = []
@@ -61,7 +64,7 @@ class ScheduleBatch:
                 ]
             )
         prompt_rows = None
-        spans = self.prompt_logit_spans()
+        spans = self.prompt_logit_spans
         if spans:
             offsets = [0, *itertools.accumulate(self.extend_lens)]
             prompt_rows = torch.cat([

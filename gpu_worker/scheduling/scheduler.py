@@ -243,7 +243,7 @@ class Scheduler:
     def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
         if batch.mode == ForwardMode.TARGET_VERIFY:
             return self._process_verify_result(batch, logits)
-        spans = batch.prompt_logit_spans()  # read before kv_len moves on
+        spans = batch.prompt_logit_spans  # as the forward was built: before kv_len moves on
         if spans:
             record_prompt_logprobs(batch.reqs, spans, logits[len(batch.reqs) :])
             logits = logits[: len(batch.reqs)]
