@@ -149,6 +149,24 @@ def test_grammar_requests_draft_ngrams_and_keep_the_greedy_output(engine):
     assert outs[0]["usage"]["accepted_draft_tokens"] > 0, outs[0]["usage"]
 
 
+def test_a_draft_model_drafts_under_the_grammar_and_keeps_the_greedy_output(engine):
+    # The model as its own draft: drafted under the same mask, every draft is accepted.
+    spec = Engine(
+        "smollm2-135m-instruct", dtype="float32", speculative="draft",
+        draft_model="smollm2-135m-instruct", num_draft_tokens=4,
+    )  # fmt: skip
+    prompts = [PET_CHAT[0]["content"], "Phone:", "Count: one two three"]
+    params = [dict(GREEDY, **JSON_PARAMS), dict(GREEDY, regex=PHONE), GREEDY]
+    outs = spec.generate(prompts, params)
+    plain = engine.generate(prompts, params)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
+    assert_valid_pet(outs[0]["text"])
+    drafter = spec.scheduler.drafter
+    assert outs[0]["usage"]["accepted_draft_tokens"] > 0, outs[0]["usage"]
+    # Nothing drafted past a grammar's end either.
+    assert drafter.accepted == drafter.drafted
+
+
 def test_a_verify_rows_mask_follows_the_drafts_before_it(engine):
     from gpu_worker.sampling.grammar import GrammarMask
 
@@ -165,6 +183,18 @@ def test_a_verify_rows_mask_follows_the_drafts_before_it(engine):
         assert torch.equal(mask.bitmask[j], expected.bitmask[0])
     # The matcher is back where it was: it takes the first draft again.
     assert matcher.consume_token(drafts[0])
+
+
+def test_verify_rows_past_the_grammars_end_are_left_unmasked(engine):
+    from gpu_worker.sampling.grammar import GrammarMask
+
+    matcher = engine.grammars.matcher(SamplingParams(regex=PHONE))
+    drafts = engine.tokenizer.encode("555-1234") + [engine.tokenizer.eos_token_id]
+    rows = [drafts[:j] for j in range(len(drafts) + 1)]
+    mask = GrammarMask.build([matcher] * len(rows), engine.vocab_size, "cpu", rows)
+    # The last digit completes the grammar: the request ends there, whatever its later rows.
+    assert (mask.bitmask[-1] == -1).all() and not (mask.bitmask[0] == -1).all()
+    assert matcher.consume_token(drafts[0])  # rolled back to where it was
 
 
 def test_grammar_on_a_model_without_tokenizer_is_a_field_error():

@@ -127,3 +127,38 @@ def test_a_schema_that_does_not_compile_is_a_400_before_anything_runs(openai_cli
     with pytest.raises(openai.BadRequestError) as caught:
         _ask(openai_client, "Hi", response_format=bad)
     assert caught.value.body["param"] == "response_format"
+
+
+def test_greedy_structured_output_is_the_same_under_ngram_speculation(openai_client):
+    from tests.pipeline_harness import Pipeline
+
+    city = '{"name":"Rome","country":{"code":"IT"},"population_millions":3,"landmarks":[]}'
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    asks = [  # the copied JSON gives the n-gram index drafts to propose
+        dict(content=f"Copy this JSON exactly: {city}", response_format=_city_format()),
+        dict(content="What is the weather in Rome?", tools=[weather], tool_choice="required"),
+    ]  # fmt: skip
+
+    def answers(client):
+        return [_ask(client, temperature=0, **ask).choices[0] for ask in asks]
+
+    plain = answers(openai_client)
+    with Pipeline(MODEL, worker_arg=["--dtype=float32", "--speculative=ngram"]) as spec:
+        client = openai.OpenAI(base_url=spec.url + "/v1", api_key="unused", max_retries=0)
+        drafted = answers(client)
+        usage = _ask(client, temperature=0, **asks[0]).usage
+    assert [c.message.content for c in drafted] == [c.message.content for c in plain]
+    assert _is_city(json.loads(drafted[0].message.content))
+    calls = [(t.function.name, t.function.arguments) for t in drafted[1].message.tool_calls]
+    assert calls == [(t.function.name, t.function.arguments) for t in plain[1].message.tool_calls]
+    assert usage.completion_tokens_details.accepted_prediction_tokens > 0, usage

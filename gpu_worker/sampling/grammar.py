@@ -111,20 +111,29 @@ class GrammarMask:
             targets = [(matchers[row], i) for i, row in enumerate(rows)]
             fill_next_token_bitmask_par(_executor(), targets, bitmask)
             return cls(_index(rows, device), torch.from_numpy(bitmask).to(device))
-        ahead: dict[int, tuple[LLMatcher, int]] = {}  # id(matcher) -> (it, drafts consumed)
+        # id(matcher) -> [it, drafts seen, drafts consumed]
+        ahead: dict[int, list] = {}
         try:
             for i, row in enumerate(rows):
                 matcher = matchers[row]
                 drafts = drafts_before[row] if drafts_before else []
-                done = ahead.get(id(matcher), (matcher, 0))[1]
-                if len(drafts) > done:
-                    if not matcher.consume_tokens(drafts[done:]):
+                state = ahead.setdefault(id(matcher), [matcher, 0, 0])
+                for token in drafts[state[1] :]:
+                    state[1] += 1
+                    if matcher.is_stopped():
+                        break  # a draft past the grammar's end: refused below
+                    if not matcher.consume_token(token):
                         raise RuntimeError(f"a draft the grammar refuses: {matcher.get_error()}")
-                    ahead[id(matcher)] = (matcher, len(drafts))
+                    state[2] += 1
+                if state[2] < len(drafts):
+                    # The request ends with its grammar, before this row: any mask will do.
+                    bitmask[i] = -1
+                    continue
                 fill_next_token_bitmask(matcher, bitmask, i)
         finally:
-            for matcher, consumed in ahead.values():
-                matcher.rollback(consumed)
+            for matcher, _, consumed in ahead.values():
+                if consumed:
+                    matcher.rollback(consumed)
         return cls(_index(rows, device), torch.from_numpy(bitmask).to(device))
 
     def apply(self, logits: torch.Tensor, cpu_kernels: CpuKernels | None = None) -> None:

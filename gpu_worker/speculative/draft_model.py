@@ -7,6 +7,12 @@ prompt the first time) and gives the first draft; k - 1 decode steps give the re
 draft is sampled with the request's own sampling parameters, and its distribution q is
 kept for the rejection sampling that verifies it (speculative/verify.py, by_rejection). After
 verification the shadow's KV is cut back to the tokens that were accepted.
+
+A grammar request's drafts are sampled under its grammar: each draft step masks the draft
+logits in the matcher's state after the drafts before it (consumed, then rolled back), so q
+is the masked distribution the drafts were drawn from and every draft is one the grammar
+takes. A request stops drafting after a draft that ends it (a stop token, or the grammar's
+last token).
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ class DraftSeq:
 
 
 class DraftModelDrafter(Drafter):
+    drafts_under_grammar = True
+
     def __init__(self, target_config: EngineConfig, target_runner: ModelRunner) -> None:
         super().__init__(target_config.num_draft_tokens)
         if target_config.draft_model is None:
@@ -148,7 +156,7 @@ class DraftModelDrafter(Drafter):
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         self._sample_into(batch, seqs, probs)
         for step in range(1, max(ks)):
-            going = [i for i, k in enumerate(ks) if k > step and seqs[i].drafts]
+            going = [i for i, k in enumerate(ks) if k > step and self._drafts_on(seqs[i])]
             if not going:
                 break
             batch = self._batch(ForwardMode.DECODE, [seqs[i] for i in going], [1] * len(going))
@@ -158,6 +166,20 @@ class DraftModelDrafter(Drafter):
         for seq, q in zip(seqs, probs, strict=True):
             if q:
                 self.draft_probs[seq.target.rid] = torch.stack(q)
+
+    @staticmethod
+    def _drafts_on(seq: DraftSeq) -> bool:
+        """Whether a draft past `seq`'s drafts could be emitted: not after a stop token, nor
+        after the drafts complete the request's grammar (the request ends there)."""
+        if not seq.drafts or seq.drafts[-1] in seq.target.stop_ids:
+            return False
+        matcher = seq.target.matcher
+        if matcher is None:
+            return True
+        matcher.consume_tokens(seq.drafts)  # drafted under its mask: it takes them
+        complete = matcher.is_stopped()
+        matcher.rollback(len(seq.drafts))
+        return not complete
 
     def _batch(self, mode: ForwardMode, seqs: list[DraftSeq], lens: list[int]):
         slots = self.kv.alloc_extend_all(seqs, lens)
@@ -174,6 +196,8 @@ class DraftModelDrafter(Drafter):
             [s.origin_input_ids for s in seqs],
             [s.output_ids for s in seqs],
             [s.target.blocked_until_min_tokens(len(s.output_ids)) for s in seqs],
+            matchers=[s.target.matcher for s in seqs],
+            drafts_before=[s.drafts for s in seqs],
         )
         sampling = SamplingBatch.build(
             rows,

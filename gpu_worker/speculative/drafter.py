@@ -66,9 +66,9 @@ class Drafter:
     # Per request id, the distribution each draft was sampled from ([k, vocab]), for
     # proposers that have one; None: drafts are verified by matching the target's samples.
     draft_probs: dict | None = None
-    # Whether a grammar request drafts: its drafts are cut where the grammar refuses one,
-    # and verify masks each row in the grammar's state after the drafts before it. The draft
-    # model samples its drafts without the grammar, so it leaves grammar requests alone.
+    # Whether a grammar request drafts: a proposer that does makes every draft one the
+    # grammar takes (n-gram: cut at the first it refuses; draft model: sampled under the
+    # mask), and verify masks each row in the grammar's state after the drafts before it.
     drafts_under_grammar = False
 
     def __init__(self, num_draft_tokens: int) -> None:
