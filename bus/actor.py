@@ -36,8 +36,10 @@ from bus.effects import (
     write_dead_letters,
     write_outputs,
 )
+from bus.metrics import ProcessMetrics
 from bus.protocol import ENTRY_FIELD, ErrorReply, Message, ProtocolError, decode, encode
 from bus.reconnect import REDIS_TRANSIENT, ReconnectingLoop, ensure_group
+from bus.stage_metrics import StageMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,7 @@ class Actor:
         self._claim_cursor: bytes | str = "0-0"  # XAUTOCLAIM resumes where it left off
         self.processed = 0
         self.dead_lettered = 0
+        self.metrics = StageMetrics(ProcessMetrics(stage.group, self.consumer, config.metrics))
 
     def run(self) -> None:
         logger.info("%s: consumer %s on %s", self.stage.group, self.consumer, self.stream)
@@ -129,6 +132,7 @@ class Actor:
         return len(entries)
 
     def process(self, entries: Sequence[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
+        started = time.perf_counter()
         good: list[Inbound] = []
         dead: list[dict[str, Any]] = []
         for entry_id, fields in entries:
@@ -142,6 +146,9 @@ class Actor:
         outputs = self._handle(good, dead)
         self._commit([entry_id for entry_id, _ in entries], outputs, dead)
         self.processed += len(entries)
+        self.metrics.entries.inc(len(entries))
+        self.metrics.batch_size.observe(len(entries))
+        self.metrics.handle_seconds.observe(time.perf_counter() - started)
 
     def _handle(self, good: list[Inbound], dead: list[dict[str, Any]]) -> list[Output]:
         if not good:
@@ -183,6 +190,7 @@ class Actor:
         execute_logging_errors(pipe, self.stage.group)
         self.dead_lettered += len(dead)
         if dead:
+            self.metrics.dead_letters.inc(len(dead))
             logger.warning("%s: dead-lettered %d entries: %s", self.stage.group, len(dead),
                            "; ".join(str(d["reason"]) for d in dead[:3]))  # fmt: skip
 
@@ -215,6 +223,7 @@ class Actor:
         if dead:
             outputs = [answer for answer in answers if answer is not None]
             self._commit([entry_id for entry_id, _ in dead], outputs, [d for _, d in dead])
+        self.metrics.claimed.inc(len(claimed))
         logger.info("%s: claimed %d stale entries", self.stage.group, len(keep))
         return keep
 

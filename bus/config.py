@@ -21,6 +21,9 @@ Environment variables read by ``BusConfig.from_env``:
   that died leaves nothing behind for longer).
 - ``STREAMSERVE_NO_WORKER_TIMEOUT_S``: how long the router holds a job while no worker is
   alive before failing it with an error reply.
+- ``STREAMSERVE_METRICS``: ``0`` turns every process's metrics off (bus/metrics.py).
+- ``STREAMSERVE_METRICS_INTERVAL_S``: seconds between two publications of a process's
+  metrics to Redis, where any ingress's ``/metrics`` and ``streamserve status`` read them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from typing import Any
 ENV_PREFIX = "STREAMSERVE_"
 REDIS_URL_ENV = "REDIS_URL"
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class BusConfig:
     worker_stall_s: float = 300.0
     reply_ttl_s: int = 3_600
     no_worker_timeout_s: float = 30.0
+    metrics: bool = True
+    metrics_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.redis_url is not None and not self.redis_url.startswith(_URL_SCHEMES):
@@ -77,6 +84,7 @@ class BusConfig:
             "heartbeat_ttl_s",
             "worker_stall_s",
             "no_worker_timeout_s",
+            "metrics_interval_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
@@ -207,6 +215,10 @@ def _parse(variable: str, raw: str, type_name: object) -> Any:
             return int(raw)
         if type_name == "float":
             return float(raw)
+        if type_name == "bool":
+            if raw.lower() not in _BOOLS:
+                raise ValueError
+            return _BOOLS[raw.lower()]
     except ValueError:
         raise ValueError(f"{variable} must be {type_name}; got {raw!r}") from None
     return raw

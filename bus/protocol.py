@@ -124,20 +124,26 @@ class Finish:
     # Speculative decoding: tokens drafted for the request, and how many were accepted.
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # Seconds from the job's creation to the start of the step that computed its first
+    # token (None: not measured, e.g. a job that finished before it ran).
+    queue_seconds: float | None = None
 
     def to_wire(self) -> list[Any]:
         wire = [
             self.reason, self.matched, self.prompt_tokens, self.completion_tokens,
             self.cached_tokens,
         ]  # fmt: skip
-        if self.draft_tokens:  # without speculation, the 5 fields older readers expect
+        # Without speculation or timing, the 5 fields older readers expect.
+        if self.draft_tokens or self.queue_seconds is not None:
             wire += [self.draft_tokens, self.accepted_draft_tokens]
+        if self.queue_seconds is not None:
+            wire.append(self.queue_seconds)
         return wire
 
     @classmethod
     def from_wire(cls, data: Any) -> Finish:
-        if not isinstance(data, list) or len(data) not in (5, 7):
-            raise ProtocolError("field 'finish' must be a list of 5 or 7")
+        if not isinstance(data, list) or len(data) not in (5, 7, 8):
+            raise ProtocolError("field 'finish' must be a list of 5, 7 or 8")
         reason, matched, *counts = data
         check_field(STR, "finish.reason", reason, optional=False)
         if matched is not None and not isinstance(matched, (str, int)):
@@ -145,6 +151,10 @@ class Finish:
         names = ("prompt", "completion", "cached", "draft", "accepted_draft")
         for name, value in zip(names, counts, strict=False):
             check_field(INT, f"finish.{name}_tokens", value, optional=False)
+        if len(counts) == 6 and (
+            isinstance(counts[5], bool) or not isinstance(counts[5], (int, float))
+        ):
+            raise ProtocolError("field 'finish.queue_seconds' must be a number")
         return cls(reason, matched, *counts)
 
     def usage(self) -> dict[str, int]:

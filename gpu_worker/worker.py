@@ -35,6 +35,7 @@ from bus.config import BusConfig
 from bus.effects import AppendKey, DeleteKey, Outbound, dead_letter_fields, reply
 from bus.fenced_stream import Entry, Fenced, FencedStream
 from bus.field_error import FieldError
+from bus.metrics import ProcessMetrics, start_publisher
 from bus.protocol import (
     ENTRY_FIELD,
     Abort,
@@ -55,6 +56,7 @@ from bus.stop_strings import stop_window_tokens
 from gpu_worker.engine import Engine
 from gpu_worker.heartbeat import HeartbeatThread, Load
 from gpu_worker.scheduling.req import Req
+from gpu_worker.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,8 @@ class RunningJob:
     window: int  # output tokens of context the detokenizer needs
     reported: int = 0  # output tokens already published
     progress_ttl_set: bool = False
+    created: float | None = None  # unix time the job entered the system
+    queue_seconds: float | None = None  # set at its first token here, unless it resumed
 
 
 class Worker:
@@ -94,6 +98,13 @@ class Worker:
             client, config, worker_id, self.bus.stream, model, engine.runner.max_total_tokens,
             attention=engine.runner.serving_path(),
         )  # fmt: skip
+        runner = engine.runner
+        self.metrics = WorkerMetrics(
+            ProcessMetrics("worker", worker_id, config.metrics), runner.max_total_tokens
+        )
+        self.metrics.describe(model, runner.attention_path, runner.graph_runner is not None,
+                              runner.cpu_kernels is not None)  # fmt: skip
+        self._publisher = None
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -106,6 +117,7 @@ class Worker:
         self._report_load()
         self.heartbeat.beat()  # the routers can route to us now
         self.heartbeat.start()
+        self._publisher = start_publisher(self.client, self.config, self.metrics.process)
         logger.info("worker %s: consumer %s on %s, %s in %s on %s", self.worker_id,
                     self.bus.consumer, self.bus.stream, self.engine.config.model,
                     self.engine.runner.dtype, self.engine.runner.device)  # fmt: skip
@@ -156,6 +168,8 @@ class Worker:
         self.heartbeat.report(
             Load(load["running"], load["waiting"], load["free_kv_tokens"], self.admitted)
         )
+        self.metrics.load(load["running"], load["waiting"], load["free_kv_tokens"],
+                          self.scheduler.num_retractions)  # fmt: skip
 
     # ---- jobs in -------------------------------------------------------------------------
 
@@ -202,6 +216,7 @@ class Worker:
         if progress:
             self.bus.outbox.append(DeleteKey(self.config.progress_key(job.rid)))
         finish = Finish("abort", None, len(job.input_ids), generated)
+        self.metrics.finished(finish)
         return TokenItem(job.rid, job.reply_to, generated, [], [], 0, finish=finish)
 
     def _start(self, entry_id: bytes, job: TokenizedRequest, progress: bytes | None) -> None:
@@ -224,9 +239,11 @@ class Worker:
                 job.rid, 400, str(exc), "invalid_request_error", param, code)))  # fmt: skip
             return
         window = stop_window_tokens(params.stop, CONTEXT_TOKENS)
-        running = RunningJob(req, job.reply_to, entry_id, window, reported=len(generated))
+        running = RunningJob(req, job.reply_to, entry_id, window, reported=len(generated),
+                             created=None if generated else job.created)  # fmt: skip
         self.jobs[job.rid] = running
         if generated:
+            self.metrics.migrated_in.inc()
             logger.info("worker %s: resuming %s after %d tokens", self.worker_id, job.rid,
                         len(generated))  # fmt: skip
         self.scheduler.add_request(req)
@@ -239,11 +256,18 @@ class Worker:
     # ---- results out ---------------------------------------------------------------------
 
     def _step(self) -> None:
+        began, started = time.time(), time.perf_counter()
         sampled = self.scheduler.step()
         if sampled is None:
             # Admission checks that every request fits the pool alone; this is a bug.
             raise RuntimeError(f"scheduler has nothing to run: {self.scheduler.load()}")
+        self.metrics.step(self.scheduler.last_mode, time.perf_counter() - started)
         self.steps += 1
+        for req in sampled:
+            job = self.jobs.get(req.rid)
+            if job is not None and job.created is not None and job.queue_seconds is None:
+                job.queue_seconds = max(0.0, began - job.created)
+                self.metrics.queue_time.observe(job.queue_seconds)
         items = [self._item(self.jobs[req.rid]) for req in sampled if req.rid in self.jobs]
         self._publish_items(items)
 
@@ -256,6 +280,7 @@ class Worker:
         req = job.req
         start, end = job.reported, len(req.output_ids)
         job.reported = end
+        self.metrics.generation_tokens.inc(end - start)
         if end > start and not req.finished:
             # Durable progress, written in the MULTI that publishes these tokens.
             ttl = None if job.progress_ttl_set else self.config.reply_ttl_s
@@ -293,8 +318,9 @@ class Worker:
             drafted = (req.draft.drafted, req.draft.accepted) if req.draft else (0, 0)
             item.finish = Finish(
                 reason.kind, reason.matched, len(req.origin_input_ids), len(req.output_ids),
-                req.prompt_cache_hit or 0, *drafted,
+                req.prompt_cache_hit or 0, *drafted, job.queue_seconds,
             )  # fmt: skip
+            self.metrics.finished(item.finish)
             self.bus.outbox.append(DeleteKey(self.config.progress_key(req.rid)))
             self.bus.acks.append(job.entry_id)
             del self.jobs[req.rid]
@@ -309,6 +335,8 @@ class Worker:
         try:
             self._commit(read=False)
             self.heartbeat.goodbye()
+            if self._publisher is not None:
+                self._publisher.close()
         except redis.RedisError as exc:
             logger.warning("worker %s: could not say goodbye: %s", self.worker_id, exc)
         per_step_ms = 1000 * self.bus_seconds / max(self.steps, 1)

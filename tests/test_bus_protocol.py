@@ -272,7 +272,7 @@ MALFORMED = [
     ("item-logprobs-map", _batch_with(_item_wire(logprobs={})), (TokenBatch,),
      r"field 'logprobs' must be a list"),
     ("item-finish-short", _batch_with(_item_wire(finish=["stop", None, 1])), (TokenBatch,),
-     r"field 'finish' must be a list of 5 or 7"),
+     r"field 'finish' must be a list of 5, 7 or 8"),
     ("item-finish-bool-tokens", _batch_with(_item_wire(finish=["stop", None, True, 1, 0])),
      (TokenBatch,), r"field 'finish.prompt_tokens' must be int, got bool"),
     ("item-finish-matched-float", _batch_with(_item_wire(finish=["stop", 1.5, 1, 1, 0])),
@@ -376,6 +376,14 @@ def test_a_finish_carries_draft_counts_only_when_the_worker_speculated():
     assert Finish.from_wire(spec.to_wire()) == spec
     assert spec.usage()["accepted_draft_tokens"] == 30
     assert "draft_tokens" not in plain.usage()
+
+
+def test_a_finish_carries_the_queue_time_when_measured():
+    timed = Finish("stop", 2, 10, 4, 3, queue_seconds=0.25)
+    assert len(timed.to_wire()) == 8 and Finish.from_wire(timed.to_wire()) == timed
+    assert Finish.from_wire(Finish("stop", 2, 10, 4, 3).to_wire()).queue_seconds is None
+    with pytest.raises(ProtocolError, match="queue_seconds"):
+        Finish.from_wire(["stop", 2, 10, 4, 3, 0, 0, "soon"])
 
 
 def test_a_token_item_of_a_worker_before_prompt_logprobs_still_decodes():

@@ -16,10 +16,12 @@ import json
 import os
 import signal
 import time
+import urllib.request
 
 import pytest
 
 from tests.pipeline_harness import Pipeline
+from tests.prometheus_text import total
 
 pytestmark = pytest.mark.slow
 
@@ -155,6 +157,7 @@ def test_a_stream_whose_ingress_is_killed_resumes_with_last_event_id(pipeline, u
     assert events[-1][1] == "[DONE]"
     text += "".join(json.loads(data)["choices"][0]["text"] for _, data in events[:-1])
     assert text == undisturbed[0][0]
+    _wait_for_metrics(pipeline, "stream_resumes_total")
 
 
 # Long enough to be cut mid-object: a list of bounded strings.
@@ -209,3 +212,17 @@ def test_a_json_schema_stream_whose_worker_dies_mid_object_completes_as_undistur
     assert text == expected
     trip = json.loads(text)
     assert set(trip) == {"city", "stops"} and 4 <= len(trip["stops"]) <= 6
+    # The move shows in the deployment's metrics: out of the dead worker, into a live one.
+    _wait_for_metrics(pipeline, "worker_jobs_migrated_out_total", "worker_jobs_migrated_in_total")
+
+
+def _wait_for_metrics(pipeline: Pipeline, *counters: str) -> None:
+    """Until each counter is above 0 at /metrics (processes publish every 2 s)."""
+    deadline = time.monotonic() + 15
+    while True:
+        with urllib.request.urlopen(pipeline.url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        if all((total(text, "streamserve:" + name) or 0) > 0 for name in counters):
+            return
+        assert time.monotonic() < deadline, f"{counters} not all counted:\n{text[-2000:]}"
+        time.sleep(0.5)

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import time
 
 import pytest
 
 from bus.protocol import ENTRY_FIELD, Abort, GenerateRequest, decode
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
-
-SAMPLE = re.compile(
-    r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*)?\})? (\S+)$'
-)
+from tests.prometheus_text import samples, total
 
 
 @pytest.fixture
@@ -39,26 +35,7 @@ def test_health_is_503_without_a_worker_heartbeat_and_200_with_one(ingress, redi
     }
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sample name with labels -> value; fails on any line that is not exposition format."""
-    samples, types = {}, {}
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            continue
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ")
-            assert kind in ("counter", "gauge", "histogram"), line
-            types[name] = kind
-            continue
-        match = SAMPLE.match(line)
-        assert match, f"not a sample line: {line!r}"
-        family = re.sub(r"_(bucket|sum|count)$", "", match.group(1))
-        assert match.group(1) in types or family in types, f"sample before its TYPE: {line!r}"
-        samples[match.group(1) + (match.group(2) or "")] = float(match.group(5))
-    return samples
-
-
-def test_metrics_count_requests_tokens_and_latencies(ingress, redis_client):
+def test_metrics_count_requests_and_latencies(ingress, redis_client):
     add_worker(redis_client, ingress.config)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
     script = lambda r: deltas(r.rid, [("a", [1]), ("b", [2, 3])], prompt_tokens=4)  # noqa: E731
@@ -68,20 +45,22 @@ def test_metrics_count_requests_tokens_and_latencies(ingress, redis_client):
     assert ingress.post("/v1/chat/completions", {**body, "n": 0})[0] == 400
     status, headers, data = ingress.request("GET", "/metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
-    samples = parse_prometheus(data.decode())
-    p = "streamserve_ingress_"
-    chat = 'endpoint="/v1/chat/completions"'
-    assert samples[f'{p}requests_total{{{chat},status="200"}}'] == 2
-    assert samples[f'{p}requests_total{{{chat},status="400"}}'] == 1
-    assert samples[f"{p}requests_in_flight"] == 1  # this very /metrics request
-    assert samples[f"{p}prompt_tokens_total"] == 8
-    assert samples[f"{p}generation_tokens_total"] == 6
-    assert samples[f"{p}live_workers"] == 1
-    assert samples[f"{p}time_to_first_token_seconds_count"] == 2
-    assert samples[f'{p}time_to_first_token_seconds_bucket{{le="+Inf"}}'] == 2
-    assert samples[f"{p}inter_token_latency_seconds_count"] == 4  # 2 tokens after the first, x2
-    buckets = [v for k, v in samples.items() if k.startswith(f"{p}inter_token_latency_seconds_b")]
+    text = data.decode()
+    p, chat = "streamserve:", {"endpoint": "/v1/chat/completions", "role": "ingress"}
+    assert total(text, f"{p}requests_total", **chat, status="200") == 2
+    assert total(text, f"{p}requests_total", **chat, status="400") == 1
+    assert total(text, f"{p}requests_in_flight") == 1  # this very /metrics request
+    assert total(text, f"{p}live_workers") == 1
+    assert total(text, f"{p}time_to_first_token_seconds_count") == 2
+    assert total(text, f"{p}time_to_first_token_seconds_bucket", le="+Inf") == 2
+    assert total(text, f"{p}inter_token_latency_seconds_count") == 4  # 2 after the first, x2
+    assert total(text, f"{p}e2e_request_latency_seconds_count") == 2
+    buckets = [
+        v for name, _, v in samples(text) if name == f"{p}inter_token_latency_seconds_bucket"
+    ]
     assert buckets == sorted(buckets)
+    # The streams the deployment reads, with each group's lag and pending.
+    assert total(text, f"{p}stream_length", stream=ingress.config.requests_stream()) is not None
 
 
 def _routed_then_slow(client, config):

@@ -18,6 +18,7 @@ from bus.client import AsyncClient, Client
 from gpu_worker.hf_reference import hf_greedy
 from stages.router.stage import live_workers
 from tests.pipeline_harness import Pipeline
+from tests.prometheus_text import total
 
 pytestmark = pytest.mark.slow
 
@@ -259,6 +260,10 @@ def test_speculation_reports_accepted_predictions_in_usage_and_metrics(pipeline,
     assert details.rejected_prediction_tokens >= 0
     with urllib.request.urlopen(pipeline.url + "/metrics", timeout=10) as response:
         metrics = response.read().decode()
-    accepted = [line for line in metrics.splitlines()
-                if line.startswith("streamserve_ingress_accepted_draft_tokens_total ")]  # fmt: skip
-    assert accepted and int(accepted[0].split()[1]) > 0
+    # The worker counts it when the request finishes, and publishes every interval.
+    deadline = time.monotonic() + 10
+    while not total(metrics, "streamserve:spec_decode_num_accepted_tokens_total"):
+        assert time.monotonic() < deadline, "accepted drafts never reached /metrics"
+        time.sleep(0.5)
+        with urllib.request.urlopen(pipeline.url + "/metrics", timeout=10) as response:
+            metrics = response.read().decode()

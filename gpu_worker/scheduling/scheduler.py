@@ -50,6 +50,7 @@ class Scheduler:
         self.chunked: Req | None = None
         self.default_generator = torch.Generator().manual_seed(config.seed)
         self.num_retractions = 0
+        self.last_mode: ForwardMode | None = None  # of the last step: what the worker measures
         self.drafter: Drafter | None = None
         if config.speculative == "ngram":
             self.drafter = NgramDrafter(config.num_draft_tokens)
@@ -109,6 +110,7 @@ class Scheduler:
         batch = self.get_next_batch_to_run()
         if batch is None:
             return None
+        self.last_mode = batch.mode
         started = time.perf_counter()
         logits = self.runner.forward(batch.to_forward_batch(self.runner.device))
         sampled = self.process_batch_result(batch, logits)

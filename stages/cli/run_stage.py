@@ -10,6 +10,7 @@ import redis
 from bus.access import check_access
 from bus.actor import Actor, stop_on_signals
 from bus.config import BusConfig
+from bus.metrics import start_publisher
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,12 @@ def run_stage(
             stage = DetokenizerStage(config, tokenizer)
     actor = Actor(client, config, stage, stop)
     if name == "router":
-        start_reaper_thread(config, actor.consumer, stop)  # dead workers' jobs move on
-    actor.run()
+        # Dead workers' jobs move on; the jobs it moves count in the router's metrics.
+        start_reaper_thread(config, actor.consumer, stop, actor.metrics.process)
+    publisher = start_publisher(client, config, actor.metrics.process)
+    try:
+        actor.run()
+    finally:
+        if publisher is not None:
+            publisher.close()
     logger.info("%s stopped after %d entries", name, actor.processed)

@@ -8,6 +8,6 @@ body.py           JSON reading and typed field access (a wrong JSON type is a 42
 submission.py     one HTTP request's sub-requests, from XADD to their last reply
 openai_format.py  OpenAI response bodies, stream chunks and logprobs
 health.py         live workers (cached) and queue depth, for admission and /health
-metrics.py        Prometheus counters and histograms, written by hand
+metrics.py        this replica's Prometheus metrics (prometheus-client); /metrics serves all
 errors.py         OpenAI-style error bodies and the middleware that makes every failure one
 """

@@ -9,6 +9,7 @@ which the OpenAI clients raise.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -17,8 +18,10 @@ from typing import Any
 
 import redis
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
 from bus.aborts import publish_aborts_async
+from bus.deployment_metrics import deployment_registry, render
 from bus.protocol import ErrorReply, TextDelta
 from bus.replies import AsyncReplyReader
 from stages.ingress import resume
@@ -26,7 +29,14 @@ from stages.ingress.body import read_object
 from stages.ingress.errors import ApiError, error_body, redis_unavailable
 from stages.ingress.health import serving_paths
 from stages.ingress.native_format import meta_info, native_logprobs, native_prompt_logprobs
-from stages.ingress.openai_format import ChatFormat, Choice, CompletionFormat, OpenAIFormat, usage
+from stages.ingress.openai_format import (
+    ChatFormat,
+    Choice,
+    CompletionFormat,
+    OpenAIFormat,
+    timing_headers,
+    usage,
+)
 from stages.ingress.params import (
     ApiRequest,
     check_model,
@@ -41,19 +51,22 @@ from stages.ingress.tool_call_parser import ToolCallParser
 logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 
 def _json(data: Any) -> bytes:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-async def _start_sse(request: web.Request) -> web.StreamResponse:
+async def _start_sse(
+    request: web.Request, extra_headers: dict[str, str] | None = None
+) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",  # proxies must not hold events back
+            **(extra_headers or {}),
         }
     )
     await response.prepare(request)
@@ -75,6 +88,7 @@ async def _resume_point(
 
 def _resumed(state: IngressState, job: ApiRequest, point: resume.ResumePoint) -> Submission:
     """The submission of a request another (dead) replica began, read from its stream."""
+    state.metrics.resumes.inc()
     reader = AsyncReplyReader(state.redis, state.config.reply_stream(point.frontend_id),
                               trim=False)  # fmt: skip
     return Submission(state, point.request_id, job.requests(point.request_id, reader.stream),
@@ -133,6 +147,7 @@ async def _openai(
             "usage": usage(choices, job.n),
         },
         dumps=lambda d: _json(d).decode(),
+        headers=timing_headers(sub.timing([c.finish for c in choices])),
     )
 
 
@@ -163,7 +178,10 @@ async def _stream_openai(
     choices: list[Choice],
     resumed: resume.ResumePoint | None = None,
 ) -> web.StreamResponse:
-    response = await _start_sse(request)
+    # Headers go out after every choice's first reply: time to first token is known, queue
+    # and decode time are not yet (they come in no header of a stream).
+    ttft = {} if resumed else {k: v for k, v in sub.timing([]).items() if k == "ttft"}
+    response = await _start_sse(request, timing_headers(ttft))
     head = {**head, "object": fmt.chunk_object}
     extra = {"usage": None} if job.include_usage else {}  # as OpenAI: null until the last
     frontend_id = resumed.frontend_id if resumed else sub.state.frontend_id
@@ -242,6 +260,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                     logprobs[key].extend(values)
             prompt_logprobs.update(native_prompt_logprobs(reply))
     meta = meta_info(last, rid)
+    meta.update(sub.timing([None if last is None else last.finish_info()]))
     if job.logprobs:
         meta.update(logprobs)
     meta.update(prompt_logprobs)
@@ -267,6 +286,8 @@ async def _stream_generate(
             if resumed and resumed.already_sent(0, reply):
                 continue  # the client had this one before it lost the stream
             meta = meta_info(reply, rid)
+            if reply.finish is not None:
+                meta.update(sub.timing([reply.finish_info()]))
             if job.logprobs:
                 meta.update(native_logprobs(reply))
             meta.update(native_prompt_logprobs(reply))
@@ -311,6 +332,7 @@ async def abort(request: web.Request) -> web.Response:
             404, f"no request {request_id!r} is running", param="id", code="request_not_found"
         )
     await publish_aborts_async(state.redis, state.config, rids)
+    state.metrics.aborts.inc(len(rids))
     return web.json_response({"id": request_id, "object": "abort", "aborted": len(rids)})
 
 
@@ -322,7 +344,6 @@ async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     await state.redis.ping()  # an unreachable Redis is a 503 from the middleware
     live = await state.health.live_workers(fresh=True)
-    state.metrics.live_workers = live
     if not live:
         raise ApiError(
             503,
@@ -336,11 +357,16 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """The whole deployment's metrics (bus/deployment_metrics.py); this replica's alone
+    while Redis cannot be read."""
     state = request.app[STATE]
-    try:
-        state.metrics.live_workers = await state.health.live_workers()
-    except (redis.ConnectionError, redis.TimeoutError):
-        pass  # the figures still render; the worker count is the last one known
-    return web.Response(
-        body=state.metrics.render().encode(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE}
-    )
+    if state.deployment_metrics is None:
+        state.deployment_metrics = deployment_registry(
+            state.sync_redis, state.config, state.metrics_publisher
+        )
+    loop = asyncio.get_running_loop()
+    try:  # the collector's Redis calls are blocking: off the event loop
+        body = await loop.run_in_executor(None, render, state.deployment_metrics)
+    except redis.RedisError:
+        body = await loop.run_in_executor(None, render, state.metrics.process.registry)
+    return web.Response(body=body, headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})

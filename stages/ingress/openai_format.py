@@ -237,3 +237,13 @@ class CompletionFormat:
 
 
 OpenAIFormat = ChatFormat | CompletionFormat
+
+
+# Per-request figures (seconds) as response headers: what a client of the OpenAI routes gets
+# of the native meta_info's queue_time, ttft and decode_time.
+TIMING_HEADERS = {"queue_time": "X-Streamserve-Queue-Time", "ttft": "X-Streamserve-TTFT",
+                  "decode_time": "X-Streamserve-Decode-Time"}  # fmt: skip
+
+
+def timing_headers(figures: dict[str, float]) -> dict[str, str]:
+    return {TIMING_HEADERS[name]: f"{value:.6f}" for name, value in figures.items()}

@@ -23,11 +23,13 @@ from aiohttp import web
 from bus.actor import unique_consumer_name
 from bus.async_pool import async_redis
 from bus.config import BusConfig
+from bus.metrics import start_publisher
 from bus.replies import AsyncReplyReader
 from stages.ingress import handlers
 from stages.ingress.auth import api_keys_from_env, auth_middleware
 from stages.ingress.errors import Handler, error_middleware
 from stages.ingress.health import WorkerHealth
+from stages.ingress.metrics import IngressMetrics
 from stages.ingress.openapi import openapi_document
 from stages.ingress.resume import announce_alive
 from stages.ingress.state import STATE, IngressState
@@ -68,6 +70,7 @@ def create_app(
         replies=AsyncReplyReader(client, config.reply_stream(frontend_id)),
         health=WorkerHealth(client, config),
         openapi=openapi_document(model),
+        metrics=IngressMetrics(frontend_id, config.metrics),
     )
     middlewares = [metrics_middleware, error_middleware]
     if api_keys:
@@ -91,6 +94,12 @@ def create_app(
 async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     state.replies.start()
+    # The metrics' own connection: the publisher and /metrics' collector are threads.
+    state.sync_redis = redis.Redis.from_url(state.config.redis_url,
+                                            socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                            socket_timeout=SOCKET_TIMEOUT_S)  # fmt: skip
+    publisher = start_publisher(state.sync_redis, state.config, state.metrics.process)
+    state.metrics_publisher = publisher
     alive = asyncio.get_running_loop().create_task(
         announce_alive(state.redis, state.config, state.frontend_id)
     )
@@ -110,6 +119,9 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     if state.handed_over:
         logger.info("ingress %s: %d streams left running for their clients to resume",
                     state.frontend_id, state.handed_over)  # fmt: skip
+    if publisher is not None:
+        await asyncio.get_running_loop().run_in_executor(None, publisher.close)
+    state.sync_redis.close()
     await state.redis.aclose()
 
 
@@ -126,7 +138,7 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
     metrics = request.app[STATE].metrics
     resource = request.match_info.route.resource
     endpoint = resource.canonical if resource is not None else "unmatched"
-    metrics.in_flight += 1
+    metrics.in_flight.inc()
     status = 500
     try:
         response = await handler(request)
@@ -136,8 +148,8 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
         status = 499  # the client went away
         raise
     finally:
-        metrics.in_flight -= 1
-        metrics.count_request(endpoint, status)
+        metrics.in_flight.dec()
+        metrics.requests.labels(endpoint, str(status)).inc()
 
 
 async def serve(

@@ -20,7 +20,7 @@ from bus.protocol import GenerateRequest
 from bus.replies import AsyncReplyReader
 from stages.ingress.errors import ApiError
 from stages.ingress.health import WorkerHealth, queue_depth
-from stages.ingress.metrics import Metrics
+from stages.ingress.metrics import IngressMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,10 @@ class IngressState:
     replies: AsyncReplyReader
     health: WorkerHealth
     openapi: dict[str, Any]
-    metrics: Metrics = field(default_factory=Metrics)
+    metrics: IngressMetrics
+    sync_redis: redis.Redis | None = None  # for the metrics' threads; set at start-up
+    deployment_metrics: Any = None  # the registry /metrics renders, made at its first scrape
+    metrics_publisher: Any = None  # bus.metrics.MetricsPublisher, None with metrics off
     started: int = field(default_factory=lambda: int(time.time()))
     background: set[asyncio.Task[None]] = field(default_factory=set)
     draining: bool = False  # SIGTERM: streams cut now are left running, to be resumed

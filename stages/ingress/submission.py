@@ -18,7 +18,7 @@ import collections
 import time
 from collections.abc import AsyncIterator
 
-from bus.protocol import ErrorReply, GenerateRequest, TextDelta
+from bus.protocol import ErrorReply, Finish, GenerateRequest, TextDelta
 from bus.replies import AsyncReplyReader, Reply, is_terminal
 from stages.ingress.errors import ApiError
 from stages.ingress.state import IngressState
@@ -48,6 +48,7 @@ class Submission:
         self._early: collections.deque[Reply] = collections.deque()
         self._arrived = time.monotonic()
         self._last_token_at: dict[str, float] = {}
+        self.first_token_at: dict[str, float] = {}  # monotonic, per sub-request
 
     async def __aenter__(self) -> Submission:
         for request in self.requests:
@@ -74,6 +75,8 @@ class Submission:
             # on another replica with Last-Event-ID.
             self.state.handed_over += 1
             return
+        if unfinished:
+            self.state.metrics.aborts.inc(len(unfinished))
         self.state.finish_soon(self.request_id, unfinished)
 
     def _unregister(self) -> None:
@@ -87,6 +90,9 @@ class Submission:
             reply = await self.queue.get()
             self._early.append(reply)
             waiting.discard(reply.rid)
+            if isinstance(reply, TextDelta) and reply.ids:
+                # When it came, not when it is handled: a stream's headers report it.
+                self.first_token_at.setdefault(reply.rid, time.monotonic())
             if isinstance(reply, ErrorReply):
                 self._note(reply)
                 raise ApiError.from_reply(reply)
@@ -106,18 +112,30 @@ class Submission:
 
     def _time_tokens(self, delta: TextDelta) -> None:
         metrics = self.state.metrics
+        now = time.monotonic()
         if delta.ids:
-            now = time.monotonic()
             last = self._last_token_at.get(delta.rid)
             if last is None:
-                metrics.ttft.observe(now - self._arrived)
+                now = self.first_token_at.setdefault(delta.rid, now)
+                metrics.token_times(True, now - self._arrived, len(delta.ids))
             else:
-                # A delta may hold several tokens (speculative decoding): spread the gap.
-                metrics.itl.observe((now - last) / len(delta.ids), times=len(delta.ids))
+                metrics.token_times(False, now - last, len(delta.ids))
             self._last_token_at[delta.rid] = now
-            metrics.generated_tokens += len(delta.ids)
-        finish = delta.finish_info()
-        if finish is not None:
-            metrics.prompt_tokens += finish.prompt_tokens
-            metrics.draft_tokens += finish.draft_tokens
-            metrics.accepted_draft_tokens += finish.accepted_draft_tokens
+        if delta.finish is not None:
+            metrics.e2e.observe(now - self._arrived)
+
+    def timing(self, finishes: list[Finish | None]) -> dict[str, float]:
+        """The request's figures so far, in seconds, over its sub-requests: queue time (the
+        workers', from the Finishes: the shortest), time to its first token, and decode time
+        (from there to its last token so far)."""
+        figures = {}
+        queued = [
+            f.queue_seconds for f in finishes if f is not None and f.queue_seconds is not None
+        ]
+        if queued:
+            figures["queue_time"] = min(queued)
+        if self.first_token_at:
+            first = min(self.first_token_at.values())
+            figures["ttft"] = first - self._arrived
+            figures["decode_time"] = max(self._last_token_at.values(), default=first) - first
+        return figures

@@ -34,6 +34,7 @@ import redis
 from bus.config import BusConfig
 from bus.effects import Outbound, dead_letter_fields, execute_logging_errors, write_dead_letters
 from bus.fenced_stream import WORKER_GROUP, fence_off
+from bus.metrics import ProcessMetrics
 from bus.protocol import ENTRY_FIELD, Abort, ProtocolError, TokenizedRequest, decode
 from bus.reconnect import REDIS_TRANSIENT
 
@@ -54,7 +55,12 @@ def dead_worker_ids(client: redis.Redis, config: BusConfig) -> set[str]:
 
 class WorkerReaper:
     def __init__(
-        self, client: redis.Redis, config: BusConfig, consumer: str, stop: threading.Event
+        self,
+        client: redis.Redis,
+        config: BusConfig,
+        consumer: str,
+        stop: threading.Event,
+        metrics: ProcessMetrics | None = None,  # the router's, which counts the jobs moved
     ) -> None:
         self.client = client
         self.config = config
@@ -62,6 +68,10 @@ class WorkerReaper:
         self.stop = stop
         self._seen_dead: set[str] = set()
         self.moved = 0  # jobs put back on the tokenized stream
+        metrics = metrics or ProcessMetrics("router", consumer, enabled=False)
+        self.migrated_out = metrics.counter(
+            "worker_jobs_migrated_out", "Jobs moved off a dead worker to live ones.", ["worker"]
+        )
 
     def run(self) -> None:
         """Look for dead workers every heartbeat interval until `stop` is set."""
@@ -126,6 +136,7 @@ class WorkerReaper:
         execute_logging_errors(pipe, "reaper")
         self.moved += moved
         if moved:
+            self.migrated_out.labels(worker_id).inc(moved)
             logger.warning("reaper: moved %d jobs off %s to live workers", moved, stream)
         return len(entries)
 
@@ -160,9 +171,12 @@ class WorkerReaper:
         return pipe.xlen(stream) > 0
 
 
-def start_reaper_thread(config: BusConfig, consumer: str, stop: threading.Event) -> WorkerReaper:
+def start_reaper_thread(
+    config: BusConfig, consumer: str, stop: threading.Event, metrics: ProcessMetrics | None = None
+) -> WorkerReaper:
     """A reaper on its own connection, in a daemon thread."""
     assert config.redis_url is not None
-    reaper = WorkerReaper(redis.Redis.from_url(config.redis_url), config, consumer, stop)
+    client = redis.Redis.from_url(config.redis_url)
+    reaper = WorkerReaper(client, config, consumer, stop, metrics)
     threading.Thread(target=reaper.run, name="worker-reaper", daemon=True).start()
     return reaper

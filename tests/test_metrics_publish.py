@@ -1,0 +1,80 @@
+"""Each process's metrics published to Redis, and the deployment read back as one target:
+the real server, the real prometheus-client."""
+
+from __future__ import annotations
+
+import time
+
+from bus.config import BusConfig
+from bus.deployment_metrics import deployment_registry, render
+from bus.metrics import (
+    NOOP,
+    MetricsPublisher,
+    ProcessMetrics,
+    RateHistory,
+    read_snapshots,
+    start_publisher,
+)
+from tests.prometheus_text import total
+
+
+def test_two_processes_of_one_family_are_one_family_labelled_by_process(redis_client, redis_url):
+    config = BusConfig(redis_url=redis_url)
+    publishers = []
+    for replica, handled in (("tokenizer-a", 3), ("tokenizer-b", 5)):
+        process = ProcessMetrics("tokenizer", replica)
+        process.counter("stage_entries", "Entries handled.").inc(handled)
+        publishers.append(MetricsPublisher(redis_client, config, process))
+    publishers[0].publish()
+    text = render(deployment_registry(redis_client, config, publishers[1])).decode()
+    # Parsed by prometheus-client: one TYPE per family, each series with its process.
+    assert total(text, "streamserve:stage_entries_total", replica="tokenizer-a") == 3
+    assert total(text, "streamserve:stage_entries_total", replica="tokenizer-b") == 5
+    assert total(text, "streamserve:stage_entries_total", role="tokenizer") == 8
+    assert text.count("# TYPE streamserve:stage_entries_total counter") == 1
+    assert total(text, "streamserve:live_workers") == 0
+    assert total(text, "streamserve:stream_length", stream=config.requests_stream()) == 0
+
+
+def test_a_snapshot_expires_with_its_process(redis_client, redis_url):
+    config = BusConfig(redis_url=redis_url, metrics_interval_s=0.1)
+    process = ProcessMetrics("router", "r1")
+    process.gauge("num_things", "Things.").set(2)
+    publisher = start_publisher(redis_client, config, process)
+    deadline = time.monotonic() + 5
+    while not read_snapshots(redis_client, config):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    publisher.stop.set()
+    publisher.join()
+    (snapshot,) = read_snapshots(redis_client, config)
+    assert (snapshot["role"], snapshot["replica"]) == ("router", "r1")
+    time.sleep(0.4)  # past 3 intervals: the process is gone
+    assert read_snapshots(redis_client, config) == []
+
+
+def test_metrics_off_are_no_ops_and_publish_nothing(redis_client, redis_url):
+    config = BusConfig(redis_url=redis_url, metrics=False)
+    process = ProcessMetrics("worker", "w", enabled=config.metrics)
+    counter = process.counter("generation_tokens", "Tokens.", ["kind"])
+    assert counter is NOOP
+    counter.labels("x").inc(3)
+    process.histogram("step_seconds", "Steps.", (0.1, 1.0)).observe(0.5)
+    assert process.families() == []
+    assert start_publisher(redis_client, config, process) is None
+
+
+def test_rates_are_per_second_over_the_last_minute():
+    process = ProcessMetrics("worker", "w")
+    tokens = process.counter("generation_tokens", "Tokens.")
+    history = RateHistory(window_s=60)
+    history.rates(process.families(), now=1000.0)
+    tokens.inc(300)
+    (rate,) = [r for r in history.rates(process.families(), now=1030.0)
+               if r[0] == "streamserve:generation_tokens_total"]  # fmt: skip
+    assert rate[2] == 10.0
+    tokens.inc(600)
+    # A minute on, the first sample has left the window: the rate is of the last 60 s.
+    (rate,) = [r for r in history.rates(process.families(), now=1090.0)
+               if r[0] == "streamserve:generation_tokens_total"]  # fmt: skip
+    assert rate[2] == 10.0
