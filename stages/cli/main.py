@@ -4,10 +4,12 @@
   streamserve stage <name>           one replica of ingress, tokenizer, router, detokenizer
   streamserve worker [engine flags]  one GPU worker (python -m gpu_worker)
   streamserve bench                  the shared workloads against a running system
+  streamserve status                 a live view of a deployment's stages, workers, throughput
   streamserve gpu-check              the GPU path checked and timed on this machine's GPU
 
 Every command takes the Redis URL from --redis-url or $REDIS_URL, and the model from
---model or $STREAMSERVE_MODEL.
+--model or $STREAMSERVE_MODEL; `status` reads an ingress's URL (--url) instead where Redis is
+out of reach, and needs no model.
 """
 
 from __future__ import annotations
@@ -41,6 +43,21 @@ def _ingress_limits(parser: argparse.ArgumentParser) -> None:
                         help="largest request body (413 beyond; default 8 MiB)")  # fmt: skip
     parser.add_argument("--max-queue", type=int, default=10_000,
                         help="jobs waiting before ingress answers 429 (default 10000)")  # fmt: skip
+
+
+def _status(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+    source.add_argument(
+        "--url",
+        default=None,
+        help="an ingress to read it from (default: $STREAMSERVE_URL, which wins over $REDIS_URL)",
+    )
+    parser.add_argument("--once", action="store_true", help="show it once and exit")
+    parser.add_argument(
+        "--json", action="store_true", help="one JSON document with --once, else one per line"
+    )
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="run the shared workloads against a running system")
     _common(bench)
+    _status(commands.add_parser("status", help="a live view of a deployment (Ctrl-C ends it)"))
     commands.add_parser(
         "gpu-check", add_help=False,
         help="check and time the GPU path on this machine (flags: streamserve gpu-check --help)",
@@ -102,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         os.execv(sys.executable, [sys.executable, "-m", GPU_CHECK_MODULE, *extra])
     if extra and args.command not in ("worker", "bench"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "status":  # a reader: no model, no log set-up, no embedded server
+        from stages.cli.status import run as show_status
+
+        return show_status(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
     if args.command == "worker":
         return _exec_worker(args, extra)

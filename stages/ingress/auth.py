@@ -1,7 +1,8 @@
 """Optional API keys: with ``STREAMSERVE_API_KEY`` set (several keys separated by commas),
 every generation, model and abort endpoint wants ``Authorization: Bearer <key>`` and answers
 401 without one, as OpenAI does. ``/health``, ``/metrics`` and ``/openapi.json`` stay open
-for load balancers and scrapers. Keys come from the environment, not the command line,
+for load balancers and scrapers, and ``/status`` with its ``/status.json`` for operators'
+browsers, which send no key. Keys come from the environment, not the command line,
 where ``ps`` would show them.
 """
 
@@ -16,7 +17,7 @@ from aiohttp import web
 from stages.ingress.errors import ApiError, Handler
 
 API_KEY_ENV = "STREAMSERVE_API_KEY"
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/status", "/status.json"})
 
 
 def api_keys_from_env(environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:

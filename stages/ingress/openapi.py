@@ -269,6 +269,13 @@ def openapi_document(model: str) -> dict[str, Any]:
             ),  # fmt: skip
             "/metrics": _get("Prometheus metrics", "text/plain"),
             "/openapi.json": _get("This description"),
+            "/status": _get("A live page of the pipeline, drawn from /status.json", "text/html"),
+            "/status.json": _get(
+                "The deployment's stages, streams, workers and throughput, as "
+                "`streamserve status --once --json` prints them",
+                "application/json",
+                503,
+            ),  # fmt: skip
         },
         "components": {
             "schemas": {

@@ -33,6 +33,7 @@ from stages.ingress.metrics import IngressMetrics
 from stages.ingress.openapi import openapi_document
 from stages.ingress.resume import announce_alive
 from stages.ingress.state import STATE, IngressState
+from stages.ingress.status_page import status_json, status_page
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ def create_app(
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/openapi.json", handlers.openapi)
+    app.router.add_get("/status", status_page)
+    app.router.add_get("/status.json", status_json)
     return app
 
 
