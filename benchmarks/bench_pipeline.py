@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import os
 import signal
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -63,29 +65,39 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = READY_T
     raise RuntimeError("the pipeline was not healthy in time")
 
 
-def measure_pipeline(args: argparse.Namespace, via: str, name: str) -> dict:
-    """One workload through a freshly started pipeline: like the engine's runs, each starts
-    from an empty prefix cache (a pipeline kept up would serve a repeated workload's prompts
-    from its cache)."""
+@contextlib.contextmanager
+def started_pipeline(
+    args: argparse.Namespace, env: dict[str, str] | None = None, log_level: str = "INFO"
+) -> Iterator[tuple[str, str]]:
+    """`streamserve up` on its own embedded Redis, healthy: yields (its URL, the Redis URL);
+    stopped with SIGTERM on exit."""
     with EmbeddedRedis() as server:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "stages.cli", "up", "--model", args.model,
-                   "--redis-url", server.url, "--port", str(port), "--log-level", "INFO",
+                   "--redis-url", server.url, "--port", str(port), "--log-level", log_level,
                    f"--worker-arg=--dtype={args.dtype}"]  # fmt: skip
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
         try:
             wait_healthy(url, process)
-            options = bench.build_parser().parse_args(
-                ["--url", url] + (["--redis-url", server.url] if via == "redis" else [])
-            )
-            # Warm-up on ids no workload uses: first-request costs are not the bus's.
-            asyncio.run(bench.run_source(options, WARM_UP))
-            (row,) = asyncio.run(bench.run_source(options, make_workload(name)))
-            return row
+            yield url, server.url
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=60)
+
+
+def measure_pipeline(args: argparse.Namespace, via: str, name: str) -> dict:
+    """One workload through a freshly started pipeline: like the engine's runs, each starts
+    from an empty prefix cache (a pipeline kept up would serve a repeated workload's prompts
+    from its cache)."""
+    with started_pipeline(args) as (url, redis_url):
+        options = bench.build_parser().parse_args(
+            ["--url", url] + (["--redis-url", redis_url] if via == "redis" else [])
+        )
+        # Warm-up on ids no workload uses: first-request costs are not the bus's.
+        asyncio.run(bench.run_source(options, WARM_UP))
+        (row,) = asyncio.run(bench.run_source(options, make_workload(name)))
+        return row
 
 
 def main() -> None:

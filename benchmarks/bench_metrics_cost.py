@@ -1,0 +1,114 @@
+"""What metrics cost the pipeline: the same workload through `streamserve up` with metrics on
+(every process publishing to Redis, /metrics scraped every 5 s as Prometheus would) and off
+(STREAMSERVE_METRICS=0: every metric a no-op, nothing published, nothing scraped).
+
+    python benchmarks/bench_metrics_cost.py [--rounds 3] [--requests 16] [--max-tokens 64]
+        [--via http] [--out f.jsonl]
+
+Runs alternate off, on, off, on, ... each on a freshly started pipeline with its own
+embedded Redis, so drift of the machine spreads over both. One JSON line per run, then one
+with the medians and the ratio on / off of output tok/s (target >= 0.97) and of p50
+inter-token latency. Run on an otherwise idle machine (check `uptime`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import random
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_pipeline import WARM_UP, started_pipeline  # noqa: E402
+
+from benchmarks.jsonl import emit  # noqa: E402
+from stages.cli import bench  # noqa: E402
+from stages.cli.workloads import Workload  # noqa: E402
+
+SCRAPE_INTERVAL_S = 5.0
+
+
+def workload(requests: int, max_tokens: int) -> Workload:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1_000, 40_000) for _ in range(128)] for _ in range(requests)]
+    return Workload(f"uniform-{requests}x{max_tokens}", prompts, [max_tokens] * requests)
+
+
+def scrape_until(url: str, stop: threading.Event, scrapes: list[float]) -> None:
+    """GET /metrics every interval, as Prometheus does; the seconds each scrape took."""
+    while not stop.wait(SCRAPE_INTERVAL_S):
+        started = time.perf_counter()
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+            response.read()
+        scrapes.append(time.perf_counter() - started)
+
+
+def run_once(args: argparse.Namespace, metrics_on: bool) -> dict:
+    env = {**os.environ, "STREAMSERVE_METRICS": "1" if metrics_on else "0"}
+    stop, scrapes = threading.Event(), []
+    with started_pipeline(args, env, log_level="WARNING") as (url, redis_url):
+        options = bench.build_parser().parse_args(
+            ["--url", url] + (["--redis-url", redis_url] if args.via == "redis" else [])
+        )
+        asyncio.run(bench.run_source(options, WARM_UP))
+        if metrics_on:
+            threading.Thread(target=scrape_until, args=(url, stop, scrapes), daemon=True).start()
+        try:
+            (row,) = asyncio.run(
+                bench.run_source(options, workload(args.requests, args.max_tokens))
+            )
+        finally:
+            stop.set()
+    row.update(system=f"pipeline-{args.via}", metrics="on" if metrics_on else "off")
+    if scrapes:
+        row["scrapes"] = len(scrapes)
+        row["scrape_ms_p50"] = round(1000 * statistics.median(scrapes), 2)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--via", default="http", choices=["http", "redis"])
+    parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
+    args = parser.parse_args()
+    machine = {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+               "model": args.model, "dtype": args.dtype}  # fmt: skip
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(args.rounds):
+        for metrics_on in (False, True):
+            row = run_once(args, metrics_on)
+            runs[metrics_on].append(row)
+            emit({**row, **machine}, args.out)
+
+    def median(on: bool, key: str) -> float:
+        return statistics.median(r[key] for r in runs[on])
+
+    summary = {
+        "workload": runs[True][0]["workload"], "system": f"pipeline-{args.via}",
+        "rounds": args.rounds,
+        "output_tok_s_off": median(False, "output_tok_s"),
+        "output_tok_s_on": median(True, "output_tok_s"),
+        "itl_ms_p50_off": median(False, "itl_ms_p50"),
+        "itl_ms_p50_on": median(True, "itl_ms_p50"),
+    }  # fmt: skip
+    summary["on_vs_off_tok_s"] = round(summary["output_tok_s_on"] / summary["output_tok_s_off"], 3)
+    summary["on_vs_off_itl_p50"] = round(summary["itl_ms_p50_on"] / summary["itl_ms_p50_off"], 3)
+    emit({**summary, **machine}, args.out)
+
+
+if __name__ == "__main__":
+    main()
