@@ -8,15 +8,16 @@
 Runs alternate off, on, off, on, ... each on a freshly started pipeline with its own
 embedded Redis, so drift of the machine spreads over both. One JSON line per run, then one
 with the medians and the ratio on / off of output tok/s (target >= 0.97) and of p50
-inter-token latency. Run on an otherwise idle machine (check `uptime`).
+inter-token latency, and of the CPU seconds the pipeline's processes used for the workload.
+Run on an otherwise idle machine (check `uptime`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
-import platform
 import random
 import statistics
 import sys
@@ -25,11 +26,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_pipeline import WARM_UP, started_pipeline  # noqa: E402
 
+from benchmarks import jsonl  # noqa: E402
 from benchmarks.jsonl import emit  # noqa: E402
 from stages.cli import bench  # noqa: E402
 from stages.cli.workloads import Workload  # noqa: E402
@@ -52,6 +56,17 @@ def scrape_until(url: str, stop: threading.Event, scrapes: list[float]) -> None:
         scrapes.append(time.perf_counter() - started)
 
 
+def pipeline_cpu_seconds() -> float:
+    """CPU seconds used so far by the pipeline's processes (this one's children): a steadier
+    measure of the cost than throughput, which one run's scheduling luck moves by 10%."""
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            times = child.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 def run_once(args: argparse.Namespace, metrics_on: bool) -> dict:
     env = {**os.environ, "STREAMSERVE_METRICS": "1" if metrics_on else "0"}
     stop, scrapes = threading.Event(), []
@@ -62,12 +77,14 @@ def run_once(args: argparse.Namespace, metrics_on: bool) -> dict:
         asyncio.run(bench.run_source(options, WARM_UP))
         if metrics_on:
             threading.Thread(target=scrape_until, args=(url, stop, scrapes), daemon=True).start()
+        cpu_before = pipeline_cpu_seconds()
         try:
             (row,) = asyncio.run(
                 bench.run_source(options, workload(args.requests, args.max_tokens))
             )
         finally:
             stop.set()
+        row["pipeline_cpu_s"] = round(pipeline_cpu_seconds() - cpu_before, 2)
     row.update(system=f"pipeline-{args.via}", metrics="on" if metrics_on else "off")
     if scrapes:
         row["scrapes"] = len(scrapes)
@@ -85,8 +102,7 @@ def main() -> None:
     parser.add_argument("--via", default="http", choices=["http", "redis"])
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     args = parser.parse_args()
-    machine = {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-               "model": args.model, "dtype": args.dtype}  # fmt: skip
+    machine = {**jsonl.machine(), "model": args.model, "dtype": args.dtype}
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for _ in range(args.rounds):
         for metrics_on in (False, True):
@@ -95,7 +111,7 @@ def main() -> None:
             emit({**row, **machine}, args.out)
 
     def median(on: bool, key: str) -> float:
-        return statistics.median(r[key] for r in runs[on])
+        return round(statistics.median(r[key] for r in runs[on]), 2)
 
     summary = {
         "workload": runs[True][0]["workload"], "system": f"pipeline-{args.via}",
@@ -104,9 +120,14 @@ def main() -> None:
         "output_tok_s_on": median(True, "output_tok_s"),
         "itl_ms_p50_off": median(False, "itl_ms_p50"),
         "itl_ms_p50_on": median(True, "itl_ms_p50"),
+        "pipeline_cpu_s_off": median(False, "pipeline_cpu_s"),
+        "pipeline_cpu_s_on": median(True, "pipeline_cpu_s"),
     }  # fmt: skip
     summary["on_vs_off_tok_s"] = round(summary["output_tok_s_on"] / summary["output_tok_s_off"], 3)
     summary["on_vs_off_itl_p50"] = round(summary["itl_ms_p50_on"] / summary["itl_ms_p50_off"], 3)
+    summary["on_vs_off_cpu_s"] = round(
+        summary["pipeline_cpu_s_on"] / summary["pipeline_cpu_s_off"], 3
+    )
     emit({**summary, **machine}, args.out)
 
 
