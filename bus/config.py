@@ -24,6 +24,11 @@ Environment variables read by ``BusConfig.from_env``:
 - ``STREAMSERVE_METRICS``: ``0`` turns every process's metrics off (bus/metrics.py).
 - ``STREAMSERVE_METRICS_INTERVAL_S``: seconds between two publications of a process's
   metrics to Redis, where any ingress's ``/metrics`` and ``streamserve status`` read them.
+- ``STREAMSERVE_BATCH_CONCURRENCY``: lines of one batch an ingress replica runs at once.
+- ``STREAMSERVE_BATCH_LEASE_S``: seconds a batch's runner holds it without renewing; a
+  runner silent for longer (its ingress died) leaves the batch to another replica.
+- ``STREAMSERVE_MAX_FILE_BYTES``, ``STREAMSERVE_MAX_BATCH_LINES``: the largest upload to
+  ``/v1/files`` and the most lines a batch takes.
 """
 
 from __future__ import annotations
@@ -58,6 +63,10 @@ class BusConfig:
     no_worker_timeout_s: float = 30.0
     metrics: bool = True
     metrics_interval_s: float = 2.0
+    batch_concurrency: int = 32
+    batch_lease_s: float = 10.0
+    max_file_bytes: int = 200 * 2**20  # OpenAI's limit for a batch input file
+    max_batch_lines: int = 50_000  # OpenAI's
 
     def __post_init__(self) -> None:
         if self.redis_url is not None and not self.redis_url.startswith(_URL_SCHEMES):
@@ -75,6 +84,9 @@ class BusConfig:
             "claim_idle_ms",
             "max_deliveries",
             "reply_ttl_s",
+            "batch_concurrency",
+            "max_file_bytes",
+            "max_batch_lines",
         ):
             _require_int(name, getattr(self, name), minimum=1)
         # 0 would mean "block forever" to XREADGROUP, and a stage must stay responsive.
@@ -85,6 +97,7 @@ class BusConfig:
             "worker_stall_s",
             "no_worker_timeout_s",
             "metrics_interval_s",
+            "batch_lease_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:

@@ -31,6 +31,13 @@ class ApiError(RequestError):
         super().__init__(*args, **kwargs)
         self.headers = dict(headers or {})
 
+    @classmethod
+    def of(cls, error: RequestError) -> ApiError:
+        """`error` as the HTTP API answers it (a store's refusal, raised on the bus side)."""
+        if isinstance(error, ApiError):
+            return error
+        return cls(error.status, error.message, error.type, error.param, error.code)
+
     def response(self) -> web.Response:
         return web.Response(
             status=self.status,
@@ -87,8 +94,8 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException) -> ApiErr
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except ApiError as exc:
-        return exc.response()
+    except RequestError as exc:  # ApiError, or bus/'s own (e.g. a batch store's 404)
+        return ApiError.of(exc).response()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

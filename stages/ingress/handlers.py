@@ -132,23 +132,41 @@ async def _openai(
         await sub.first_replies()
         if job.stream:
             return await _stream_openai(request, sub, job, fmt, head, choices)
-        async for reply in sub.replies():
-            if isinstance(reply, ErrorReply):
-                raise ApiError.from_reply(reply)
-            choice = choices[sub.index[reply.rid]]
-            _echoed(job, fmt, choice, reply)
-            choice.add(reply)
-            if job.logprobs:
-                fmt.logprobs(choice, reply)
+        body = await _whole_openai(sub, job, fmt, head, choices)
     return web.json_response(
-        {
-            **head,
-            "choices": [fmt.whole_choice(c) for c in choices],
-            "usage": usage(choices, job.n),
-        },
+        body,
         dumps=lambda d: _json(d).decode(),
         headers=timing_headers(sub.timing([c.finish for c in choices])),
     )
+
+
+async def answer_whole(
+    state: IngressState, job: ApiRequest, fmt: OpenAIFormat, request_id: str
+) -> dict[str, Any]:
+    """The body of an OpenAI request answered whole, as `_openai` would answer it; what a
+    batch line gets (stages/ingress/batch_runner.py). Raises ApiError as `_openai` does."""
+    head = {"id": request_id, "object": fmt.whole_object, "created": int(time.time()),
+            "model": state.model}  # fmt: skip
+    choices = _choices(job, request_id)
+    async with await _submit(state, job, request_id) as sub:
+        await sub.first_replies()
+        return await _whole_openai(sub, job, fmt, head, choices)
+
+
+async def _whole_openai(
+    sub: Submission, job: ApiRequest, fmt: OpenAIFormat, head: dict[str, Any],
+    choices: list[Choice],
+) -> dict[str, Any]:  # fmt: skip
+    async for reply in sub.replies():
+        if isinstance(reply, ErrorReply):
+            raise ApiError.from_reply(reply)
+        choice = choices[sub.index[reply.rid]]
+        _echoed(job, fmt, choice, reply)
+        choice.add(reply)
+        if job.logprobs:
+            fmt.logprobs(choice, reply)
+    return {**head, "choices": [fmt.whole_choice(c) for c in choices],
+            "usage": usage(choices, job.n)}  # fmt: skip
 
 
 def _echoed(

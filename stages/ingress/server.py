@@ -25,8 +25,9 @@ from bus.async_pool import async_redis
 from bus.config import BusConfig
 from bus.metrics import start_publisher
 from bus.replies import AsyncReplyReader
-from stages.ingress import handlers
+from stages.ingress import batch_api, handlers
 from stages.ingress.auth import api_keys_from_env, auth_middleware
+from stages.ingress.batch_runner import BatchRunner
 from stages.ingress.errors import Handler, error_middleware
 from stages.ingress.health import WorkerHealth
 from stages.ingress.metrics import IngressMetrics
@@ -91,13 +92,15 @@ def create_app(
     app.router.add_get("/openapi.json", handlers.openapi)
     app.router.add_get("/status", status_page)
     app.router.add_get("/status.json", status_json)
+    batch_api.add_routes(app)
     return app
 
 
 async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     state.replies.start()
-    # The metrics' own connection: the publisher and /metrics' collector are threads.
+    # A blocking client for threads: the metrics' publisher and /metrics' collector, and
+    # the file and batch stores' calls on the executor.
     state.sync_redis = redis.Redis.from_url(state.config.redis_url,
                                             socket_connect_timeout=CONNECT_TIMEOUT_S,
                                             socket_timeout=SOCKET_TIMEOUT_S)  # fmt: skip
@@ -106,9 +109,14 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     alive = asyncio.get_running_loop().create_task(
         announce_alive(state.redis, state.config, state.frontend_id)
     )
+    runner = asyncio.get_running_loop().create_task(BatchRunner(state).run())
     logger.info("ingress %s: replies on %s", state.frontend_id, state.reply_stream)
     yield
     alive.cancel()
+    # Its lines' submissions abort their requests as they unwind; its leases are let go
+    # so another replica takes its batches at once.
+    runner.cancel()
+    await asyncio.gather(runner, return_exceptions=True)
     # Handlers cancelled at shutdown have queued their aborts: let them reach Redis.
     if state.background:
         await asyncio.wait(list(state.background), timeout=CONNECT_TIMEOUT_S)
