@@ -30,6 +30,9 @@ from bus.config import BusConfig
 from bus.errors import RequestError
 
 COMPLETION_WINDOWS = {"24h": 24 * 3600}  # OpenAI's one window
+# A batch line's scheduling class at least (lower is served first; requests default to 0),
+# so batches use the capacity interactive requests leave and give way to them.
+BATCH_PRIORITY = 1
 ENDED = ("completed", "failed", "expired", "cancelled")
 MAX_METADATA_PAIRS = 16
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",

@@ -178,6 +178,15 @@ def check_openai_penalty(name: str, value: float, *_: Any) -> str | None:
     return f"{name} must be in [-2, 2], got {value}"
 
 
+PRIORITY_LIMIT = 2**31  # a class number, not a count: int32 is plenty
+
+
+def check_priority(name: str, value: int, *_: Any) -> str | None:
+    if -PRIORITY_LIMIT <= value < PRIORITY_LIMIT:
+        return None
+    return f"{name} must be in [-2**31, 2**31), got {value}"
+
+
 def check_seed(name: str, value: int | None, *_: Any) -> str | None:
     if value is None or 0 <= value < SEED_LIMIT:
         return None

@@ -1,4 +1,5 @@
-"""SamplingParams: what one request asks of the sampler and of the stop checks.
+"""SamplingParams: what one request asks of the sampler and of the stop checks (and its
+scheduling class, `priority`).
 
 The dataclass is the one table of sampling parameters. Each field's metadata is a `Param`:
 its JSON types and how a value is type-checked (`Kind`), its range check (both in
@@ -43,6 +44,7 @@ from bus.sampling_checks import (
     check_min_new_tokens,
     check_min_p,
     check_openai_penalty,
+    check_priority,
     check_repetition_penalty,
     check_seed,
     check_stop,
@@ -143,6 +145,12 @@ class SamplingParams:
     ebnf: str | None = _param(
         None, OPTIONAL_STRING, check_grammar, "a grammar the output must match: GBNF or Lark",
         openai=(),
+    )  # fmt: skip
+
+    # The scheduler's, not the sampler's; here so it travels and is checked like the rest.
+    priority: int = _param(
+        0, INTEGER, check_priority, "scheduling class, vLLM's convention: lower is served "
+        "first and retracted last; requests default to 0, batch lines run at 1 or above",
     )  # fmt: skip
 
     def __post_init__(self) -> None:

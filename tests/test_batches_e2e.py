@@ -158,8 +158,11 @@ def test_the_errors_a_user_can_make_are_4xx_saying_which_field(openai_client):
         openai_client.batches.create(input_file_id=good.id, endpoint="/v1/embeddings",
                                      completion_window="24h")  # fmt: skip
     with pytest.raises(openai.BadRequestError, match="completion_window"):
-        openai_client.batches.create(input_file_id=good.id, endpoint=CHAT,
-                                     completion_window="1h")  # type: ignore[arg-type]
+        openai_client.batches.create(
+            input_file_id=good.id,
+            endpoint=CHAT,
+            completion_window="1h",  # type: ignore[arg-type]
+        )
     with pytest.raises(openai.NotFoundError):
         openai_client.batches.retrieve("batch_nope")
     empty = openai_client.files.create(file=("e.jsonl", b"\n\n"), purpose="batch")
@@ -176,3 +179,15 @@ def test_batches_are_listed_newest_first_and_page(openai_client):
     assert first.has_more and len(first.data) == 1
     for batch_id in made:
         wait(openai_client, batch_id)
+
+
+def test_priority_is_a_request_field_checked_like_the_others(openai_client):
+    messages = [{"role": "user", "content": "Hi"}]
+    answer = openai_client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, extra_body={"priority": -5}
+    )
+    assert answer.choices[0].finish_reason == "length"
+    with pytest.raises(openai.UnprocessableEntityError, match="priority"):
+        openai_client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, extra_body={"priority": "high"}
+        )

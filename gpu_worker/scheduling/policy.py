@@ -14,11 +14,16 @@ LPM_MAX_QUEUE = 128
 def order_waiting(
     waiting: list[Req], policy: str, cached_prefix_len: Callable[[Req], int]
 ) -> list[Req]:
-    """fcfs keeps arrival order (retracted requests sit at the front); lpm puts the requests
-    with the longest cached prefix first, so the cache is hit before it is evicted."""
+    """Lower `priority` classes first; within a class fcfs keeps arrival order (retracted
+    requests sit at the front) and lpm puts the requests with the longest cached prefix
+    first, so the cache is hit before it is evicted."""
     if policy == "lpm" and 1 < len(waiting) <= LPM_MAX_QUEUE:
-        return sorted(waiting, key=lambda req: -cached_prefix_len(req))
-    return list(waiting)
+        ordered = sorted(waiting, key=lambda req: -cached_prefix_len(req))
+    else:
+        ordered = list(waiting)
+    if any(req.params.priority != ordered[0].params.priority for req in ordered):
+        ordered.sort(key=lambda req: req.params.priority)  # stable: keeps the order above
+    return ordered
 
 
 def shares_prefix_with_batch(

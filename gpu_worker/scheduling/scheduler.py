@@ -159,10 +159,13 @@ class Scheduler:
             self.chunked = None
             add(req, num_new, slots)
 
-        max_new_reqs = self.config.max_running_requests - len(self.running) - len(reqs)
-        for req in order_waiting(
+        ordered = order_waiting(
             list(self.waiting), self.config.schedule_policy, self.kv.cached_prefix_len
-        ):
+        )
+        if ordered:
+            self._preempt_for(ordered[0])
+        max_new_reqs = self.config.max_running_requests - len(self.running) - len(reqs)
+        for req in ordered:
             if budget <= 0 or max_new_reqs <= 0 or not self.kv.can_attach():
                 break
             if self.kv.prefix_cache is not None and shares_prefix_with_batch(
@@ -229,9 +232,28 @@ class Scheduler:
             draft_ids=drafts,
         )
 
-    def _retract_one(self) -> None:
-        # The request with the fewest output tokens (then the longest prompt) loses least work.
-        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+    def _preempt_for(self, req: Req) -> None:
+        """Retract running requests of a lower class (a larger `priority`) while `req` could
+        not be admitted for want of a batch slot or of KV: a batch line gives way to an
+        interactive request, and runs again later to the same output."""
+        while True:
+            lower = [r for r in self.running if r.params.priority > req.params.priority]
+            if not lower:
+                return
+            uncached = req.num_tokens - self.kv.cached_prefix_len(req)
+            need = min(uncached, self.config.chunked_prefill_size)
+            need += (len(self.running) + 1) * self.runner.page_size  # as admission keeps
+            if (len(self.running) < self.config.max_running_requests
+                    and self.kv.available_tokens() >= need):  # fmt: skip
+                return
+            self._retract_one(lower)
+
+    def _retract_one(self, among: list[Req] | None = None) -> None:
+        # Of the lowest class (the largest priority), the request with the fewest output
+        # tokens (then the longest prompt) loses least work.
+        victim = min(among or self.running,
+                     key=lambda r: (-r.params.priority, len(r.output_ids),
+                                    -len(r.origin_input_ids)))  # fmt: skip
         self.running.remove(victim)
         self.kv.release(victim)
         self.waiting.appendleft(victim)

@@ -25,7 +25,7 @@ import redis
 
 from bus.aborts import publish_aborts_async
 from bus.batch_input import BatchLine, parse_input
-from bus.batches import BatchStore, error_line, result_line
+from bus.batches import BATCH_PRIORITY, BatchStore, error_line, result_line
 from bus.errors import RequestError
 from stages.ingress import handlers
 from stages.ingress.errors import error_body
@@ -173,6 +173,7 @@ class BatchRunner:
         except RequestError as exc:
             result, ok = result_line(line.custom_id, exc.status, error_body(exc)), False
         else:
+            job.sampling["priority"] = max(BATCH_PRIORITY, job.sampling.get("priority", 0))
             result, ok = await self._answer(batch_id, line, job, fmt)
         await self._call(self.store.record, batch_id, line.line, result, ok)
 

@@ -89,7 +89,9 @@ class RouterStage:
                 for job in jobs
             ]  # fmt: skip
         outputs: list[Output] = []
-        for job in jobs:
+        # The lower priority classes first, to the least loaded workers (a stable sort:
+        # arrival order within a class).
+        for job in sorted(jobs, key=lambda job: job.sampling.get("priority", 0)):
             # Least queued first; of equals, the one with the most free KV.
             worker = min(workers, key=lambda w: (w.queued, -w.free_kv_tokens))
             worker.queued += 1
