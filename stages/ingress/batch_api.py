@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from bus.batch_files import FileStore
 from bus.batches import BatchStore
@@ -54,6 +55,21 @@ async def create_file(request: web.Request) -> web.Response:
     if not request.content_type.startswith("multipart/"):
         raise ApiError(400, "upload a file as multipart/form-data with fields file and purpose",
                        param="file", code="invalid_content_type")  # fmt: skip
+    try:
+        purpose, filename, content = await _read_form(request, files.max_bytes)
+    except (HttpProcessingError, ValueError, LookupError, AssertionError) as exc:
+        raise ApiError(400, f"the multipart body is malformed: {exc}", param="file",
+                       code="invalid_multipart") from None  # fmt: skip
+    if content is None:
+        raise ApiError(400, "the form has no file field", param="file", code="missing_field")
+    if purpose is None:
+        raise ApiError(400, "the form has no purpose field", param="purpose",
+                       code="missing_field")  # fmt: skip
+    return web.json_response(await _call(files.create, content, filename, purpose))
+
+
+async def _read_form(request: web.Request, max_bytes: int) -> tuple[Any, Any, Any]:
+    """(purpose, filename, content) of an upload form, each None if it is missing."""
     purpose, filename, content = None, None, None
     reader = await request.multipart()
     while (part := await reader.next()) is not None:
@@ -63,13 +79,8 @@ async def create_file(request: web.Request) -> web.Response:
             purpose = (await part.text()).strip()
         elif part.name == "file":
             filename = part.filename or "upload.jsonl"
-            content = await _read_limited(part, files.max_bytes)
-    if content is None:
-        raise ApiError(400, "the form has no file field", param="file", code="missing_field")
-    if purpose is None:
-        raise ApiError(400, "the form has no purpose field", param="purpose",
-                       code="missing_field")  # fmt: skip
-    return web.json_response(await _call(files.create, content, filename, purpose))
+            content = await _read_limited(part, max_bytes)
+    return purpose, filename, content
 
 
 async def _read_limited(part: BodyPartReader, limit: int) -> bytes:

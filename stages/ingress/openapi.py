@@ -170,7 +170,7 @@ def _errors(*statuses: int) -> dict[str, Any]:
     meaning = {
         400: "a bad value, an unknown field, a prompt beyond the context",
         401: "a missing or wrong API key",
-        404: "an unknown model, path or request",
+        404: "an unknown model, path, request, file or batch",
         409: "a resume of a stream its ingress still serves",
         413: "a body over the limit",
         422: "JSON of the wrong shape or type",
@@ -227,6 +227,76 @@ def _get(summary: str, content_type: str = "application/json", *errors: int) -> 
     }
 
 
+def _operation(method: str, summary: str, errors: tuple[int, ...], path_param: str | None = None,
+               body: dict[str, Any] | None = None, query: tuple[str, ...] = (),
+               content_type: str = "application/json") -> dict[str, Any]:  # fmt: skip
+    """One operation of the files and batches API (OpenAI's objects, not described here)."""
+    parameters = [{"name": path_param, "in": "path", "required": True,
+                   "schema": {"type": "string"}}] if path_param else []  # fmt: skip
+    parameters += [{"name": name, "in": "query", "required": False,
+                    "schema": {"type": "integer" if name == "limit" else "string"}}
+                   for name in query]  # fmt: skip
+    schema = {"type": "string"} if content_type != "application/json" else {"type": "object"}
+    operation: dict[str, Any] = {
+        "summary": summary,
+        "responses": {"200": {"description": "OK", "content": {content_type: {"schema": schema}}},
+                      **_errors(*errors)},
+    }  # fmt: skip
+    if parameters:
+        operation["parameters"] = parameters
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": body}
+    return {method: operation}
+
+
+def _batch_paths() -> dict[str, Any]:
+    upload = {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["file", "purpose"],
+        "properties": {"file": {"type": "string", "format": "binary"},
+                       "purpose": {"type": "string", "enum": ["batch"]}}}}}  # fmt: skip
+    create = {"application/json": {"schema": {
+        "type": "object", "required": ["input_file_id", "endpoint"],
+        "properties": {"input_file_id": {"type": "string"},
+                       "endpoint": {"type": "string",
+                                    "enum": ["/v1/chat/completions", "/v1/completions"]},
+                       "completion_window": {"type": "string", "enum": ["24h"]},
+                       "metadata": {"type": "object",
+                                    "additionalProperties": {"type": "string"}}}}}}  # fmt: skip
+    return {
+        "/v1/files": {
+            **_operation(
+                "post", "Upload a JSONL file (purpose batch)", (400, 401, 413), body=upload
+            ),
+            **_operation(
+                "get",
+                "List files, newest first",
+                (400, 401),
+                query=("purpose", "after", "limit", "order"),
+            ),
+        },  # fmt: skip
+        "/v1/files/{file_id}": {
+            **_operation("get", "A file's object", (401, 404), "file_id"),
+            **_operation("delete", "Delete a file", (401, 404), "file_id"),
+        },
+        "/v1/files/{file_id}/content": _operation(
+            "get", "A file's bytes", (401, 404), "file_id", content_type="application/octet-stream"
+        ),
+        "/v1/batches": {
+            **_operation(
+                "post", "Create a batch from an uploaded file", (400, 401, 404, 422), body=create
+            ),
+            **_operation("get", "List batches, newest first", (400, 401), query=("after", "limit")),
+        },  # fmt: skip
+        "/v1/batches/{batch_id}": _operation("get", "A batch's object", (401, 404), "batch_id"),
+        "/v1/batches/{batch_id}/cancel": _operation(
+            "post",
+            "Cancel a batch: its running lines stop, what finished is kept",
+            (400, 401, 404),
+            "batch_id",
+        ),  # fmt: skip
+    }
+
+
 def openapi_document(model: str) -> dict[str, Any]:
     abort = {
         "post": {
@@ -276,6 +346,7 @@ def openapi_document(model: str) -> dict[str, Any]:
                 "application/json",
                 503,
             ),  # fmt: skip
+            **_batch_paths(),
         },
         "components": {
             "schemas": {
