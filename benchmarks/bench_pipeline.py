@@ -67,11 +67,15 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = READY_T
 
 @contextlib.contextmanager
 def started_pipeline(
-    args: argparse.Namespace, env: dict[str, str] | None = None, log_level: str = "INFO"
+    args: argparse.Namespace,
+    env: dict[str, str] | None = None,
+    log_level: str = "INFO",
+    redis_data: Path | None = None,
 ) -> Iterator[tuple[str, str]]:
     """`streamserve up` on its own embedded Redis, healthy: yields (its URL, the Redis URL);
-    stopped with SIGTERM on exit."""
-    with EmbeddedRedis() as server:
+    stopped with SIGTERM on exit. `redis_data`: where that server keeps an append-only file
+    (None: nothing on disk)."""
+    with EmbeddedRedis(data_dir=redis_data) as server:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "stages.cli", "up", "--model", args.model,

@@ -37,6 +37,7 @@ CPU_WORKER = "worker-cpu"
 STREAMSERVE_SERVICES = (*STAGES, GPU_WORKER, CPU_WORKER)
 LOAD_BALANCER = "nginx"
 CACHE_VOLUME = "model-cache"
+REDIS_VOLUME = "redis-data"
 CACHE_USERS = ("tokenizer", "detokenizer", GPU_WORKER, CPU_WORKER)
 
 # The image's entrypoint, as a local command: `streamserve` is the console script for
@@ -154,6 +155,19 @@ def test_redis_is_the_official_7_image_with_a_ping_healthcheck(services):
     redis = services["redis"]
     assert redis["image"] == "redis:7"
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+
+
+def test_redis_keeps_an_append_only_file_on_a_named_volume(compose, services):
+    service = services["redis"]
+    command = service["command"]
+    assert command[0] == "redis-server"
+    assert option(command, "--appendonly") == "yes"
+    assert option(command, "--appendfsync") == "everysec"  # at most ~1 s lost to a crash
+    volumes = service["volumes"]
+    mounts = {target: source for source, _, target in (m.partition(":") for m in volumes)}
+    assert mounts[option(command, "--dir")] == REDIS_VOLUME
+    assert REDIS_VOLUME in compose["volumes"]  # named: it outlives the container
+    # tests/test_redis_persistence.py gives these options to a real server.
 
 
 def test_streamserve_services_wait_for_healthy_redis_restart_and_run_under_init(services):

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,12 +31,14 @@ def _free_port() -> int:
 
 class _Up:
     """`streamserve up` on a tiny random model, in a process group of its own as a shell
-    runs a command, its output collected."""
+    runs a command, its output collected. Its embedded server persists, as users get it, but
+    to `redis_data` rather than the user's own cache folder."""
 
-    def __init__(self) -> None:
+    def __init__(self, redis_data: Path) -> None:
         env = {key: value for key, value in os.environ.items() if key != "REDIS_URL"}
+        self.port = _free_port()
         command = [sys.executable, "-m", "stages.cli", "up", "--model", "random:tiny-llama",
-                   "--port", str(_free_port())]  # fmt: skip
+                   "--port", str(self.port), "--redis-data", str(redis_data)]  # fmt: skip
         self.process = subprocess.Popen(
             command, env=env, start_new_session=True, text=True,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -90,8 +93,8 @@ def _alive(pid: int) -> bool:
 
 # SIGINT: a terminal's Ctrl-C; SIGHUP: the terminal closed. Both reach its whole group.
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hangup"])
-def test_a_terminal_stops_the_stages_before_the_embedded_server(signum):
-    up = _Up()
+def test_a_terminal_stops_the_stages_before_the_embedded_server(signum, tmp_path):
+    up = _Up(tmp_path / "redis")
     try:
         up.wait_until_up()
         os.killpg(up.process.pid, signum)
@@ -106,8 +109,8 @@ def test_a_terminal_stops_the_stages_before_the_embedded_server(signum):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
-def test_a_launcher_killed_outright_leaves_no_replica_or_server_behind():
-    up = _Up()
+def test_a_launcher_killed_outright_leaves_no_replica_or_server_behind(tmp_path):
+    up = _Up(tmp_path / "redis")
     children: list[int] = []
     try:
         up.wait_until_up()

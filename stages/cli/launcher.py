@@ -1,6 +1,9 @@
 """`streamserve up`: the whole system on one machine, each stage replica its own process.
 
-With no Redis URL it starts the embedded server (bus/embedded_server.py) first. It waits
+With no Redis URL it starts the embedded server (bus/embedded_server.py) first, keeping its
+append-only file in ``--redis-data`` (default: the cache folder's ``redis/``) unless
+``--no-redis-persistence``; a server that dies is started again on the same socket from that
+file, and the stages reconnect to it by themselves (bus/reconnect.py). It waits
 until ``/health`` answers and every worker has loaded its model and beats, prints where the API
 listens, and on Ctrl-C or SIGTERM stops the stages (ingress first, so no new request comes
 in, the workers last) and then the server. Each replica and the server run in a session of
@@ -31,7 +34,7 @@ import redis
 from bus.access import BusAccessError, check_access, redacted
 from bus.child_process import owned_child
 from bus.config import BusConfig
-from bus.embedded_server import EmbeddedRedis
+from bus.embedded_server import EmbeddedRedis, EmbeddedServerError, default_data_dir
 from stages.cli.main import worker_command
 from stages.router.stage import live_workers
 
@@ -41,6 +44,8 @@ STOP_TIMEOUT_S = 15.0
 POLL_S = 0.25
 RESTART_LIMIT = 5
 RESTART_WINDOW_S = 60.0
+# Loading a large append-only file takes a while; the server answers LOADING meanwhile.
+SERVER_START_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -59,6 +64,7 @@ class Launcher:
         self.replicas: list[Replica] = []
         self.stop = threading.Event()
         self.server: EmbeddedRedis | None = None
+        self.server_restarts: list[float] = []  # monotonic times
 
     def run(self) -> int:
         # SIGHUP: the terminal closed. The replicas, in sessions of their own, do not get it.
@@ -66,12 +72,19 @@ class Launcher:
             signal.signal(signum, lambda *_: self.stop.set())
         try:
             if self.config.redis_url is not None:
+                if self.args.redis_data is not None or self.args.no_redis_persistence:
+                    logger.warning("--redis-data and --no-redis-persistence are for the "
+                                   "embedded server: ignored with a Redis URL")  # fmt: skip
                 try:
                     check_access(redis.Redis.from_url(self.config.redis_url), self.config)
                 except BusAccessError as exc:
                     logger.error("%s", exc)  # once, rather than from every replica
                     return 2
-            url = self.config.redis_url or self._start_embedded_server()
+            try:
+                url = self.config.redis_url or self._start_embedded_server()
+            except EmbeddedServerError as exc:
+                logger.error("%s", exc)
+                return 2
             self._start_stages(url)
             if not self._wait_until_healthy() or not self._wait_for_workers(url):
                 return 1
@@ -81,10 +94,42 @@ class Launcher:
             self._stop_all()
 
     def _start_embedded_server(self) -> str:
-        self.server = EmbeddedRedis()
+        a = self.args
+        data_dir = None if a.no_redis_persistence else (a.redis_data or default_data_dir())
+        self.server = EmbeddedRedis(
+            start_timeout_s=SERVER_START_TIMEOUT_S,
+            data_dir=data_dir,
+            # The default dir taken by another `up`: a private one, so this one still starts
+            # and survives a crash of its server. A dir the user named: refuse, rather than
+            # keep their data somewhere they did not ask for.
+            if_locked="error" if a.redis_data is not None else "private",
+        )
         url = self.server.start()
-        logger.info("embedded Redis-protocol server at %s", url)
+        where = self.server.data_dir or "nowhere (no persistence)"
+        logger.info("embedded Redis-protocol server at %s, data in %s", url, where)
         return url
+
+    def _keep_server_up(self) -> bool:
+        """Start a dead embedded server again, as `_restart` does a replica; False to stop."""
+        if self.server is None or (code := self.server.poll()) is None:
+            return True
+        now = time.monotonic()
+        self.server_restarts = [t for t in self.server_restarts if now - t < RESTART_WINDOW_S]
+        self.server_restarts.append(now)
+        if len(self.server_restarts) > RESTART_LIMIT:
+            logger.error("the embedded server exited with code %d, %d times in %g s; stopping "
+                         "everything", code, RESTART_LIMIT, RESTART_WINDOW_S)  # fmt: skip
+            return False
+        try:
+            self.server.revive()  # same socket, so the stages' URL stays right
+        except EmbeddedServerError as exc:
+            logger.error("the embedded server exited with code %d and did not start again: %s",
+                         code, exc)  # fmt: skip
+            return False
+        source = self.server.data_dir or "nothing: it is empty"
+        logger.warning("the embedded server exited with code %d; started again (pid %d) from %s",
+                       code, self.server.pid, source)  # fmt: skip
+        return True
 
     def _start_stages(self, url: str) -> None:
         a = self.args
@@ -175,6 +220,8 @@ class Launcher:
 
     def _supervise(self) -> int:
         while not self.stop.is_set():
+            if not self._keep_server_up():
+                return 1
             for replica in self.replicas:
                 code = replica.process.poll()
                 if code is not None and not self._restart(replica, code):

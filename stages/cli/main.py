@@ -18,6 +18,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from bus.config import BusConfig
 from bus.model_files import DEFAULT_MODEL
@@ -86,6 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="a flag for every worker, e.g. --worker-arg=--max-running-requests=64",
     )
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait")
+    # Only for the embedded server: a server given by URL keeps (or not) its own data.
+    persistence = up.add_mutually_exclusive_group()
+    persistence.add_argument(
+        "--redis-data",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the embedded server keeps its append-only file "
+        "(default: $STREAMSERVE_CACHE/redis, else ~/.cache/streamserve/redis)",
+    )
+    persistence.add_argument(
+        "--no-redis-persistence",
+        action="store_true",
+        help="the embedded server keeps nothing on disk: its data dies with it",
+    )
     _ingress_limits(up)
 
     stage = commands.add_parser("stage", help="run one replica of a CPU stage")
