@@ -61,14 +61,17 @@ PROMPT_CONTEXT_TOKENS = 5
 @dataclass
 class GenerateRequest(Message):
     """A job in text (``prompt``), chat (``messages``) or token-id (``input_ids``) form; a chat
-    may name ``tools`` (OpenAI's function definitions), which its template renders."""
+    may name ``tools`` (OpenAI's function definitions), which its template renders.
+    ``tenant`` and ``weight`` say whose job it is and its share when several tenants wait
+    (the ingress sets them from the API key; gpu_worker/scheduling/fair_share.py)."""
 
     KIND = "generate"
     FIELDS = {
         "rid": STR, "reply_to": STR, "prompt": STR, "messages": LIST, "input_ids": IDS,
-        "sampling": MAP, "created": FLOAT, "tools": LIST,
+        "sampling": MAP, "created": FLOAT, "tools": LIST, "tenant": STR, "weight": FLOAT,
     }  # fmt: skip
-    OPTIONAL = frozenset({"prompt", "messages", "input_ids", "created", "tools"})
+    OPTIONAL = frozenset({"prompt", "messages", "input_ids", "created", "tools", "tenant",
+                          "weight"})  # fmt: skip
 
     rid: str
     reply_to: str
@@ -78,6 +81,8 @@ class GenerateRequest(Message):
     sampling: dict[str, Any] = field(default_factory=dict)
     created: float | None = None  # unix time the job entered the system, for latency figures
     tools: list[dict[str, Any]] | None = None
+    tenant: str | None = None
+    weight: float | None = None
 
     def __post_init__(self) -> None:
         given = [n for n in ("prompt", "messages", "input_ids") if getattr(self, n) is not None]
@@ -87,6 +92,7 @@ class GenerateRequest(Message):
             )
         if self.tools is not None and self.messages is None:
             raise ProtocolError("tools come with a chat job (messages)")
+        _check_weight(self.weight)
 
 
 @dataclass
@@ -94,14 +100,26 @@ class TokenizedRequest(Message):
     KIND = "tokenized"
     FIELDS = {
         "rid": STR, "reply_to": STR, "input_ids": IDS, "sampling": MAP, "created": FLOAT,
+        "tenant": STR, "weight": FLOAT,
     }  # fmt: skip
-    OPTIONAL = frozenset({"created"})
+    OPTIONAL = frozenset({"created", "tenant", "weight"})
 
     rid: str
     reply_to: str
     input_ids: list[int]
     sampling: dict[str, Any] = field(default_factory=dict)
     created: float | None = None
+    tenant: str | None = None  # as the GenerateRequest's
+    weight: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_weight(self.weight)
+
+
+def _check_weight(weight: float | None) -> None:
+    # A share: zero, negative or infinite would stall or starve the tenant's queue.
+    if weight is not None and not 0 < weight < float("inf"):
+        raise ProtocolError(f"weight must be a positive finite number; got {weight}")
 
 
 @dataclass

@@ -232,6 +232,8 @@ class Worker:
             req = self.engine.build_request(
                 job.rid, job.input_ids, params, detokenize=False, output_ids=generated
             )
+            req.tenant = job.tenant or ""
+            req.weight = job.weight or 1.0
         except (ValueError, TypeError, ProtocolError) as exc:
             self.bus.acks.append(entry_id)
             param, code = (exc.field, exc.code) if isinstance(exc, FieldError) else (None, None)

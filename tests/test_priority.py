@@ -1,6 +1,8 @@
-"""Priority classes in the worker: the waiting queue serves lower `priority` values first, and
-a request that cannot be admitted for want of a batch slot or of KV retracts running
-requests of a lower class (batch lines), which run again later to the same greedy output."""
+"""Priority classes and fair share in the worker: the waiting queue serves lower `priority`
+values first, and a request that cannot be admitted for want of a batch slot or of KV
+retracts running requests of a lower class (batch lines), which run again later to the same greedy output.
+Within a class, tenants (API keys) share the admissions by weight: one that floods the
+queue does not keep another's request waiting behind it."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ MAX_NEW = 24
 PROMPTS = ["Write a haiku about the sea.", "List three prime numbers.", "What is 17 times 23?"]
 
 
-def fake(name: str, priority: int):
-    return SimpleNamespace(name=name, params=SimpleNamespace(priority=priority))
+def fake(name: str, priority: int, tenant: str = "", tag: float = 0.0):
+    return SimpleNamespace(name=name, params=SimpleNamespace(priority=priority), tenant=tenant,
+                           fair_tag=tag)  # fmt: skip
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])
@@ -101,3 +104,40 @@ def test_requests_of_one_class_do_not_retract_each_other_to_be_admitted(prompts)
     engine.scheduler.add_request(_req(engine, "second", prompts[1], priority=0))
     engine.scheduler.step()
     assert engine.scheduler.running == [first] and engine.scheduler.num_retractions == 0
+
+
+def test_a_flooding_tenant_does_not_keep_another_tenants_request_waiting(prompts):
+    engine = Engine("smollm2-135m-instruct", dtype="float32", max_running_requests=2)
+    scheduler = engine.scheduler
+    flood = []
+    for i in range(8):
+        req = _req(engine, f"a-{i}", prompts[i % 2], priority=0)
+        req.tenant = "a"
+        flood.append(req)
+        scheduler.add_request(req)
+    scheduler.step()  # two of the flood run, six wait
+    other = _req(engine, "b-0", prompts[2], priority=0)
+    other.tenant = "b"
+    scheduler.add_request(other)
+    while other not in scheduler.running:
+        assert not other.finished
+        scheduler.step()
+    started_before = [r.rid for r in flood if r.finished or r in scheduler.running]
+    assert len(started_before) <= 3, f"b waited behind {started_before}"
+
+
+def test_a_tenants_weight_is_its_share_of_the_admissions():
+    from bus.sampling_params import SamplingParams as Params
+    from gpu_worker.scheduling.fair_share import FairShare
+    from gpu_worker.scheduling.req import Req
+
+    share = FairShare()
+    waiting = []
+    for tenant, weight in (("light", 1.0), ("heavy", 2.0)):
+        for i in range(6):
+            req = Req(f"{tenant}-{i}", [1] * 10, Params(max_new_tokens=10), frozenset())
+            req.tenant, req.weight = tenant, weight
+            share.tag(req)
+            waiting.append(req)
+    first_six = [r.tenant for r in order_waiting(waiting, "fcfs", lambda r: 0)[:6]]
+    assert first_six.count("heavy") == 4 and first_six.count("light") == 2

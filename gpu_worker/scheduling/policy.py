@@ -14,9 +14,13 @@ LPM_MAX_QUEUE = 128
 def order_waiting(
     waiting: list[Req], policy: str, cached_prefix_len: Callable[[Req], int]
 ) -> list[Req]:
-    """Lower `priority` classes first; within a class fcfs keeps arrival order (retracted
-    requests sit at the front) and lpm puts the requests with the longest cached prefix
-    first, so the cache is hit before it is evicted."""
+    """Lower `priority` classes first. Within a class, requests of several tenants go in
+    fair-share order (their start tags, scheduling/fair_share.py); those of one tenant as
+    the policy says: fcfs keeps arrival order (retracted requests sit at the front) and lpm
+    puts the requests with the longest cached prefix first, so the cache is hit before it
+    is evicted."""
+    if len(waiting) > 1 and any(req.tenant != waiting[0].tenant for req in waiting):
+        return sorted(waiting, key=lambda req: (req.params.priority, req.fair_tag))
     if policy == "lpm" and 1 < len(waiting) <= LPM_MAX_QUEUE:
         ordered = sorted(waiting, key=lambda req: -cached_prefix_len(req))
     else:

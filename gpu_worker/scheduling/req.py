@@ -73,6 +73,11 @@ class Req:
         self.pending_text = ""
         # Speculative decoding's per-request state, made at its first draft.
         self.draft: DraftState | None = None
+        # Fair share between tenants (scheduling/fair_share.py): whose request this is, its
+        # tenant's weight, and its start tag in the waiting queue.
+        self.tenant = ""
+        self.weight = 1.0
+        self.fair_tag = 0.0
 
     @property
     def all_ids(self) -> list[int]:

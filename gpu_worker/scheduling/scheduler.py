@@ -23,6 +23,7 @@ from gpu_worker.sampling.grammar import consume
 from gpu_worker.sampling.logprobs import record_prompt_logprobs
 from gpu_worker.sampling.penalties import SamplingRows
 from gpu_worker.sampling.sampler import SamplingBatch, sample
+from gpu_worker.scheduling.fair_share import FairShare
 from gpu_worker.scheduling.policy import order_waiting, shares_prefix_with_batch
 from gpu_worker.scheduling.req import FinishReason, Req
 from gpu_worker.scheduling.request_kv import RequestKV
@@ -50,6 +51,7 @@ class Scheduler:
         self.chunked: Req | None = None
         self.default_generator = torch.Generator().manual_seed(config.seed)
         self.num_retractions = 0
+        self.fair_share = FairShare()
         self.last_mode: ForwardMode | None = None  # of the last step: what the worker measures
         self.drafter: Drafter | None = None
         if config.speculative == "ngram":
@@ -62,6 +64,7 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, req: Req) -> None:
+        self.fair_share.tag(req)
         self.waiting.append(req)
 
     def abort_request(self, rid: str) -> Req | None:
@@ -184,6 +187,7 @@ class Scheduler:
                 self.kv.release(req)
                 break
             self.waiting.remove(req)
+            self.fair_share.admitted(req)
             add(req, num_new, slots)
             max_new_reqs -= 1
 

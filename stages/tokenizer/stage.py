@@ -44,7 +44,8 @@ class TokenizerStage:
             except ValueError as exc:
                 outputs.append(reply(self.config, job.reply_to, _bad_request(job, exc)))
                 continue
-            tokenized = TokenizedRequest(job.rid, job.reply_to, ids, job.sampling, job.created)
+            tokenized = TokenizedRequest(job.rid, job.reply_to, ids, job.sampling, job.created,
+                                         job.tenant, job.weight)  # fmt: skip
             outputs.append(Outbound(self.config.tokenized_stream(), tokenized))
         return outputs
 
