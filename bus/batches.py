@@ -33,6 +33,7 @@ COMPLETION_WINDOWS = {"24h": 24 * 3600}  # OpenAI's one window
 # A batch line's scheduling class at least (lower is served first; requests default to 0),
 # so batches use the capacity interactive requests leave and give way to them.
 BATCH_PRIORITY = 1
+HIDDEN = ("total", "tenant")  # kept with a batch, not in OpenAI's object
 ENDED = ("completed", "failed", "expired", "cancelled")
 MAX_METADATA_PAIRS = 16
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
@@ -74,7 +75,9 @@ class BatchStore:
     # ---- what a user does -----------------------------------------------------------------
 
     def create(self, input_file_id: Any, endpoint: Any, completion_window: Any = "24h",
-               metadata: Any = None) -> dict[str, Any]:  # fmt: skip
+               metadata: Any = None, tenant: str | None = None) -> dict[str, Any]:  # fmt: skip
+        """A new batch; `tenant` (whose key made it) is kept for its lines' fair share and
+        limits, and not shown."""
         check_endpoint(endpoint)
         if completion_window not in COMPLETION_WINDOWS:
             raise RequestError(400, f"completion_window must be one of "
@@ -94,7 +97,7 @@ class BatchStore:
             "input_file_id": input_file_id, "completion_window": completion_window,
             "status": "validating", "output_file_id": None, "error_file_id": None,
             "created_at": now, "expires_at": now + COMPLETION_WINDOWS[completion_window],
-            **dict.fromkeys(TIMESTAMPS), "total": 0, "metadata": metadata,
+            **dict.fromkeys(TIMESTAMPS), "total": 0, "metadata": metadata, "tenant": tenant,
         }  # fmt: skip
         pipe = self.client.pipeline(transaction=True)
         pipe.set(self.key(batch_id), json.dumps(obj))
@@ -257,7 +260,7 @@ class BatchStore:
 
     def _view(self, obj: dict[str, Any]) -> dict[str, Any]:
         """The object as OpenAI shows it, with its live request counts."""
-        view = {k: v for k, v in obj.items() if k != "total"}
+        view = {k: v for k, v in obj.items() if k not in HIDDEN}
         pipe = self.client.pipeline(transaction=False)
         pipe.hlen(self.key(obj["id"], "out"))
         pipe.hlen(self.key(obj["id"], "err"))

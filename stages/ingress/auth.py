@@ -43,3 +43,10 @@ def auth_middleware(keys: Sequence[str]):
         return await handler(request)
 
     return check_key
+
+
+def bearer_key(request: web.Request) -> str | None:
+    """The API key the request sends (checked by `auth_middleware` when keys are set): it
+    names the request's tenant (stages/ingress/tenants.py)."""
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    return given.strip() if scheme.lower() == "bearer" and given.strip() else None

@@ -14,6 +14,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from bus.batch_files import FileStore
 from bus.batches import BatchStore
+from stages.ingress.auth import bearer_key
 from stages.ingress.body import OBJECT, STR, field, read_object, reject_unknown
 from stages.ingress.errors import ApiError
 from stages.ingress.state import STATE
@@ -134,7 +135,8 @@ async def create_batch(request: web.Request) -> web.Response:
             raise ApiError(400, f"{name} is required", param=name, code="missing_field")
     window = field(data, "completion_window", STR) or "24h"
     metadata = field(data, "metadata", OBJECT)
-    batch = await _call(batches.create, input_file_id, endpoint, window, metadata)
+    tenant = request.app[STATE].tenants.for_key(bearer_key(request)).id
+    batch = await _call(batches.create, input_file_id, endpoint, window, metadata, tenant)
     return web.json_response(batch)
 
 

@@ -32,6 +32,7 @@ from stages.ingress.errors import error_body
 from stages.ingress.openai_format import ChatFormat, CompletionFormat
 from stages.ingress.params import parse_chat, parse_completion
 from stages.ingress.state import IngressState
+from stages.ingress.tenants import Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +134,7 @@ class BatchRunner:
         async def feed() -> None:
             for line in todo:
                 await window.acquire()
-                task = asyncio.get_running_loop().create_task(
-                    self._line(batch_id, obj["endpoint"], line)
-                )
+                task = asyncio.get_running_loop().create_task(self._line(batch_id, obj, line))
                 running.add(task)
                 task.add_done_callback(lambda t: (running.discard(t), window.release()))
             while running:
@@ -165,8 +164,8 @@ class BatchRunner:
                 if (await self._call(self.store.raw, batch_id))["status"] == "cancelling":
                     return "cancelled"
 
-    async def _line(self, batch_id: str, endpoint: str, line: BatchLine) -> None:
-        chat = endpoint == "/v1/chat/completions"
+    async def _line(self, batch_id: str, obj: dict[str, Any], line: BatchLine) -> None:
+        chat = obj["endpoint"] == "/v1/chat/completions"
         fmt = ChatFormat() if chat else CompletionFormat()
         try:
             job = (parse_chat if chat else parse_completion)(line.body, self.state.model)
@@ -174,18 +173,22 @@ class BatchRunner:
             result, ok = result_line(line.custom_id, exc.status, error_body(exc)), False
         else:
             job.sampling["priority"] = max(BATCH_PRIORITY, job.sampling.get("priority", 0))
-            result, ok = await self._answer(batch_id, line, job, fmt)
+            tenant = self.state.tenants.named(obj.get("tenant"))  # whose key made the batch
+            result, ok = await self._answer(batch_id, line, job, fmt, tenant)
         await self._call(self.store.record, batch_id, line.line, result, ok)
 
-    async def _answer(self, batch_id: str, line: BatchLine, job, fmt) -> tuple[dict, bool]:
-        """The line's result, waiting out a full queue, no live worker or a Redis outage."""
+    async def _answer(
+        self, batch_id: str, line: BatchLine, job, fmt, tenant: Tenant
+    ) -> tuple[dict, bool]:
+        """The line's result, waiting out a full queue, its tenant's limits, no live worker
+        or a Redis outage."""
         attempt = 0
         while True:
             request_id = fmt.id_prefix + uuid.uuid4().hex
             rids = [f"{request_id}-{i}" for i in range(len(job.prompts) * job.n)]
             try:
                 await self._call(self.store.running, batch_id, line.line, request_id, rids)
-                body = await handlers.answer_whole(self.state, job, fmt, request_id)
+                body = await handlers.answer_whole(self.state, job, fmt, request_id, tenant)
                 return result_line(line.custom_id, 200, body), True
             except RequestError as exc:
                 if exc.status not in (429, 503):

@@ -25,6 +25,7 @@ from bus.deployment_metrics import deployment_registry, render
 from bus.protocol import ErrorReply, TextDelta
 from bus.replies import AsyncReplyReader
 from stages.ingress import resume
+from stages.ingress.auth import bearer_key
 from stages.ingress.body import read_object
 from stages.ingress.errors import ApiError, error_body, redis_unavailable
 from stages.ingress.health import serving_paths
@@ -46,6 +47,7 @@ from stages.ingress.params import (
 )
 from stages.ingress.state import STATE, IngressState
 from stages.ingress.submission import Submission
+from stages.ingress.tenants import Tenant
 from stages.ingress.tool_call_parser import ToolCallParser
 
 logger = logging.getLogger(__name__)
@@ -95,10 +97,16 @@ def _resumed(state: IngressState, job: ApiRequest, point: resume.ResumePoint) ->
                       resumed=reader, resumable=True)  # fmt: skip
 
 
-async def _submit(state: IngressState, job: ApiRequest, request_id: str) -> Submission:
+async def _submit(
+    state: IngressState, job: ApiRequest, request_id: str, tenant: Tenant
+) -> Submission:
     await state.admit(len(job.prompts) * job.n)
-    return Submission(state, request_id, job.requests(request_id, state.reply_stream),
-                      resumable=job.stream)  # fmt: skip
+    requests = job.requests(request_id, state.reply_stream, tenant.id, tenant.weight)
+    return Submission(state, request_id, requests, resumable=job.stream, tenant=tenant)
+
+
+def _tenant(request: web.Request, state: IngressState) -> Tenant:
+    return state.tenants.for_key(bearer_key(request))
 
 
 # ---- OpenAI endpoints --------------------------------------------------------------------------
@@ -128,7 +136,7 @@ async def _openai(
     if point is not None:
         async with _resumed(state, job, point) as sub:
             return await _stream_openai(request, sub, job, fmt, head, choices, point)
-    async with await _submit(state, job, request_id) as sub:
+    async with await _submit(state, job, request_id, _tenant(request, state)) as sub:
         await sub.first_replies()
         if job.stream:
             return await _stream_openai(request, sub, job, fmt, head, choices)
@@ -141,14 +149,14 @@ async def _openai(
 
 
 async def answer_whole(
-    state: IngressState, job: ApiRequest, fmt: OpenAIFormat, request_id: str
+    state: IngressState, job: ApiRequest, fmt: OpenAIFormat, request_id: str, tenant: Tenant
 ) -> dict[str, Any]:
     """The body of an OpenAI request answered whole, as `_openai` would answer it; what a
     batch line gets (stages/ingress/batch_runner.py). Raises ApiError as `_openai` does."""
     head = {"id": request_id, "object": fmt.whole_object, "created": int(time.time()),
             "model": state.model}  # fmt: skip
     choices = _choices(job, request_id)
-    async with await _submit(state, job, request_id) as sub:
+    async with await _submit(state, job, request_id, tenant) as sub:
         await sub.first_replies()
         return await _whole_openai(sub, job, fmt, head, choices)
 
@@ -259,7 +267,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if point is not None:
         async with _resumed(state, job, point) as sub:
             return await _stream_generate(request, sub, job, sub.requests[0].rid, point)
-    async with await _submit(state, job, request_id) as sub:
+    async with await _submit(state, job, request_id, _tenant(request, state)) as sub:
         rid = sub.requests[0].rid
         await sub.first_replies()
         if job.stream:

@@ -70,8 +70,12 @@ class ApiRequest:
     def logprobs(self) -> bool:
         return bool(self.sampling.get("logprobs"))
 
-    def requests(self, request_id: str, reply_to: str) -> list[GenerateRequest]:
-        """One sub-request per choice, rid ``<request_id>-<choice index>``."""
+    def requests(
+        self, request_id: str, reply_to: str, tenant: str | None = None,
+        weight: float | None = None,
+    ) -> list[GenerateRequest]:  # fmt: skip
+        """One sub-request per choice, rid ``<request_id>-<choice index>``, each for
+        `tenant` with its `weight` (stages/ingress/tenants.py)."""
         created = time.time()
         out = []
         for p, prompt in enumerate(self.prompts):
@@ -82,7 +86,13 @@ class ApiRequest:
                 rid = f"{request_id}-{p * self.n + j}"
                 out.append(
                     GenerateRequest(
-                        rid=rid, reply_to=reply_to, sampling=sampling, created=created, **prompt
+                        rid=rid,
+                        reply_to=reply_to,
+                        sampling=sampling,
+                        created=created,
+                        tenant=tenant,
+                        weight=weight,
+                        **prompt,
                     )
                 )
         return out

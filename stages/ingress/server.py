@@ -35,6 +35,8 @@ from stages.ingress.openapi import openapi_document
 from stages.ingress.resume import announce_alive
 from stages.ingress.state import STATE, IngressState
 from stages.ingress.status_page import status_json, status_page
+from stages.ingress.tenant_limits import LEASE_S, TenantLimits
+from stages.ingress.tenants import Tenants, tenants_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +57,13 @@ def create_app(
     max_queue: int = DEFAULT_MAX_QUEUE,
     frontend_id: str | None = None,
     api_keys: Sequence[str] = (),
+    tenants: Tenants | None = None,
 ) -> web.Application:
     """The app; serve it with ``web.AppRunner(app, handler_cancellation=True)``."""
     if config.redis_url is None:
         raise ValueError("the ingress needs a Redis URL: give --redis-url or set REDIS_URL")
     frontend_id = frontend_id or unique_consumer_name("ingress")
+    tenants = tenants or Tenants()
     client = async_redis(
         config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=SOCKET_TIMEOUT_S
     )
@@ -73,6 +77,8 @@ def create_app(
         health=WorkerHealth(client, config),
         openapi=openapi_document(model),
         metrics=IngressMetrics(frontend_id, config.metrics),
+        tenants=tenants,
+        tenant_limits=TenantLimits(client, config),
     )
     middlewares = [metrics_middleware, error_middleware]
     if api_keys:
@@ -110,9 +116,11 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
         announce_alive(state.redis, state.config, state.frontend_id)
     )
     runner = asyncio.get_running_loop().create_task(BatchRunner(state).run())
+    renewals = asyncio.get_running_loop().create_task(_renew_tenant_slots(state))
     logger.info("ingress %s: replies on %s", state.frontend_id, state.reply_stream)
     yield
     alive.cancel()
+    renewals.cancel()
     # Its lines' submissions abort their requests as they unwind; its leases are let go
     # so another replica takes its batches at once.
     runner.cancel()
@@ -134,6 +142,16 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
         await asyncio.get_running_loop().run_in_executor(None, publisher.close)
     state.sync_redis.close()
     await state.redis.aclose()
+
+
+async def _renew_tenant_slots(state: IngressState) -> None:
+    """Keep the running slots of this replica's requests (their leases end otherwise)."""
+    while True:
+        await asyncio.sleep(LEASE_S / 3)
+        try:
+            await state.tenant_limits.renew(dict(state.running_tenants))
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            logger.warning("could not renew the tenants' running slots: %s", exc)
 
 
 async def _drain(app: web.Application) -> None:
@@ -195,7 +213,7 @@ def run(
 ) -> None:
     """Serve until SIGTERM or SIGINT."""
     app = create_app(config, model=model, max_body_bytes=max_body_bytes, max_queue=max_queue,
-                     api_keys=api_keys_from_env())  # fmt: skip
+                     api_keys=api_keys_from_env(), tenants=tenants_from_env())  # fmt: skip
 
     async def main() -> None:
         stop = asyncio.Event()

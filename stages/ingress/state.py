@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,8 @@ from bus.replies import AsyncReplyReader
 from stages.ingress.errors import ApiError
 from stages.ingress.health import WorkerHealth, queue_depth
 from stages.ingress.metrics import IngressMetrics
+from stages.ingress.tenant_limits import TenantLimits
+from stages.ingress.tenants import Tenant, Tenants
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class IngressState:
     health: WorkerHealth
     openapi: dict[str, Any]
     metrics: IngressMetrics
+    tenants: Tenants
+    tenant_limits: TenantLimits
     sync_redis: redis.Redis | None = None  # for the metrics' threads; set at start-up
     deployment_metrics: Any = None  # the registry /metrics renders, made at its first scrape
     metrics_publisher: Any = None  # bus.metrics.MetricsPublisher, None with metrics off
@@ -45,6 +49,8 @@ class IngressState:
     background: set[asyncio.Task[None]] = field(default_factory=set)
     draining: bool = False  # SIGTERM: streams cut now are left running, to be resumed
     handed_over: int = 0  # such streams
+    # Requests admitted here against a tenant's limits, whose running slots it renews.
+    running_tenants: dict[str, Tenant] = field(default_factory=dict)
 
     @property
     def reply_stream(self) -> str:
@@ -77,12 +83,26 @@ class IngressState:
         add_requests(pipe, self.config, requests)
         await pipe.execute()
 
+    def release_soon(self, tenant: Tenant, request_id: str, tokens: int) -> None:
+        """Free the request's slot in its tenant's limits, and count its tokens."""
+        self._in_background(self._release(tenant, request_id, tokens))
+
+    async def _release(self, tenant: Tenant, request_id: str, tokens: int) -> None:
+        try:
+            await self.tenant_limits.release(tenant, request_id, tokens)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # Its slot's lease ends on its own (tenant_limits.LEASE_S).
+            logger.warning("could not release %s's slot: %s", request_id, exc)
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
     def finish_soon(self, request_id: str, unfinished: list[str]) -> None:
         """Forget `request_id` and abort its `unfinished` sub-requests, from a task of its
         own: the handler asking may be being cancelled."""
-        task = asyncio.get_running_loop().create_task(self._finish(request_id, unfinished))
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
+        self._in_background(self._finish(request_id, unfinished))
 
     async def _finish(self, request_id: str, unfinished: list[str]) -> None:
         try:

@@ -22,6 +22,7 @@ from bus.protocol import ErrorReply, Finish, GenerateRequest, TextDelta
 from bus.replies import AsyncReplyReader, Reply, is_terminal
 from stages.ingress.errors import ApiError
 from stages.ingress.state import IngressState
+from stages.ingress.tenants import Tenant
 
 
 class Submission:
@@ -35,6 +36,7 @@ class Submission:
         requests: list[GenerateRequest],
         resumed: AsyncReplyReader | None = None,
         resumable: bool = False,
+        tenant: Tenant | None = None,
     ) -> None:
         self.state = state
         self.resumable = resumable  # streamed: its client can resume it elsewhere
@@ -49,6 +51,8 @@ class Submission:
         self._arrived = time.monotonic()
         self._last_token_at: dict[str, float] = {}
         self.first_token_at: dict[str, float] = {}  # monotonic, per sub-request
+        self.tenant = tenant  # whose limits it counts against; None: resumed, not admitted
+        self.tokens = 0  # prompt and completion tokens of its finished sub-requests
 
     async def __aenter__(self) -> Submission:
         for request in self.requests:
@@ -57,8 +61,12 @@ class Submission:
             self.reader.start()
             return self
         try:
+            if self.tenant is not None:
+                await self.state.tenant_limits.admit(self.tenant, self.request_id)
+                self.state.running_tenants[self.request_id] = self.tenant
             await self.state.submit(self.request_id, self.requests)
         except BaseException as exc:
+            self._release()
             self._unregister()
             if isinstance(exc, asyncio.CancelledError):  # the jobs may be queued already
                 self.state.finish_soon(self.request_id, list(self.index))
@@ -67,6 +75,7 @@ class Submission:
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         self._unregister()
+        self._release()
         if self.resumed:
             await self.reader.close(delete_stream=False)  # another resume may need it
         unfinished = [r.rid for r in self.requests if r.rid not in self.finished]
@@ -78,6 +87,13 @@ class Submission:
         if unfinished:
             self.state.metrics.aborts.inc(len(unfinished))
         self.state.finish_soon(self.request_id, unfinished)
+
+    def _release(self) -> None:
+        """Give back the tenant's running slot and count the tokens used (from a task of
+        its own, as aborts are: the handler may be being cancelled)."""
+        if self.state.running_tenants.pop(self.request_id, None) is not None:
+            assert self.tenant is not None
+            self.state.release_soon(self.tenant, self.request_id, self.tokens)
 
     def _unregister(self) -> None:
         for request in self.requests:
@@ -107,6 +123,9 @@ class Submission:
     def _note(self, reply: Reply) -> None:
         if is_terminal(reply):
             self.finished.add(reply.rid)
+            finish = reply.finish_info() if isinstance(reply, TextDelta) else None
+            if finish is not None:
+                self.tokens += finish.prompt_tokens + finish.completion_tokens
         if isinstance(reply, TextDelta) and not self.resumed:  # a replay would count twice
             self._time_tokens(reply)
 
