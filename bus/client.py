@@ -16,7 +16,8 @@ entries ``{kind: "delta", rid, seq, ids, text, finish?}`` (``finish`` on the las
 ``{kind: "error", rid, status, message, type, param, code}``.
 
 A submitted job's replies are kept for its `stream` until the request ends or is aborted;
-stream (or abort) every job you submit.
+stream (or abort) every job you submit. `Client` also has OpenAI's Batch API
+(bus/batch_client.py: `upload_batch_file`, `create_batch`, `batch`, `batch_results`, ...).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import redis.asyncio as aredis
 
 from bus.aborts import publish_abort, publish_abort_async
 from bus.async_pool import async_redis
+from bus.batch_client import BatchMethods
 from bus.config import REDIS_URL_ENV, BusConfig
 from bus.errors import RequestError
 from bus.protocol import ENTRY_FIELD, MAX_TOKEN_ID, ErrorReply, GenerateRequest, encode
@@ -190,8 +192,9 @@ class GenerateResult:
         }
 
 
-class Client:
-    """Submit jobs to the pipeline and read their replies; thread-safe."""
+class Client(BatchMethods):
+    """Submit jobs to the pipeline and read their replies; thread-safe. Its batch methods
+    (`BatchMethods`) store batches that the ingress replicas run."""
 
     def __init__(self, redis_url: str | None = None, config: BusConfig | None = None) -> None:
         self.core = ClientCore(redis_url, config)
@@ -267,7 +270,8 @@ class Client:
 
 
 class AsyncClient:
-    """`Client` for asyncio: the same methods, awaited; `stream` is an async iterator."""
+    """`Client` for asyncio: the same methods, awaited; `stream` is an async iterator. No
+    batch methods: the stores block (run `Client`'s in a thread)."""
 
     def __init__(self, redis_url: str | None = None, config: BusConfig | None = None) -> None:
         self.core = ClientCore(redis_url, config)

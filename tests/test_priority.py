@@ -1,8 +1,8 @@
 """Priority classes and fair share in the worker: the waiting queue serves lower `priority`
 values first, and a request that cannot be admitted for want of a batch slot or of KV
-retracts running requests of a lower class (batch lines), which run again later to the same greedy output.
-Within a class, tenants (API keys) share the admissions by weight: one that floods the
-queue does not keep another's request waiting behind it."""
+retracts running requests of a lower class (batch lines), which run again later to the same
+greedy output. Within a class, tenants (API keys) share the admissions by weight: one that
+floods the queue does not keep another's request waiting behind it."""
 
 from __future__ import annotations
 

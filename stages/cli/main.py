@@ -5,11 +5,12 @@
   streamserve worker [engine flags]  one GPU worker (python -m gpu_worker)
   streamserve bench                  the shared workloads against a running system
   streamserve status                 a live view of a deployment's stages, workers, throughput
+  streamserve batch <action>         OpenAI batches: submit, status, results, cancel, list
   streamserve gpu-check              the GPU path checked and timed on this machine's GPU
 
 Every command takes the Redis URL from --redis-url or $REDIS_URL, and the model from
---model or $STREAMSERVE_MODEL; `status` reads an ingress's URL (--url) instead where Redis is
-out of reach, and needs no model.
+--model or $STREAMSERVE_MODEL; `status` and `batch` read an ingress's URL (--url) instead
+where Redis is out of reach, and need no model.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 
+from bus.batch_input import ENDPOINTS
 from bus.config import BusConfig
 from bus.model_files import DEFAULT_MODEL
 from stages.cli.run_stage import STAGES
@@ -46,7 +48,8 @@ def _ingress_limits(parser: argparse.ArgumentParser) -> None:
                         help="jobs waiting before ingress answers 429 (default 10000)")  # fmt: skip
 
 
-def _status(parser: argparse.ArgumentParser) -> None:
+def _source(parser: argparse.ArgumentParser) -> None:
+    """Redis or an ingress: what `status` and `batch` read."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
     source.add_argument(
@@ -54,11 +57,44 @@ def _status(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="an ingress to read it from (default: $STREAMSERVE_URL, which wins over $REDIS_URL)",
     )
+
+
+def _status(parser: argparse.ArgumentParser) -> None:
+    _source(parser)
     parser.add_argument("--once", action="store_true", help="show it once and exit")
     parser.add_argument(
         "--json", action="store_true", help="one JSON document with --once, else one per line"
     )
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+
+
+def _batch(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="batch_command", required=True, metavar="ACTION")
+    submit = actions.add_parser("submit", help="upload a JSONL file and start a batch of it")
+    submit.add_argument("file", type=Path, metavar="FILE.jsonl")
+    submit.add_argument("--endpoint", choices=ENDPOINTS, default=None,
+                        help="default: the first line's url")  # fmt: skip
+    submit.add_argument("--completion-window", default="24h", help="default: 24h (the one)")
+    submit.add_argument("--metadata", action="append", metavar="KEY=VALUE",
+                        help="a metadata pair of the batch (repeatable)")  # fmt: skip
+    status = actions.add_parser("status", help="a batch's status and request counts")
+    results = actions.add_parser("results", help="an ended batch's output and error lines")
+    cancel = actions.add_parser("cancel", help="ask a batch to stop")
+    for action in (status, results, cancel):
+        action.add_argument("batch_id", metavar="ID")
+    for action in (submit, status):
+        action.add_argument("--wait", action="store_true",
+                            help="follow it to its end (exit 1 unless it completed)")  # fmt: skip
+        action.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
+    results.add_argument("--output", type=Path, default=None, help="default: stdout")
+    results.add_argument("--errors", type=Path, default=None, help="default: stderr")
+    listing = actions.add_parser("list", help="batches, newest first")
+    listing.add_argument("--limit", type=int, default=20, help="at most this many (1-100)")
+    listing.add_argument("--after", default=None, metavar="ID", help="the page after this one")
+    for action in (submit, status, cancel, listing):
+        action.add_argument("--json", action="store_true", help="the object(s) as JSON")
+    for action in (submit, status, results, cancel, listing):
+        _source(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run the shared workloads against a running system")
     _common(bench)
     _status(commands.add_parser("status", help="a live view of a deployment (Ctrl-C ends it)"))
+    _batch(commands.add_parser("batch", help="OpenAI batches: submit, status, results, ..."))
     commands.add_parser(
         "gpu-check", add_help=False,
         help="check and time the GPU path on this machine (flags: streamserve gpu-check --help)",
@@ -140,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         from stages.cli.status import run as show_status
 
         return show_status(args)
+    if args.command == "batch":  # a reader too
+        from stages.cli.batch import run as run_batch
+
+        return run_batch(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
     if args.command == "worker":
         return _exec_worker(args, extra)
