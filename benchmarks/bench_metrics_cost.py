@@ -31,6 +31,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ab_rounds import alternate, summary  # noqa: E402
 from bench_pipeline import WARM_UP, started_pipeline  # noqa: E402
 
 from benchmarks import jsonl  # noqa: E402
@@ -39,6 +40,7 @@ from stages.cli import bench  # noqa: E402
 from stages.cli.workloads import Workload  # noqa: E402
 
 SCRAPE_INTERVAL_S = 5.0
+FIGURES = ("output_tok_s", "itl_ms_p50", "pipeline_cpu_s")
 
 
 def workload(requests: int, max_tokens: int) -> Workload:
@@ -103,32 +105,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     args = parser.parse_args()
     machine = {**jsonl.machine(), "model": args.model, "dtype": args.dtype}
-    runs: dict[bool, list[dict]] = {False: [], True: []}
-    for _ in range(args.rounds):
-        for metrics_on in (False, True):
-            row = run_once(args, metrics_on)
-            runs[metrics_on].append(row)
-            emit({**row, **machine}, args.out)
-
-    def median(on: bool, key: str) -> float:
-        return round(statistics.median(r[key] for r in runs[on]), 2)
-
-    summary = {
-        "workload": runs[True][0]["workload"], "system": f"pipeline-{args.via}",
-        "rounds": args.rounds,
-        "output_tok_s_off": median(False, "output_tok_s"),
-        "output_tok_s_on": median(True, "output_tok_s"),
-        "itl_ms_p50_off": median(False, "itl_ms_p50"),
-        "itl_ms_p50_on": median(True, "itl_ms_p50"),
-        "pipeline_cpu_s_off": median(False, "pipeline_cpu_s"),
-        "pipeline_cpu_s_on": median(True, "pipeline_cpu_s"),
-    }  # fmt: skip
-    summary["on_vs_off_tok_s"] = round(summary["output_tok_s_on"] / summary["output_tok_s_off"], 3)
-    summary["on_vs_off_itl_p50"] = round(summary["itl_ms_p50_on"] / summary["itl_ms_p50_off"], 3)
-    summary["on_vs_off_cpu_s"] = round(
-        summary["pipeline_cpu_s_on"] / summary["pipeline_cpu_s_off"], 3
-    )
-    emit({**summary, **machine}, args.out)
+    runs = alternate(args.rounds, lambda on: run_once(args, on),
+                     lambda row: emit({**row, **machine}, args.out))  # fmt: skip
+    emit({**summary(runs, FIGURES), "system": f"pipeline-{args.via}", **machine}, args.out)
 
 
 if __name__ == "__main__":

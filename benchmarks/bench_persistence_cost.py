@@ -30,6 +30,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ab_rounds import alternate, summary  # noqa: E402
 from bench_metrics_cost import pipeline_cpu_seconds, workload  # noqa: E402
 from bench_pipeline import WARM_UP, started_pipeline  # noqa: E402
 
@@ -91,27 +92,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     args = parser.parse_args()
     machine = {**jsonl.machine(), "model": args.model, "dtype": args.dtype}
-    runs: dict[bool, list[dict]] = {False: [], True: []}
-    for _ in range(args.rounds):
-        for persistence_on in (False, True):
-            row = run_once(args, persistence_on)
-            runs[persistence_on].append(row)
-            emit({**row, **machine}, args.out)
-
-    def median(on: bool, key: str) -> float:
-        return round(statistics.median(r[key] for r in runs[on]), 2)
-
-    summary = {
-        "workload": runs[True][0]["workload"],
-        "system": f"pipeline-{args.via}",
-        "rounds": args.rounds,
-        "aof_bytes": median(True, "aof_bytes"),
-    }
-    for key in FIGURES:
-        off, on = median(False, key), median(True, key)
-        summary.update({f"{key}_off": off, f"{key}_on": on})
-        summary[f"on_vs_off_{key}"] = round(on / off, 3) if off else None
-    emit({**summary, **machine}, args.out)
+    runs = alternate(args.rounds, lambda on: run_once(args, on),
+                     lambda row: emit({**row, **machine}, args.out))  # fmt: skip
+    result = {**summary(runs, FIGURES), "system": f"pipeline-{args.via}",
+              "aof_bytes": statistics.median(r["aof_bytes"] for r in runs[True])}  # fmt: skip
+    emit({**result, **machine}, args.out)
 
 
 if __name__ == "__main__":

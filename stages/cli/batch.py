@@ -23,7 +23,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -157,48 +157,51 @@ def _follow(source: BatchSource, batch: dict[str, Any], args: argparse.Namespace
     return 0 if batch["status"] == "completed" else 1
 
 
-def follow(source: BatchSource, batch: dict[str, Any], interval: float,
+def follow(source: BatchSource, start: dict[str, Any], interval: float,
            stream: TextIO) -> dict[str, Any]:  # fmt: skip
     """Poll until the batch ends: a rich bar on a terminal, plain lines elsewhere. An
     unreachable deployment is told and retried: a batch can outlast a restart."""
     if not stream.isatty():
-        return _follow_lines(source, batch, interval, stream)
+        last, batch = None, start
+        for batch, error in _states(source, start, interval):
+            line = f"error: {error} (retrying)" if error else (
+                f"{batch['id']} {batch['status']}: {_counts(batch)}")  # fmt: skip
+            if line != last:
+                print(line, file=stream, flush=True)
+                last = line
+        return batch
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[status]}"), TimeElapsedColumn())  # fmt: skip
     with Progress(*columns, console=Console(file=stream)) as progress:
-        task = progress.add_task(batch["id"], total=None, status="")
+        task = progress.add_task(start["id"], total=None, status="")
+        batch = start
+        for batch, error in _states(source, start, interval):
+            if error:
+                progress.update(task, status=f"[red]{escape(error)} (retrying)")
+                continue
+            progress.update(task, total=batch["request_counts"]["total"] or None,
+                            completed=_finished(batch), status=batch["status"])  # fmt: skip
+        return batch
+
+
+def _states(source: BatchSource, batch: dict[str, Any],
+            interval: float) -> Iterator[tuple[dict[str, Any], str | None]]:  # fmt: skip
+    """(the batch, None) every `interval` until it has ended, that state last; (the last
+    state, the error) when the deployment cannot be read for a while."""
+    while True:
+        yield batch, None
+        if batch["status"] in ENDED:
+            return
+        time.sleep(interval)
         while True:
-            counts = batch["request_counts"]
-            progress.update(task, total=counts["total"] or None, completed=_finished(batch),
-                            status=batch["status"])  # fmt: skip
-            if batch["status"] in ENDED:
-                return batch
-            time.sleep(interval)
             try:
                 batch = source.get(batch["id"])
+                break
             except BatchUnavailable as exc:
                 if not exc.transient:
                     raise
-                progress.update(task, status=f"[red]{escape(str(exc))} (retrying)")
-
-
-def _follow_lines(source: BatchSource, batch: dict[str, Any], interval: float,
-                  stream: TextIO) -> dict[str, Any]:  # fmt: skip
-    last = None
-    while True:
-        line = f"{batch['id']} {batch['status']}: {_counts(batch)}"
-        if line != last:
-            print(line, file=stream, flush=True)
-            last = line
-        if batch["status"] in ENDED:
-            return batch
-        time.sleep(interval)
-        try:
-            batch = source.get(batch["id"])
-        except BatchUnavailable as exc:
-            if not exc.transient:
-                raise
-            print(f"error: {exc} (retrying)", file=stream, flush=True)
+                yield batch, str(exc)
+                time.sleep(interval)
 
 
 def _finished(batch: dict[str, Any]) -> int:
