@@ -105,8 +105,9 @@ class BatchRunner:
 
     async def _batch(self, batch_id: str) -> None:
         obj = await self._call(self.store.raw, batch_id)
-        content = await self._call(self.store.files.content, obj["input_file_id"])
         try:
+            # A file deleted before its batch ran fails the batch, as one that is no batch.
+            content = await self._call(self.store.files.content, obj["input_file_id"])
             lines, bad = parse_input(content, obj["endpoint"], self.config.max_batch_lines)
         except RequestError as exc:
             await self._call(self.store.fail, batch_id, exc)
