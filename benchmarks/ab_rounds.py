@@ -7,6 +7,7 @@ scheduling luck (this 2-core host moves a run by 10%) out of the ratio.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,3 +40,13 @@ def summary(runs: dict[bool, list[dict[str, Any]]], figures: Sequence[str]) -> d
         out.update({f"{key}_off": off, f"{key}_on": on})
         out[f"on_vs_off_{key}"] = round(on / off, 3) if off else None
     return out
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload and the runs: what both cost benchmarks take alike."""
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--via", default="http", choices=["http", "redis"])

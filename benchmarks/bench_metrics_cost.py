@@ -31,7 +31,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ab_rounds import alternate, summary  # noqa: E402
+from ab_rounds import add_workload_arguments, alternate, summary  # noqa: E402
 from bench_pipeline import WARM_UP, started_pipeline  # noqa: E402
 
 from benchmarks import jsonl  # noqa: E402
@@ -96,12 +96,7 @@ def run_once(args: argparse.Namespace, metrics_on: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--via", default="http", choices=["http", "redis"])
+    add_workload_arguments(parser)
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     args = parser.parse_args()
     machine = {**jsonl.machine(), "model": args.model, "dtype": args.dtype}
