@@ -115,11 +115,9 @@ class BatchStore:
         ids = [i.decode() for i in self.client.zrange(self.index, 0, -1, desc=True)]
         if after is not None:
             ids = ids[ids.index(after) + 1 :] if after in ids else []
-        page = []
-        for batch_id in ids[: limit + 1]:
-            raw = self.client.get(self.key(batch_id))
-            if raw is not None:
-                page.append(self._view(json.loads(raw)))
+        wanted = ids[: limit + 1]
+        raws = self.client.mget([self.key(i) for i in wanted]) if wanted else []
+        page = [self._view(json.loads(raw)) for raw in raws if raw is not None]
         return list_object(page[:limit], len(page) > limit)
 
     def cancel(self, batch_id: str) -> dict[str, Any]:

@@ -186,7 +186,7 @@ class BatchRunner:
         attempt = 0
         while True:
             request_id = fmt.id_prefix + uuid.uuid4().hex
-            rids = [f"{request_id}-{i}" for i in range(len(job.prompts) * job.n)]
+            rids = job.rids(request_id)
             try:
                 await self._call(self.store.running, batch_id, line.line, request_id, rids)
                 body = await handlers.answer_whole(self.state, job, fmt, request_id, tenant)

@@ -128,8 +128,7 @@ async def _openai(
     request: web.Request, state: IngressState, job: ApiRequest, fmt: OpenAIFormat
 ) -> web.StreamResponse:
     request_id = fmt.id_prefix + uuid.uuid4().hex
-    created = int(time.time())
-    head = {"id": request_id, "object": fmt.whole_object, "created": created, "model": state.model}
+    head = _head(state, fmt, request_id)
     point = await _resume_point(request, state, job, len(job.prompts) * job.n)
     head["id"] = request_id if point is None else point.request_id
     choices = _choices(job, head["id"])
@@ -153,12 +152,17 @@ async def answer_whole(
 ) -> dict[str, Any]:
     """The body of an OpenAI request answered whole, as `_openai` would answer it; what a
     batch line gets (stages/ingress/batch_runner.py). Raises ApiError as `_openai` does."""
-    head = {"id": request_id, "object": fmt.whole_object, "created": int(time.time()),
-            "model": state.model}  # fmt: skip
+    head = _head(state, fmt, request_id)
     choices = _choices(job, request_id)
     async with await _submit(state, job, request_id, tenant) as sub:
         await sub.first_replies()
         return await _whole_openai(sub, job, fmt, head, choices)
+
+
+def _head(state: IngressState, fmt: OpenAIFormat, request_id: str) -> dict[str, Any]:
+    """The fields an OpenAI answer begins with."""
+    return {"id": request_id, "object": fmt.whole_object, "created": int(time.time()),
+            "model": state.model}  # fmt: skip
 
 
 async def _whole_openai(

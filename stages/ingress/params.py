@@ -70,6 +70,10 @@ class ApiRequest:
     def logprobs(self) -> bool:
         return bool(self.sampling.get("logprobs"))
 
+    def rids(self, request_id: str) -> list[str]:
+        """The sub-requests' ids, one per choice: ``<request_id>-<choice index>``."""
+        return [f"{request_id}-{i}" for i in range(len(self.prompts) * self.n)]
+
     def requests(
         self, request_id: str, reply_to: str, tenant: str | None = None,
         weight: float | None = None,
@@ -77,13 +81,14 @@ class ApiRequest:
         """One sub-request per choice, rid ``<request_id>-<choice index>``, each for
         `tenant` with its `weight` (stages/ingress/tenants.py)."""
         created = time.time()
+        rids = self.rids(request_id)
         out = []
         for p, prompt in enumerate(self.prompts):
             for j in range(self.n):
                 sampling = dict(self.sampling)
                 if sampling.get("seed") is not None:
                     sampling["seed"] += j  # one seed would give n equal choices
-                rid = f"{request_id}-{p * self.n + j}"
+                rid = rids[p * self.n + j]
                 out.append(
                     GenerateRequest(
                         rid=rid,
