@@ -36,8 +36,9 @@ from bus.effects import (
     write_dead_letters,
     write_outputs,
 )
+from bus.job_failures import failure_reply, malformed_reply, too_many_deliveries
 from bus.metrics import ProcessMetrics
-from bus.protocol import ENTRY_FIELD, ErrorReply, Message, ProtocolError, decode, encode
+from bus.protocol import ENTRY_FIELD, Message, ProtocolError, decode, encode
 from bus.reconnect import REDIS_TRANSIENT, ReconnectingLoop, ensure_group
 from bus.stage_metrics import StageMetrics
 
@@ -69,14 +70,12 @@ def unique_consumer_name(kind: str) -> str:
     return f"{kind}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def error_reply_for(
-    config: BusConfig, message: Message, status: int, text: str, kind: str
-) -> Outbound | None:
-    """An error reply to the message's requester, when the message says who that is."""
+def requester(message: Message) -> tuple[str, str] | None:
+    """(rid, reply_to) of a message that says who is waiting for it."""
     rid, reply_to = getattr(message, "rid", None), getattr(message, "reply_to", None)
     if not isinstance(rid, str) or not isinstance(reply_to, str):
         return None
-    return reply(config, reply_to, ErrorReply(rid, status, text, kind))
+    return rid, reply_to
 
 
 class Actor:
@@ -135,6 +134,7 @@ class Actor:
         started = time.perf_counter()
         good: list[Inbound] = []
         dead: list[dict[str, Any]] = []
+        refusals: list[Output] = []
         for entry_id, fields in entries:
             if fields is None:  # deleted (trimmed) while pending: nothing to do but ack it
                 continue
@@ -143,7 +143,10 @@ class Actor:
                 good.append(Inbound(entry_id, decode(payload, *self.stage.accepts)))
             except ProtocolError as exc:
                 dead.append(dead_letter_fields(self.stream, entry_id, str(exc), payload))
-        outputs = self._handle(good, dead)
+                answer = malformed_reply(payload, exc)
+                if answer is not None:
+                    refusals.append(reply(self.config, *answer))
+        outputs = refusals + self._handle(good, dead)
         self._commit([entry_id for entry_id, _ in entries], outputs, dead)
         self.processed += len(entries)
         self.metrics.entries.inc(len(entries))
@@ -166,17 +169,16 @@ class Actor:
                 outputs.extend(self.stage.handle([inbound]))
             except (HoldBatch, *REDIS_TRANSIENT):
                 raise
-            except Exception as exc:
-                reason = f"{self.stage.group} failed on it: {type(exc).__name__}: {exc}"
+            except Exception as exc:  # this entry's own failure, whatever it raised
+                reason = f"{self.stage.group} failed on it: {type(exc).__name__}: {exc}"[:1000]
                 logger.exception("%s: dead-lettering %s", self.stage.group, inbound.entry_id)
-                payload = encode(inbound.message)
-                dead.append(dead_letter_fields(self.stream, inbound.entry_id, reason, payload))
-                # The requester learns that it failed, not the internals of why.
-                answer = error_reply_for(self.config, inbound.message, 500,
-                                         f"{self.stage.group} could not handle this request",
-                                         "internal_error")  # fmt: skip
-                if answer is not None:
-                    outputs.append(answer)
+                dead.append(dead_letter_fields(self.stream, inbound.entry_id, reason,
+                                               _payload_of(inbound.message)))  # fmt: skip
+                address = requester(inbound.message)
+                if address is not None:
+                    rid, reply_to = address
+                    answer = failure_reply(rid, exc, self.stage.group)
+                    outputs.append(reply(self.config, reply_to, answer))
         return outputs
 
     def _commit(
@@ -217,7 +219,7 @@ class Actor:
                 payload = (fields or {}).get(ENTRY_FIELD)
                 reason = f"delivered {deliveries} times without being handled"
                 dead.append((entry_id, dead_letter_fields(self.stream, entry_id, reason, payload)))
-                answers.append(self._poison_reply(payload))
+                answers.append(self._poison_reply(payload, deliveries))
             else:
                 keep.append((entry_id, fields))
         if dead:
@@ -227,15 +229,25 @@ class Actor:
         logger.info("%s: claimed %d stale entries", self.stage.group, len(keep))
         return keep
 
-    def _poison_reply(self, payload: bytes | None) -> Outbound | None:
+    def _poison_reply(self, payload: bytes | None, deliveries: int) -> Outbound | None:
         """The error reply for a request whose entry kept its consumers from finishing it."""
         try:
-            message = decode(payload, *self.stage.accepts)
-        except ProtocolError:
+            address = requester(decode(payload, *self.stage.accepts))
+        except ProtocolError as exc:
+            answer = malformed_reply(payload, exc)
+            return None if answer is None else reply(self.config, *answer)
+        if address is None:
             return None
-        return error_reply_for(self.config, message, 500,
-                               f"{self.stage.group} failed on this request repeatedly",
-                               "internal_error")  # fmt: skip
+        rid, reply_to = address
+        return reply(self.config, reply_to, too_many_deliveries(rid, deliveries))
+
+
+def _payload_of(message: Message) -> bytes:
+    """The message as it was on the stream, for a dead letter (b"" if it will not encode)."""
+    try:
+        return encode(message)
+    except Exception:  # a dead letter must be written even for what cannot be re-encoded
+        return b""
 
 
 def touch(client: redis.Redis, stream: str, group: str, consumer: str, ids: list[bytes]) -> None:

@@ -11,7 +11,8 @@ Environment variables read by ``BusConfig.from_env``:
 - ``STREAMSERVE_BLOCK_MS``: how long one ``XREADGROUP`` blocks waiting for entries.
 - ``STREAMSERVE_CLAIM_IDLE_MS``: how long an entry stays pending before another consumer
   takes it over with ``XAUTOCLAIM``.
-- ``STREAMSERVE_MAX_DELIVERIES``: deliveries after which an entry is dead-lettered.
+- ``STREAMSERVE_MAX_DELIVERIES``: deliveries after which an entry (or a job whose workers
+  died holding it, counted across the reaper's requeues) is dead-lettered with an error reply.
 - ``STREAMSERVE_HEARTBEAT_INTERVAL_S``: seconds between a worker's heartbeats.
 - ``STREAMSERVE_HEARTBEAT_TTL_S``: seconds a heartbeat key lives; a worker silent for
   longer is taken as dead.
@@ -55,7 +56,7 @@ class BusConfig:
     read_count: int = 64
     block_ms: int = 100
     claim_idle_ms: int = 5_000
-    max_deliveries: int = 5
+    max_deliveries: int = 3
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0
     worker_stall_s: float = 300.0

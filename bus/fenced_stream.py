@@ -14,7 +14,9 @@ the heartbeat lapses, the router's reaper (stages/router/worker_reaper.py) moves
 jobs to the router again, and the worker that gets one continues after its progress: no
 token is repeated or missing. A worker stopped with SIGTERM finishes its step, publishes it,
 and leaves its jobs to the reaper the same way. A worker started again under the same id
-takes back the entries its previous life left pending (`open`).
+takes back the entries its previous life left pending (`open`); each of those was handed to
+a worker that died holding it, which `previous_deliveries` counts for the job's quarantine
+(bus/job_failures.py).
 
 A worker taken for dead while alive (paused, or out of reach of Redis for longer than the
 heartbeat TTL) must not go on publishing for jobs now served elsewhere: two writers would
@@ -61,6 +63,9 @@ class FencedStream:
         self.outbox: list[Output] = []
         self.acks: list[bytes] = []
         self.dead: list[dict[str, Any]] = []  # dead_letter_fields
+        # Entry id -> deliveries to a previous life under this id, for the entries `open`
+        # took back (read once, when the job is admitted).
+        self.previous_deliveries: dict[bytes, int] = {}
 
     def ensure_group(self) -> None:
         ensure_group(self.client, self.stream, WORKER_GROUP)
@@ -79,7 +84,13 @@ class FencedStream:
             )  # fmt: skip
             entries += claimed
             if cursor in (b"0-0", "0-0") or not claimed:
-                return entries
+                break
+        if entries:
+            # XAUTOCLAIM counted our claim too: the deliveries before it went to a dead life.
+            for pending in self._pending(self.consumer):
+                if pending["times_delivered"] > 1:
+                    self.previous_deliveries[pending["message_id"]] = pending["times_delivered"] - 1
+        return entries
 
     def read_blocking(self) -> list[Entry]:
         """New jobs, waiting up to block_ms for some."""
@@ -122,16 +133,24 @@ class FencedStream:
         self._clear()
         self._fence = self.client.get(self.fence_key)
         self.ensure_group()  # the reaper may have deleted it
-        ids = [
-            pending["message_id"]
-            for pending in self.client.xpending_range(
-                self.stream, WORKER_GROUP, "-", "+", count=10_000, consumername=self.consumer
-            )
-        ]
+        return self.pending_entries()
+
+    def pending_entries(self) -> list[Entry]:
+        """The entries pending to this consumer, read again, less those whose acknowledgement
+        is already queued for the next commit."""
+        queued = set(self.acks)
+        ids = [p["message_id"] for p in self._pending(self.consumer)]
         pipe = self.client.pipeline(transaction=False)
         for entry_id in ids:
-            pipe.xrange(self.stream, entry_id, entry_id)
+            if entry_id not in queued:
+                pipe.xrange(self.stream, entry_id, entry_id)
         return [entry for found in pipe.execute() for entry in found]
+
+    def _pending(self, consumer: str | None = None) -> list[dict[str, Any]]:
+        """XPENDING's details (message_id, times_delivered, ...), of one consumer or all."""
+        return self.client.xpending_range(
+            self.stream, WORKER_GROUP, "-", "+", count=10_000, consumername=consumer
+        )
 
     def _clear(self) -> None:
         self.outbox, self.acks, self.dead = [], [], []
@@ -139,19 +158,22 @@ class FencedStream:
 
 def fence_off(
     client: redis.Redis, config: BusConfig, worker_id: str, consumer: str, count: int
-) -> list[Entry]:
+) -> tuple[list[Entry], dict[bytes, int]]:
     """The reaper's claim: up to `count` of the worker's pending entries, else of its unread
     ones, taken by `consumer` in the MULTI that gives the worker a new fence token, so their
-    old owner can write nothing more about them."""
+    old owner can write nothing more about them. Also returns, by entry id, how many times
+    each claimed entry had been delivered to a worker (none for unread ones)."""
     stream = config.worker_stream(worker_id)
     try:
         pipe = client.pipeline(transaction=True)
         pipe.set(config.fence_key(worker_id), secrets.token_hex(8))
+        # Before the claim counts itself: the deliveries to workers that died holding them.
+        pipe.xpending_range(stream, WORKER_GROUP, "-", "+", count=count)
         pipe.xautoclaim(stream, WORKER_GROUP, consumer, min_idle_time=0, start_id="0-0",
                         count=count)  # fmt: skip
-        _, (_, entries, _) = pipe.execute()
+        _, pending, (_, entries, _) = pipe.execute()
         if entries:
-            return entries
+            return entries, {p["message_id"]: p["times_delivered"] for p in pending}
         response = client.xreadgroup(WORKER_GROUP, consumer, {stream: ">"}, count=count)
     except redis.ResponseError as exc:
         if not is_missing_group(exc):
@@ -159,4 +181,4 @@ def fence_off(
         # Jobs routed before the worker ever made its group: read them from the start.
         ensure_group(client, stream, WORKER_GROUP)
         return fence_off(client, config, worker_id, consumer, count)
-    return response[0][1] if response else []
+    return (response[0][1] if response else []), {}

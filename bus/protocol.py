@@ -97,12 +97,16 @@ class GenerateRequest(Message):
 
 @dataclass
 class TokenizedRequest(Message):
+    """A token-id job. ``attempts`` counts the workers that were handed it and died before
+    finishing it (the reaper adds them when it requeues the job; bus/job_failures.py): past
+    ``max_deliveries`` the job is set aside instead of killing another worker."""
+
     KIND = "tokenized"
     FIELDS = {
         "rid": STR, "reply_to": STR, "input_ids": IDS, "sampling": MAP, "created": FLOAT,
-        "tenant": STR, "weight": FLOAT,
+        "tenant": STR, "weight": FLOAT, "attempts": INT,
     }  # fmt: skip
-    OPTIONAL = frozenset({"created", "tenant", "weight"})
+    OPTIONAL = frozenset({"created", "tenant", "weight", "attempts"})
 
     rid: str
     reply_to: str
@@ -111,9 +115,12 @@ class TokenizedRequest(Message):
     created: float | None = None
     tenant: str | None = None  # as the GenerateRequest's
     weight: float | None = None
+    attempts: int | None = None
 
     def __post_init__(self) -> None:
         _check_weight(self.weight)
+        if self.attempts is not None and not 0 <= self.attempts < 2**31:
+            raise ProtocolError(f"attempts must be a count >= 0; got {self.attempts}")
 
 
 def _check_weight(weight: float | None) -> None:
@@ -425,5 +432,5 @@ def decode(payload: bytes | None, *accepted: type[Message]) -> Message:
         return cls.from_wire(data)
     except ProtocolError:
         raise
-    except (TypeError, ValueError) as exc:
-        raise ProtocolError(f"malformed {kind}: {exc}") from None
+    except Exception as exc:  # whatever a field makes a check raise is the entry's fault
+        raise ProtocolError(f"malformed {kind}: {type(exc).__name__}: {exc}"[:1000]) from None

@@ -18,8 +18,17 @@ detokenizer needs (stages/detokenizer/incremental.py).
 
 Nothing is lost when a worker dies, and a worker taken for dead while alive writes nothing
 more about the jobs claimed off it: the rules, and the stream and fence that keep them, are
-in bus/fenced_stream.py. This module turns jobs into engine requests and their tokens into
-items; the command line is gpu_worker/cli.py.
+in bus/fenced_stream.py.
+
+A job's content never ends the worker (bus/job_failures.py). Whatever admitting one job
+raises is that job's error reply. A step that raises (the job that caused it cannot be told
+apart) leaves no trace: the scheduler drops every request and its KV, and each job is
+admitted again from its published progress with one strike; a job the worker failed on
+``max_deliveries`` times, or whose workers died holding it as often (its ``attempts``, and the
+deliveries of a previous life under this id), is set aside: dead-lettered, with an error reply.
+
+This module turns jobs into engine requests and their tokens into items; the command line is
+gpu_worker/cli.py.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import redis
 from bus.config import BusConfig
 from bus.effects import AppendKey, DeleteKey, Outbound, dead_letter_fields, reply
 from bus.fenced_stream import Entry, Fenced, FencedStream
-from bus.field_error import FieldError
+from bus.job_failures import failure_reply, malformed_reply, too_many_deliveries
 from bus.metrics import ProcessMetrics, start_publisher
 from bus.protocol import (
     ENTRY_FIELD,
@@ -94,6 +103,8 @@ class Worker:
         self.steps = 0
         self.bus_seconds = 0.0  # time spent on Redis while there was work: the bus's cost
         self._inbox: list[Entry] = []  # read, not yet admitted
+        # Steps that raised while a job was in the engine, by rid (see the module docstring).
+        self.strikes: dict[str, int] = {}
         self.heartbeat = HeartbeatThread(
             client, config, worker_id, self.bus.stream, model, engine.runner.max_total_tokens,
             attention=engine.runner.serving_path(),
@@ -136,7 +147,7 @@ class Worker:
             self._admit(self._inbox)
             self._inbox = []
         if self.scheduler.has_work():
-            self._step()
+            self._step_or_recover()
             started = time.perf_counter()
             self._inbox = self._commit(read=True)
             self.bus_seconds += time.perf_counter() - started
@@ -183,14 +194,16 @@ class Worker:
             try:
                 message = decode(payload, TokenizedRequest, Abort)
             except ProtocolError as exc:
-                self.bus.acks.append(entry_id)
-                self.bus.dead.append(
-                    dead_letter_fields(self.bus.stream, entry_id, str(exc), payload)
-                )
+                self._set_aside(entry_id, payload, str(exc), malformed_reply(payload, exc))
                 continue
             if isinstance(message, Abort):
                 self.bus.acks.append(entry_id)
                 self._abort(message.rid)
+                continue
+            failures = self._failures(entry_id, message)
+            if failures >= self.config.max_deliveries:
+                answer = (message.reply_to, too_many_deliveries(message.rid, failures))
+                self._set_aside(entry_id, payload, f"failed {failures} times", answer)
             else:
                 jobs.append((entry_id, message))
         self.admitted += len(jobs)
@@ -208,6 +221,24 @@ class Worker:
                 self._publish_items([self._aborted_on_arrival(job, done)])
             else:
                 self._start(entry_id, job, done)
+
+    def _failures(self, entry_id: bytes, job: TokenizedRequest) -> int:
+        """How often a worker failed on this job: died holding it (the reaper's count, then a
+        previous life's under this id) or raised in a step while it was in the engine."""
+        died = (job.attempts or 0) + self.bus.previous_deliveries.pop(entry_id, 0)
+        return died + self.strikes.get(job.rid, 0)
+
+    def _set_aside(
+        self, entry_id: bytes, payload: bytes | None, reason: str,
+        answer: tuple[str, ErrorReply] | None,
+    ) -> None:  # fmt: skip
+        """Acknowledge an entry that will not run, dead-letter it, and answer its requester."""
+        logger.warning("worker %s: setting %s aside: %s", self.worker_id, entry_id, reason)
+        self.bus.acks.append(entry_id)
+        self.bus.dead.append(dead_letter_fields(self.bus.stream, entry_id, reason, payload))
+        if answer is not None:
+            self.strikes.pop(answer[1].rid, None)
+            self.bus.outbox.append(reply(self.config, *answer))
 
     def _aborted_on_arrival(self, job: TokenizedRequest, progress: bytes | None) -> TokenItem:
         """The last item of a job aborted on its way here: its stream ends with "abort"
@@ -234,11 +265,15 @@ class Worker:
             )
             req.tenant = job.tenant or ""
             req.weight = job.weight or 1.0
-        except (ValueError, TypeError, ProtocolError) as exc:
+        except Exception as exc:  # whatever one job's content raises is its own error
             self.bus.acks.append(entry_id)
-            param, code = (exc.field, exc.code) if isinstance(exc, FieldError) else (None, None)
-            self.bus.outbox.append(reply(self.config, job.reply_to, ErrorReply(
-                job.rid, 400, str(exc), "invalid_request_error", param, code)))  # fmt: skip
+            self.strikes.pop(job.rid, None)
+            answer = failure_reply(job.rid, exc, f"worker {self.worker_id}", checking=True)
+            if answer.status >= 500:
+                logger.exception("worker %s: admitting %s failed", self.worker_id, job.rid)
+                payload = f"{type(exc).__name__}: {exc}"[:1000]
+                self.bus.dead.append(dead_letter_fields(self.bus.stream, entry_id, payload, None))
+            self.bus.outbox.append(reply(self.config, job.reply_to, answer))
             return
         window = stop_window_tokens(params.stop, CONTEXT_TOKENS)
         running = RunningJob(req, job.reply_to, entry_id, window, reported=len(generated),
@@ -256,6 +291,25 @@ class Worker:
             self._publish_items([self._item(self.jobs[rid])])
 
     # ---- results out ---------------------------------------------------------------------
+
+    def _step_or_recover(self) -> None:
+        """One step; if it raises, start the engine's state afresh and admit every job again
+        from its progress, each with a strike (the module docstring says why)."""
+        written = len(self.bus.outbox), len(self.bus.acks), len(self.bus.dead)
+        try:
+            self._step()
+        except Exception:
+            logger.exception("worker %s: a step failed with %d jobs in the engine; admitting "
+                             "them again", self.worker_id, len(self.jobs))  # fmt: skip
+            # What the failed step queued describes a state that is dropped now.
+            del self.bus.outbox[written[0] :], self.bus.acks[written[1] :]
+            del self.bus.dead[written[2] :]
+            for rid in self.jobs:
+                self.strikes[rid] = self.strikes.get(rid, 0) + 1
+            self.jobs.clear()
+            self.scheduler.reset()
+            self.metrics.step_failures.inc()
+            self._inbox = self.bus.pending_entries()
 
     def _step(self) -> None:
         began, started = time.time(), time.perf_counter()
@@ -316,6 +370,7 @@ class Worker:
                 ]
                 item.prompt_top_logprobs = [None, *tops]
         if req.finished:
+            self.strikes.pop(req.rid, None)
             reason = req.finished_reason
             drafted = (req.draft.drafted, req.draft.accepted) if req.draft else (0, 0)
             item.finish = Finish(

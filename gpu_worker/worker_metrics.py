@@ -54,6 +54,9 @@ class WorkerMetrics:
         self.migrated_in = m.counter(
             "worker_jobs_migrated_in", "Jobs begun elsewhere and continued here."
         )
+        self.step_failures = m.counter(
+            "worker_step_failures", "Steps that raised; their jobs were admitted again."
+        )
         self.info = m.gauge(
             "worker_info", "What serves this worker (value 1).",
             ["model", "attention", "graphs", "cpu_kernels"],

@@ -67,6 +67,7 @@ FAMILY_LABELS: dict[str, frozenset[str]] = {
         "spec_decode_num_accepted_tokens_total": PROCESS,
         "worker_step_seconds": PROCESS | {"kind"},
         "worker_jobs_migrated_in_total": PROCESS,
+        "worker_step_failures_total": PROCESS,
         "worker_info": PROCESS | {"attention", "graphs", "model", "cpu_kernels"},
         # router
         "worker_jobs_migrated_out_total": PROCESS | {"worker"},

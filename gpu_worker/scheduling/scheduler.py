@@ -96,6 +96,20 @@ class Scheduler:
         self.runner.allocator.clear()
         return True
 
+    def reset(self) -> None:
+        """Drop every live request and return all KV memory: after a step that raised part-way
+        (a request may have left `waiting` without reaching `running`), nothing it held stays
+        allocated. The worker re-admits the requests from their published progress."""
+        for req in self.live_requests():
+            self.abort_request(req.rid)
+        self.waiting.clear()
+        self.running.clear()
+        self.chunked = None
+        if self.kv.prefix_cache is not None:
+            self.kv.prefix_cache.reset()
+        self.runner.allocator.clear()
+        self.runner.req_to_token_pool.clear()
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
 

@@ -16,6 +16,10 @@ after ``no_worker_timeout_s``), and that worker continues after the progress: no
 repeated or missing. Once the stream is empty, and the heartbeat still absent, the stream,
 the id and its routing count go in one MULTI guarded by WATCH.
 
+Each job handed to the dead worker counts one more attempt (the job's ``attempts`` field,
+bus/job_failures.py): a job that killed its workers ``max_deliveries`` times is not handed
+to another, but dead-lettered with an error reply to its requester.
+
 A worker taken for dead may be alive (paused, or cut off from Redis for longer than the
 TTL). So each claim goes in one MULTI with a new random token on the worker's fence key,
 which the worker WATCHes around every write (`fence_off`, bus/fenced_stream.py): once a job
@@ -32,8 +36,15 @@ from typing import Any
 import redis
 
 from bus.config import BusConfig
-from bus.effects import Outbound, dead_letter_fields, execute_logging_errors, write_dead_letters
+from bus.effects import (
+    Outbound,
+    dead_letter_fields,
+    execute_logging_errors,
+    reply,
+    write_dead_letters,
+)
 from bus.fenced_stream import WORKER_GROUP, fence_off
+from bus.job_failures import malformed_reply, too_many_deliveries
 from bus.metrics import ProcessMetrics
 from bus.protocol import ENTRY_FIELD, Abort, ProtocolError, TokenizedRequest, decode
 from bus.reconnect import REDIS_TRANSIENT
@@ -113,7 +124,7 @@ class WorkerReaper:
         """Requeue one batch of the stream's pending and unread jobs; how many entries."""
         if not self.client.exists(stream):
             return 0
-        entries = fence_off(self.client, self.config, worker_id, self.consumer, BATCH)
+        entries, deliveries = fence_off(self.client, self.config, worker_id, self.consumer, BATCH)
         if not entries:
             return 0
         pipe = self.client.pipeline(transaction=True)
@@ -125,11 +136,18 @@ class WorkerReaper:
             try:
                 message = decode(payload, TokenizedRequest, Abort)
             except ProtocolError as exc:
-                dead = dead_letter_fields(stream, entry_id, str(exc), payload)
-                write_dead_letters(pipe, self.config, [dead])
+                self._set_aside(pipe, stream, entry_id, payload, str(exc),
+                                malformed_reply(payload, exc))  # fmt: skip
                 continue
             if isinstance(message, Abort):
                 continue  # its job, if still here, is moved and meets the abort flag there
+            message.attempts = (message.attempts or 0) + deliveries.get(entry_id, 0)
+            if message.attempts >= self.config.max_deliveries:
+                answer = too_many_deliveries(message.rid, message.attempts)
+                self._set_aside(pipe, stream, entry_id, payload,
+                                f"its workers died {message.attempts} times holding it",
+                                (message.reply_to, answer))  # fmt: skip
+                continue
             Outbound(self.config.tokenized_stream(), message).apply(pipe, self.config)
             moved += 1
         pipe.xack(stream, WORKER_GROUP, *[entry_id for entry_id, _ in entries])
@@ -139,6 +157,15 @@ class WorkerReaper:
             self.migrated_out.labels(worker_id).inc(moved)
             logger.warning("reaper: moved %d jobs off %s to live workers", moved, stream)
         return len(entries)
+
+    def _set_aside(self, pipe: Any, stream: str, entry_id: bytes, payload: bytes,
+                   reason: str, answer: tuple[str, Any] | None) -> None:  # fmt: skip
+        """Dead-letter a job instead of moving it, and answer its requester."""
+        logger.warning("reaper: setting %s aside: %s", entry_id, reason)
+        write_dead_letters(pipe, self.config, [dead_letter_fields(stream, entry_id, reason,
+                                                                  payload)])  # fmt: skip
+        if answer is not None:
+            reply(self.config, *answer).apply(pipe, self.config)
 
     def _forget(self, worker_id: str, stream: str) -> bool:
         """Delete the empty stream and the worker's id, unless it beat or got a job meanwhile."""
