@@ -22,10 +22,12 @@ in bus/fenced_stream.py.
 
 A job's content never ends the worker (bus/job_failures.py). Whatever admitting one job
 raises is that job's error reply. A step that raises (the job that caused it cannot be told
-apart) leaves no trace: the scheduler drops every request and its KV, and each job is
-admitted again from its published progress with one strike; a job the worker failed on
-``max_deliveries`` times, or whose workers died holding it as often (its ``attempts``, and the
-deliveries of a previous life under this id), is set aside: dead-lettered, with an error reply.
+apart) leaves no trace: the scheduler drops every request and its KV, every job is admitted
+again from its published progress, those of the failed batch with a strike, and the struck
+ones go back into the engine one at a time (gpu_worker/probation.py). A job the worker failed
+on ``max_deliveries`` times, or whose workers died holding it as often (its ``attempts``, and
+the deliveries of a previous life under this id), is set aside: dead-lettered, with an error
+reply.
 
 This module turns jobs into engine requests and their tokens into items; the command line is
 gpu_worker/cli.py.
@@ -56,7 +58,6 @@ from bus.protocol import (
     TokenizedRequest,
     decode,
     pack_ids,
-    token_context,
     unpack_ids,
 )
 from bus.reconnect import ReconnectingLoop
@@ -64,7 +65,9 @@ from bus.sampling_params import SamplingParams
 from bus.stop_strings import stop_window_tokens
 from gpu_worker.engine import Engine
 from gpu_worker.heartbeat import HeartbeatThread, Load
+from gpu_worker.probation import Probation
 from gpu_worker.scheduling.req import Req
+from gpu_worker.token_item import finish_of, token_item
 from gpu_worker.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -103,8 +106,8 @@ class Worker:
         self.steps = 0
         self.bus_seconds = 0.0  # time spent on Redis while there was work: the bus's cost
         self._inbox: list[Entry] = []  # read, not yet admitted
-        # Steps that raised while a job was in the engine, by rid (see the module docstring).
-        self.strikes: dict[str, int] = {}
+        # The jobs that were in a step that raised (gpu_worker/probation.py).
+        self.probation: Probation[Req] = Probation()
         self.heartbeat = HeartbeatThread(
             client, config, worker_id, self.bus.stream, model, engine.runner.max_total_tokens,
             attention=engine.runner.serving_path(),
@@ -146,10 +149,13 @@ class Worker:
         if self._inbox:
             self._admit(self._inbox)
             self._inbox = []
+        released = self.probation.release()
+        if released is not None:
+            self.scheduler.add_request(released)
         if self.scheduler.has_work():
-            self._step_or_recover()
+            again = self._step_or_recover()
             started = time.perf_counter()
-            self._inbox = self._commit(read=True)
+            self._inbox = again + self._commit(read=True)
             self.bus_seconds += time.perf_counter() - started
         else:
             self._commit(read=False)
@@ -172,6 +178,7 @@ class Worker:
         for rid in list(self.jobs):
             self.scheduler.abort_request(rid)
         self.jobs.clear()
+        self.probation.clear()
         return self.bus.restart_fenced()
 
     def _report_load(self) -> None:
@@ -226,7 +233,7 @@ class Worker:
         """How often a worker failed on this job: died holding it (the reaper's count, then a
         previous life's under this id) or raised in a step while it was in the engine."""
         died = (job.attempts or 0) + self.bus.previous_deliveries.pop(entry_id, 0)
-        return died + self.strikes.get(job.rid, 0)
+        return died + self.probation.strikes.get(job.rid, 0)
 
     def _set_aside(
         self, entry_id: bytes, payload: bytes | None, reason: str,
@@ -237,7 +244,7 @@ class Worker:
         self.bus.acks.append(entry_id)
         self.bus.dead.append(dead_letter_fields(self.bus.stream, entry_id, reason, payload))
         if answer is not None:
-            self.strikes.pop(answer[1].rid, None)
+            self.probation.forget(answer[1].rid)
             self.bus.outbox.append(reply(self.config, *answer))
 
     def _aborted_on_arrival(self, job: TokenizedRequest, progress: bytes | None) -> TokenItem:
@@ -267,7 +274,7 @@ class Worker:
             req.weight = job.weight or 1.0
         except Exception as exc:  # whatever one job's content raises is its own error
             self.bus.acks.append(entry_id)
-            self.strikes.pop(job.rid, None)
+            self.probation.forget(job.rid)
             answer = failure_reply(job.rid, exc, f"worker {self.worker_id}", checking=True)
             if answer.status >= 500:
                 logger.exception("worker %s: admitting %s failed", self.worker_id, job.rid)
@@ -283,33 +290,38 @@ class Worker:
             self.metrics.migrated_in.inc()
             logger.info("worker %s: resuming %s after %d tokens", self.worker_id, job.rid,
                         len(generated))  # fmt: skip
-        self.scheduler.add_request(req)
+        if not self.probation.hold(job.rid, req):
+            self.scheduler.add_request(req)
 
     def _abort(self, rid: str) -> None:
+        held = self.probation.forget(rid)
+        if held is not None:  # never reached the engine: end it as the engine would have
+            self.scheduler.add_request(held)
         req = self.scheduler.abort_request(rid)
         if req is not None and rid in self.jobs:
             self._publish_items([self._item(self.jobs[rid])])
 
     # ---- results out ---------------------------------------------------------------------
 
-    def _step_or_recover(self) -> None:
-        """One step; if it raises, start the engine's state afresh and admit every job again
-        from its progress, each with a strike (the module docstring says why)."""
+    def _step_or_recover(self) -> list[Entry]:
+        """One step; if it raises, start the engine's state afresh and return every job's
+        entry, to admit again from its progress (the module docstring says why)."""
         written = len(self.bus.outbox), len(self.bus.acks), len(self.bus.dead)
         try:
             self._step()
+            return []
         except Exception:
             logger.exception("worker %s: a step failed with %d jobs in the engine; admitting "
                              "them again", self.worker_id, len(self.jobs))  # fmt: skip
             # What the failed step queued describes a state that is dropped now.
             del self.bus.outbox[written[0] :], self.bus.acks[written[1] :]
             del self.bus.dead[written[2] :]
-            for rid in self.jobs:
-                self.strikes[rid] = self.strikes.get(rid, 0) + 1
+            stepping = self.scheduler.stepping
+            self.probation.strike(self.jobs if stepping is None else stepping)
             self.jobs.clear()
             self.scheduler.reset()
             self.metrics.step_failures.inc()
-            self._inbox = self.bus.pending_entries()
+            return self.bus.pending_entries()
 
     def _step(self) -> None:
         began, started = time.time(), time.perf_counter()
@@ -343,40 +355,11 @@ class Worker:
             job.progress_ttl_set = True
             key = self.config.progress_key(req.rid)
             self.bus.outbox.append(AppendKey(key, pack_ids(req.output_ids[start:end]), ttl))
-        context, prompt_context = token_context(
-            req.origin_input_ids, req.output_ids, start, job.window
-        )
-        item = TokenItem(
-            req.rid, job.reply_to, start, req.output_ids[start:end], context, prompt_context,
-            req.params.stop, req.params.skip_special_tokens,
-        )  # fmt: skip
-        if req.params.logprobs:
-            item.logprobs = req.logprobs[start:end]
-            if req.params.top_logprobs:
-                item.top_logprobs = [
-                    [[token, logprob] for token, logprob in top]
-                    for top in req.top_logprobs[start:end]
-                ]
-        if (
-            start == 0
-            and req.prompt_logprobs is not None
-            and req.prompt_logits_from == req.num_tokens
-        ):
-            item.prompt_ids = req.origin_input_ids
-            item.prompt_logprobs = [None, *req.prompt_logprobs]
-            if req.params.top_logprobs:
-                tops = [
-                    [[token, logprob] for token, logprob in top] for top in req.prompt_top_logprobs
-                ]
-                item.prompt_top_logprobs = [None, *tops]
+        item = token_item(req, job.reply_to, start, job.window)
+        self.probation.passed(req.rid)
         if req.finished:
-            self.strikes.pop(req.rid, None)
-            reason = req.finished_reason
-            drafted = (req.draft.drafted, req.draft.accepted) if req.draft else (0, 0)
-            item.finish = Finish(
-                reason.kind, reason.matched, len(req.origin_input_ids), len(req.output_ids),
-                req.prompt_cache_hit or 0, *drafted, job.queue_seconds,
-            )  # fmt: skip
+            self.probation.forget(req.rid)
+            item.finish = finish_of(req, job.queue_seconds)
             self.metrics.finished(item.finish)
             self.bus.outbox.append(DeleteKey(self.config.progress_key(req.rid)))
             self.bus.acks.append(job.entry_id)

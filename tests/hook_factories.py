@@ -32,3 +32,16 @@ def returns_none(config: dict):
 
 
 NOT_CALLABLE = 42
+
+
+def raise_on_token(config: dict):
+    """Make every forward whose batch holds token `token` raise: a job that breaks the step."""
+    from gpu_worker.model_executor.forward_context import get_forward_context
+
+    token = config["token"]
+
+    def hook(module, args, output):
+        if bool((get_forward_context().forward_batch.input_ids == token).any()):
+            raise RuntimeError(f"token {token} breaks this step")
+
+    return hook

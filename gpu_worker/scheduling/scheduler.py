@@ -53,6 +53,9 @@ class Scheduler:
         self.num_retractions = 0
         self.fair_share = FairShare()
         self.last_mode: ForwardMode | None = None  # of the last step: what the worker measures
+        # The rids in the batch of the step under way or last run (None: while one is formed),
+        # so a worker whose step raised knows which requests were in it.
+        self.stepping: list[str] | None = None
         self.drafter: Drafter | None = None
         if config.speculative == "ngram":
             self.drafter = NgramDrafter(config.num_draft_tokens)
@@ -124,9 +127,11 @@ class Scheduler:
 
     def step(self) -> list[Req] | None:
         """Run one forward; return the requests that got a token (None: nothing to run)."""
+        self.stepping = None
         batch = self.get_next_batch_to_run()
         if batch is None:
             return None
+        self.stepping = [req.rid for req in batch.reqs]
         self.last_mode = batch.mode
         started = time.perf_counter()
         logits = self.runner.forward(batch.to_forward_batch(self.runner.device))
