@@ -38,7 +38,7 @@ from bus.async_pool import async_redis
 from bus.batch_client import BatchMethods
 from bus.config import REDIS_URL_ENV, BusConfig
 from bus.errors import RequestError
-from bus.protocol import ENTRY_FIELD, MAX_TOKEN_ID, ErrorReply, GenerateRequest, encode
+from bus.protocol import ENTRY_FIELD, MAX_TOKEN_ID, ErrorReply, GenerateRequest, decode, encode
 from bus.replies import AsyncReplyReader, Reply, ReplyReader
 from bus.sampling_params import wire_sampling
 
@@ -64,11 +64,15 @@ def new_request(
 ) -> GenerateRequest:
     """A checked GenerateRequest (ValueError for a bad one)."""
     if input_ids is not None:
+        if isinstance(input_ids, str | bytes | Mapping):
+            raise ValueError("input_ids must be a list of token ids")
         input_ids = list(input_ids)
         bad = next((t for t in input_ids if not _is_token_id(t)), None)
         if bad is not None:
             raise ValueError(f"input_ids: {bad!r} is not a token id")
-    return GenerateRequest(
+    if sampling is not None and not isinstance(sampling, Mapping):
+        raise ValueError(f"sampling must be a mapping; got {type(sampling).__name__}")
+    request = GenerateRequest(
         rid=rid or uuid.uuid4().hex,
         reply_to=reply_to,
         prompt=prompt,
@@ -77,6 +81,13 @@ def new_request(
         sampling=wire_sampling(sampling),
         created=time.time(),
     )
+    # The checks every stage makes of what it reads (types of prompt, messages, rid...):
+    # a job refused here is never queued.
+    try:
+        decode(encode(request), GenerateRequest)
+    except (TypeError, ValueError) as exc:  # msgpack's TypeError: a value it cannot pack
+        raise ValueError(f"malformed job: {exc}") from None
+    return request
 
 
 def add_requests(
