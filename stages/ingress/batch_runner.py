@@ -108,7 +108,8 @@ class BatchRunner:
         try:
             # A file deleted before its batch ran fails the batch, as one that is no batch.
             content = await self._call(self.store.files.content, obj["input_file_id"])
-            lines, bad = parse_input(content, obj["endpoint"], self.config.max_batch_lines)
+            lines, bad = parse_input(content, obj["endpoint"], self.config.max_batch_lines,
+                                     self.config.max_batch_line_bytes)  # fmt: skip
         except RequestError as exc:
             await self._call(self.store.fail, batch_id, exc)
             return
