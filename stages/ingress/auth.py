@@ -17,6 +17,7 @@ from aiohttp import web
 from stages.ingress.errors import ApiError, Handler
 
 API_KEY_ENV = "STREAMSERVE_API_KEY"
+KEY_CHECKED = "streamserve.key_checked"  # set on a request whose key passed the check
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/status", "/status.json"})
 
 
@@ -40,6 +41,7 @@ def auth_middleware(keys: Sequence[str]):
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
+            request[KEY_CHECKED] = True  # its key names its owner (stages/ingress/ownership.py)
         return await handler(request)
 
     return check_key
