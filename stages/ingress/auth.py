@@ -17,7 +17,8 @@ from aiohttp import web
 from stages.ingress.errors import ApiError, Handler
 
 API_KEY_ENV = "STREAMSERVE_API_KEY"
-KEY_CHECKED = "streamserve.key_checked"  # set on a request whose key passed the check
+# Whether the app checks keys: then each key owns its data (stages/ingress/ownership.py).
+KEYS_CHECKED = web.AppKey("streamserve_keys_checked", bool)
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/status", "/status.json"})
 
 
@@ -41,7 +42,6 @@ def auth_middleware(keys: Sequence[str]):
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
-            request[KEY_CHECKED] = True  # its key names its owner (stages/ingress/ownership.py)
         return await handler(request)
 
     return check_key

@@ -18,7 +18,7 @@ import hashlib
 
 from aiohttp import web
 
-from stages.ingress.auth import KEY_CHECKED, bearer_key
+from stages.ingress.auth import KEYS_CHECKED, bearer_key
 from stages.ingress.tenants import Tenants
 
 
@@ -30,7 +30,7 @@ def key_owner(key: str) -> str:
 def owner_of(request: web.Request, tenants: Tenants) -> str | None:
     """The owner of what this request makes and sees; None with no API keys configured."""
     key = bearer_key(request)
-    if not request.get(KEY_CHECKED) or key is None:
+    if not request.app.get(KEYS_CHECKED, False) or key is None:
         return None
     tenant = tenants.by_key.get(key)
     return tenant.id if tenant is not None else key_owner(key)
