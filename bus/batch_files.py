@@ -186,7 +186,7 @@ class FileStore:
 
     def delete(self, file_id: str) -> dict[str, Any]:
         owner = self.client.hget(self.key(file_id), "owner")
-        if not self._sees(owner) or not self.client.exists(self.key(file_id)):
+        if not self._sees(owner):
             raise not_found("file", file_id, "file_id")
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(self.key(file_id))
