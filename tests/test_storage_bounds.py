@@ -12,6 +12,7 @@ import pytest
 
 from bus.batch_files import FileStore
 from bus.batch_input import parse_input
+from bus.batches import BatchStore, error_line
 from bus.config import BusConfig
 from bus.errors import RequestError
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
@@ -154,3 +155,19 @@ def test_parse_input_takes_a_line_at_the_bound_and_refuses_one_past_it():
     assert [g.custom_id for g in good] == ["line-0"] and bad == []
     good, bad = parse_input(line + b"\n", CHAT, 10, len(line) - 1)
     assert good == [] and [b.code for b in bad] == ["line_too_large"]
+
+
+def test_a_batch_finished_again_rewrites_the_same_two_files(redis_client):
+    """A runner that died finalizing leaves the batch to another, which finishes it again:
+    the random ids are drawn once, so the owner is left one output and one error file."""
+    config = BusConfig(redis_url="redis://unused")
+    store = BatchStore(redis_client, config, owner="key-test")
+    upload = store.files.create(jsonl([chat_line(0), chat_line(1)]).getvalue(), "in", "batch")
+    batch = store.create(upload["id"], CHAT)
+    store.begin(batch["id"], 2, {2: error_line("line-1", "invalid_body", "no")})
+    store.record(batch["id"], 1, {"custom_id": "line-0"}, ok=True)
+    first, again = store.finish(batch["id"], "completed"), store.finish(batch["id"], "completed")
+    ids = (first["output_file_id"], first["error_file_id"])
+    assert (again["output_file_id"], again["error_file_id"]) == ids
+    assert sorted(f["id"] for f in store.files.list()["data"]) == sorted([upload["id"], *ids])
+    assert again["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
