@@ -12,6 +12,11 @@ refused call raising `RequestError` (status 404 for an unknown file or batch). O
 blocking `Client` has them: the stores are blocking, and `AsyncClient` users can run these
 calls in a thread.
 
+A direct client reaches Redis, so no API key scopes it: it sees every owner's files and
+batches, and what it makes is the single-tenant owner's (``OPEN_OWNER``, what the ingress
+serves with no API keys configured). Set `batch_owner` to act as one owner instead
+(stages/ingress/ownership.py names them).
+
 A batch is only stored here; the ingress replicas run it (stages/ingress/batch_runner.py),
 so a deployment needs at least one ingress for a batch to leave ``validating``.
 """
@@ -58,22 +63,27 @@ class BatchMethods:
 
     redis: redis.Redis
     config: BusConfig
+    batch_owner: str | None = None  # None: every owner's (see the module docstring)
 
     def _files(self) -> FileStore:
-        return FileStore(self.redis, self.config)
+        return FileStore(self.redis, self.config, self.batch_owner)
 
     def _batches(self) -> BatchStore:
-        return BatchStore(self.redis, self.config)
+        return BatchStore(self.redis, self.config, owner=self.batch_owner)
 
     def upload_batch_file(
-        self, file: str | os.PathLike[str] | bytes, filename: str | None = None
+        self,
+        file: str | os.PathLike[str] | bytes,
+        filename: str | None = None,
+        expires_after: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Store a JSONL batch input (a path, or its bytes); returns its file object."""
+        """Store a JSONL batch input (a path, or its bytes); returns its file object.
+        `expires_after` is OpenAI's ``{"anchor": "created_at", "seconds": n}``."""
         if isinstance(file, bytes):
             content, name = file, filename or "batch.jsonl"
         else:
             content, name = Path(file).read_bytes(), filename or Path(file).name
-        return self._files().create(content, name, "batch")
+        return self._files().create(content, name, "batch", expires_after)
 
     def create_batch(
         self,

@@ -2,9 +2,10 @@
 
 Each non-empty line is one JSON object ``{"custom_id", "method": "POST", "url", "body"}``
 whose url is the batch's endpoint. A line that is not such an object, or repeats an earlier
-line's ``custom_id``, becomes a `LineError`: it goes to the batch's error file and the batch
-goes on without it. Only a file that cannot be a batch at all (not UTF-8, more lines than
-the limit, no line) fails the batch as a whole.
+line's ``custom_id``, or is longer than a request may be (``max_batch_line_bytes``), becomes
+a `LineError`: it goes to the batch's error file and the batch goes on without it. Only a
+file that cannot be a batch at all (not UTF-8, more lines than the limit, no line) fails the
+batch as a whole.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def check_endpoint(endpoint: Any) -> str:
 
 
 def parse_input(
-    content: bytes, endpoint: str, max_lines: int
+    content: bytes, endpoint: str, max_lines: int, max_line_bytes: int
 ) -> tuple[list[BatchLine], list[LineError]]:
     """The file's good lines and its bad ones; RequestError if it cannot be a batch."""
     try:
@@ -61,7 +62,14 @@ def parse_input(
     errors: list[LineError] = []
     seen: set[str] = set()
     for n, raw in numbered:
-        parsed = _parse_line(n, raw, endpoint)
+        size = len(raw.encode())
+        if size > max_line_bytes:  # not parsed: a line skips no bound a request has
+            parsed: BatchLine | LineError = LineError(
+                n, None, "line_too_large",
+                f"line {n} has {size} bytes; a line may have at most {max_line_bytes} "
+                "(max_batch_line_bytes)")  # fmt: skip
+        else:
+            parsed = _parse_line(n, raw, endpoint)
         if isinstance(parsed, BatchLine) and parsed.custom_id in seen:
             parsed = LineError(n, parsed.custom_id, "duplicate_custom_id",
                                f"custom_id {parsed.custom_id!r} is on an earlier line")  # fmt: skip

@@ -7,8 +7,15 @@ runners (stages/ingress/batch_runner.py) take batches from. Each line's result i
 of ``<p>:batch:<id>:out`` or ``:err``, keyed by its line number and written with HSETNX, so
 a line is answered once however often it runs (a runner that died mid-line, one whose lease
 lapsed); the output and error files are made from those hashes, in line order, when the
-batch ends. ``:inflight`` names the request each line has running, which a runner taking a
+batch ends; then the hashes expire after ``batch_result_ttl_s``, the batch's counts kept in
+its object. ``:inflight`` names the request each line has running, which a runner taking a
 dead runner's batch aborts before it runs those lines again; ``:lease`` is the runner's.
+
+A batch has an owner, as a file has (bus/batch_files.py): a store made for an owner sees
+only that owner's batches (another's is a 404 to read or cancel; ``<p>:owner:<o>:batches``
+lists its own) and takes only that owner's files as input. Its output and error files are
+its owner's, under random ids chosen once when it finalizes, and expire after its
+``output_expires_after`` or ``file_expiry_s``.
 
 Statuses follow OpenAI's: validating → in_progress → finalizing → completed, or failed (the
 file is not a batch), cancelling → cancelled, expired (past its completion window).
@@ -24,7 +31,15 @@ from typing import Any
 
 import redis
 
-from bus.batch_files import FileStore, check_limit, list_object, not_found
+from bus.batch_files import (
+    OPEN_OWNER,
+    FileStore,
+    check_limit,
+    expiry_seconds,
+    list_object,
+    new_file_id,
+    not_found,
+)
 from bus.batch_input import check_endpoint
 from bus.config import BusConfig
 from bus.errors import RequestError
@@ -33,7 +48,9 @@ COMPLETION_WINDOWS = {"24h": 24 * 3600}  # OpenAI's one window
 # A batch line's scheduling class at least (lower is served first; requests default to 0),
 # so batches use the capacity interactive requests leave and give way to them.
 BATCH_PRIORITY = 1
-HIDDEN = ("total", "tenant")  # kept with a batch, not in OpenAI's object
+# Kept with a batch, not in OpenAI's object: its lines, whose key made it (its fair share and
+# limits), who sees it, its files' ids and expiry, and its counts once its hashes may expire.
+HIDDEN = ("total", "tenant", "owner", "file_ids", "output_expires_s", "counts")
 ENDED = ("completed", "failed", "expired", "cancelled")
 MAX_METADATA_PAIRS = 16
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
@@ -61,10 +78,14 @@ def error_line(custom_id: str | None, code: str, message: str) -> dict[str, Any]
 
 
 class BatchStore:
-    def __init__(self, client: redis.Redis, config: BusConfig, files: FileStore | None = None):
+    def __init__(self, client: redis.Redis, config: BusConfig, files: FileStore | None = None,
+                 owner: str | None = None) -> None:  # fmt: skip
+        """The batches `owner` sees (every batch when None), taking input from `files`
+        (by default that owner's)."""
         self.client = client
         self.config = config
-        self.files = files if files is not None else FileStore(client, config)
+        self.owner = owner
+        self.files = files if files is not None else FileStore(client, config, owner)
         prefix = config.stream_prefix
         self.index = f"{prefix}:batches"
         self.active = f"{prefix}:batches:active"
@@ -72,13 +93,18 @@ class BatchStore:
     def key(self, batch_id: str, part: str = "") -> str:
         return f"{self.config.stream_prefix}:batch:{batch_id}{':' + part if part else ''}"
 
+    def owner_index(self, owner: str) -> str:
+        return f"{self.config.stream_prefix}:owner:{owner}:batches"
+
     # ---- what a user does -----------------------------------------------------------------
 
     def create(self, input_file_id: Any, endpoint: Any, completion_window: Any = "24h",
-               metadata: Any = None, tenant: str | None = None) -> dict[str, Any]:  # fmt: skip
-        """A new batch; `tenant` (whose key made it) is kept for its lines' fair share and
-        limits, and not shown."""
+               metadata: Any = None, tenant: str | None = None,
+               output_expires_after: Any = None) -> dict[str, Any]:  # fmt: skip
+        """A new batch of this store's owner; `tenant` (whose key made it) is kept for its
+        lines' fair share and limits, and not shown."""
         check_endpoint(endpoint)
+        output_expires_s = expiry_seconds(output_expires_after, "output_expires_after")
         if completion_window not in COMPLETION_WINDOWS:
             raise RequestError(400, f"completion_window must be one of "
                                f"{list(COMPLETION_WINDOWS)}; got {completion_window!r}",
@@ -98,10 +124,13 @@ class BatchStore:
             "status": "validating", "output_file_id": None, "error_file_id": None,
             "created_at": now, "expires_at": now + COMPLETION_WINDOWS[completion_window],
             **dict.fromkeys(TIMESTAMPS), "total": 0, "metadata": metadata, "tenant": tenant,
+            "owner": self.owner or OPEN_OWNER, "output_expires_s": output_expires_s,
         }  # fmt: skip
+        created = time.time()  # finer than created_at: the list order
         pipe = self.client.pipeline(transaction=True)
         pipe.set(self.key(batch_id), json.dumps(obj))
-        pipe.zadd(self.index, {batch_id: time.time()})  # finer than created_at: the list order
+        pipe.zadd(self.index, {batch_id: created})
+        pipe.zadd(self.owner_index(obj["owner"]), {batch_id: created})
         pipe.sadd(self.active, batch_id)
         pipe.execute()
         return self._view(obj)
@@ -110,9 +139,10 @@ class BatchStore:
         return self._view(self._load(batch_id))
 
     def list(self, after: str | None = None, limit: int = 20) -> dict[str, Any]:
-        """Batches newest first, from after the one `after` names."""
+        """This store's batches newest first, from after the one `after` names."""
         check_limit(limit, 100)
-        ids = [i.decode() for i in self.client.zrange(self.index, 0, -1, desc=True)]
+        index = self.index if self.owner is None else self.owner_index(self.owner)
+        ids = [i.decode() for i in self.client.zrange(index, 0, -1, desc=True)]
         if after is not None:
             ids = ids[ids.index(after) + 1 :] if after in ids else []
         wanted = ids[: limit + 1]
@@ -175,7 +205,7 @@ class BatchStore:
                  "line": None}]}  # fmt: skip
 
         self._update(batch_id, failed)
-        self.client.srem(self.active, batch_id)
+        self._retire(batch_id)
 
     def done_lines(self, batch_id: str) -> set[int]:
         """The lines with a result already (an earlier runner's included)."""
@@ -203,39 +233,51 @@ class BatchStore:
         return bool(first)
 
     def finish(self, batch_id: str, status: str) -> dict[str, Any]:
-        """Write the output and error files (ids of the batch's own, so a second finish
-        rewrites the same two files) and end the batch as `status`."""
-        self._update(batch_id, _stamp("finalizing"))
-        short = batch_id.removeprefix("batch_")
-        file_ids = {}
+        """Write the output and error files (their owner's, under ids drawn once, so a
+        second finish rewrites the same two files) and end the batch as `status`."""
+        obj = self._update(batch_id, _finalizing)
+        file_ids, counts = {}, {}
         for part, purpose in (("out", "batch_output"), ("err", "batch_error")):
             lines = self.client.hgetall(self.key(batch_id, part))
+            counts[part] = len(lines)
             if not lines and part == "err":
                 continue
             content = b"".join(lines[n] + b"\n" for n in sorted(lines, key=int))
-            file_id = f"file-{part}-{short}"
-            self.files.put(file_id, content, f"{batch_id}_{purpose}.jsonl", purpose)
+            file_id = obj["file_ids"][part]
+            self.files.put(file_id, content, f"{batch_id}_{purpose}.jsonl", purpose,
+                           obj.get("output_expires_s"), obj.get("owner"))  # fmt: skip
             file_ids[part] = file_id
 
         def ended(obj: dict[str, Any]) -> None:
             _stamp(status)(obj)
             obj["output_file_id"] = file_ids.get("out")
             obj["error_file_id"] = file_ids.get("err")
+            obj["counts"] = counts
 
         obj = self._update(batch_id, ended)
+        self._retire(batch_id)
+        return self._view(obj)
+
+    def _retire(self, batch_id: str) -> None:
+        """An ended batch leaves the runners' set; its results expire in a while."""
         pipe = self.client.pipeline(transaction=True)
         pipe.srem(self.active, batch_id)
         pipe.delete(self.key(batch_id, "inflight"))
+        for part in ("out", "err"):
+            pipe.expire(self.key(batch_id, part), self.config.batch_result_ttl_s)
         pipe.execute()
-        return self._view(obj)
 
     # ---- the object -----------------------------------------------------------------------
 
     def _load(self, batch_id: str) -> dict[str, Any]:
-        raw = self.client.get(self.key(batch_id))
-        if raw is None:
+        return self._seen(batch_id, self.client.get(self.key(batch_id)))
+
+    def _seen(self, batch_id: str, raw: bytes | None) -> dict[str, Any]:
+        """The stored object, if this store sees it; another owner's is as missing as none."""
+        obj = None if raw is None else json.loads(raw)
+        if obj is None or (self.owner is not None and obj.get("owner") != self.owner):
             raise not_found("batch", batch_id, "batch_id")
-        return json.loads(raw)
+        return obj
 
     def _update(self, batch_id: str, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         """`change` applied to the stored object atomically (retried if another wrote)."""
@@ -244,10 +286,7 @@ class BatchStore:
             while True:
                 try:
                     pipe.watch(key)
-                    raw = pipe.get(key)
-                    if raw is None:
-                        raise not_found("batch", batch_id, "batch_id")
-                    obj = json.loads(raw)
+                    obj = self._seen(batch_id, pipe.get(key))
                     change(obj)
                     pipe.multi()
                     pipe.set(key, json.dumps(obj))
@@ -259,13 +298,23 @@ class BatchStore:
     def _view(self, obj: dict[str, Any]) -> dict[str, Any]:
         """The object as OpenAI shows it, with its live request counts."""
         view = {k: v for k, v in obj.items() if k not in HIDDEN}
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hlen(self.key(obj["id"], "out"))
-        pipe.hlen(self.key(obj["id"], "err"))
-        completed, failed = pipe.execute()
+        if "counts" in obj:  # ended: its hashes may have expired
+            completed, failed = obj["counts"]["out"], obj["counts"]["err"]
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hlen(self.key(obj["id"], "out"))
+            pipe.hlen(self.key(obj["id"], "err"))
+            completed, failed = pipe.execute()
         view["request_counts"] = {"total": obj["total"], "completed": completed,
                                   "failed": failed}  # fmt: skip
         return view
+
+
+def _finalizing(obj: dict[str, Any]) -> None:
+    """Stamped finalizing, with its files' ids drawn once: a runner finishing it again
+    rewrites the same two files."""
+    _stamp("finalizing")(obj)
+    obj.setdefault("file_ids", {"out": new_file_id(), "err": new_file_id()})
 
 
 def _stamp(status: str) -> Callable[[dict[str, Any]], None]:

@@ -30,6 +30,15 @@ Environment variables read by ``BusConfig.from_env``:
   runner silent for longer (its ingress died) leaves the batch to another replica.
 - ``STREAMSERVE_MAX_FILE_BYTES``, ``STREAMSERVE_MAX_BATCH_LINES``: the largest upload to
   ``/v1/files`` and the most lines a batch takes.
+- ``STREAMSERVE_MAX_BATCH_LINE_BYTES``: the largest batch input line that runs (the
+  ingress's own body limit); a longer one is a line error in the batch's error file.
+- ``STREAMSERVE_MAX_FILES_PER_OWNER``, ``STREAMSERVE_MAX_BYTES_PER_OWNER``: the files, and
+  their bytes, one owner (an API key's tenant, docs/BOUNDS.md) may keep; an upload past
+  either is a 4xx. A batch's output and error files count, but are never refused.
+- ``STREAMSERVE_FILE_EXPIRY_S``: seconds a file lives when its upload gives no
+  ``expires_after``, and a batch's output and error files (OpenAI's 30 days).
+- ``STREAMSERVE_BATCH_RESULT_TTL_S``: seconds a batch's per-line result hashes outlive its
+  end (its output and error files hold the results from then on).
 """
 
 from __future__ import annotations
@@ -68,6 +77,13 @@ class BusConfig:
     batch_lease_s: float = 10.0
     max_file_bytes: int = 200 * 2**20  # OpenAI's limit for a batch input file
     max_batch_lines: int = 50_000  # OpenAI's
+    max_batch_line_bytes: int = 8 * 2**20  # the ingress's body limit: a line is one request
+    # Redis holds files in memory: 1 GiB is five of the largest uploads, and the 10,000 files
+    # one list page (MAX_LIST_LIMIT) can show.
+    max_files_per_owner: int = 10_000
+    max_bytes_per_owner: int = 2**30
+    file_expiry_s: int = 30 * 24 * 3600  # OpenAI's default for batch files
+    batch_result_ttl_s: int = 3_600  # the files hold the results; the hashes, for inspection
 
     def __post_init__(self) -> None:
         if self.redis_url is not None and not self.redis_url.startswith(_URL_SCHEMES):
@@ -88,6 +104,11 @@ class BusConfig:
             "batch_concurrency",
             "max_file_bytes",
             "max_batch_lines",
+            "max_batch_line_bytes",
+            "max_files_per_owner",
+            "max_bytes_per_owner",
+            "file_expiry_s",
+            "batch_result_ttl_s",
         ):
             _require_int(name, getattr(self, name), minimum=1)
         # 0 would mean "block forever" to XREADGROUP, and a stage must stay responsive.

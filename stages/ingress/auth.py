@@ -17,6 +17,8 @@ from aiohttp import web
 from stages.ingress.errors import ApiError, Handler
 
 API_KEY_ENV = "STREAMSERVE_API_KEY"
+# Whether the app checks keys: then each key owns its data (stages/ingress/ownership.py).
+KEYS_CHECKED = web.AppKey("streamserve_keys_checked", bool)
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/status", "/status.json"})
 
 

@@ -1,6 +1,7 @@
 """OpenAI's `/v1/files` and `/v1/batches`, over the stores in bus/ (Redis is their only
 state, so any replica answers for any file or batch; stages/ingress/batch_runner.py runs the
-batches). The stores are blocking: their calls run on the executor.
+batches). Each request sees only its owner's files and batches (stages/ingress/ownership.py):
+another owner's are a 404. The stores are blocking: their calls run on the executor.
 """
 
 from __future__ import annotations
@@ -17,19 +18,23 @@ from bus.batches import BatchStore
 from stages.ingress.auth import bearer_key
 from stages.ingress.body import OBJECT, STR, field, read_object, reject_unknown
 from stages.ingress.errors import ApiError
+from stages.ingress.ownership import owner_of
 from stages.ingress.state import STATE
 
 T = TypeVar("T")
 UPLOAD_CHUNK = 2**20
 BATCH_FIELDS = ("input_file_id", "endpoint", "completion_window", "metadata",
                 "output_expires_after")  # fmt: skip
+EXPIRES_AFTER_PARTS = {"expires_after[anchor]": "anchor", "expires_after[seconds]": "seconds"}
 
 
 def _stores(request: web.Request) -> tuple[FileStore, BatchStore]:
+    """The stores as the request's owner sees them."""
     state = request.app[STATE]
     assert state.sync_redis is not None
-    files = FileStore(state.sync_redis, state.config)
-    return files, BatchStore(state.sync_redis, state.config, files)
+    owner = owner_of(request, state.tenants)
+    files = FileStore(state.sync_redis, state.config, owner)
+    return files, BatchStore(state.sync_redis, state.config, files, owner)
 
 
 async def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -51,13 +56,14 @@ def _int_query(request: web.Request, name: str, default: int) -> int:
 
 
 async def create_file(request: web.Request) -> web.Response:
-    """multipart/form-data with `purpose` and `file`, as the OpenAI clients send it."""
+    """multipart/form-data with `purpose` and `file` (and OpenAI's ``expires_after[anchor]``
+    and ``expires_after[seconds]``), as the OpenAI clients send it."""
     files, _ = _stores(request)
     if not request.content_type.startswith("multipart/"):
         raise ApiError(400, "upload a file as multipart/form-data with fields file and purpose",
                        param="file", code="invalid_content_type")  # fmt: skip
     try:
-        purpose, filename, content = await _read_form(request, files.max_bytes)
+        purpose, filename, content, expires_after = await _read_form(request, files.max_bytes)
     except (HttpProcessingError, ValueError, LookupError, AssertionError) as exc:
         raise ApiError(400, f"the multipart body is malformed: {exc}", param="file",
                        code="invalid_multipart") from None  # fmt: skip
@@ -66,12 +72,14 @@ async def create_file(request: web.Request) -> web.Response:
     if purpose is None:
         raise ApiError(400, "the form has no purpose field", param="purpose",
                        code="missing_field")  # fmt: skip
-    return web.json_response(await _call(files.create, content, filename, purpose))
+    created = await _call(files.create, content, filename, purpose, expires_after)
+    return web.json_response(created)
 
 
-async def _read_form(request: web.Request, max_bytes: int) -> tuple[Any, Any, Any]:
-    """(purpose, filename, content) of an upload form, each None if it is missing."""
-    purpose, filename, content = None, None, None
+async def _read_form(request: web.Request, max_bytes: int) -> tuple[Any, Any, Any, Any]:
+    """(purpose, filename, content, expires_after) of an upload form, each None if it is
+    missing."""
+    purpose, filename, content, expires_after = None, None, None, {}
     reader = await request.multipart()
     while (part := await reader.next()) is not None:
         if not isinstance(part, BodyPartReader):
@@ -81,7 +89,19 @@ async def _read_form(request: web.Request, max_bytes: int) -> tuple[Any, Any, An
         elif part.name == "file":
             filename = part.filename or "upload.jsonl"
             content = await _read_limited(part, max_bytes)
-    return purpose, filename, content
+        elif part.name in EXPIRES_AFTER_PARTS:
+            name = EXPIRES_AFTER_PARTS[part.name]
+            expires_after[name] = await _expires_part(part, name)
+    return purpose, filename, content, expires_after or None
+
+
+async def _expires_part(part: BodyPartReader, name: str) -> Any:
+    """A form's ``expires_after[...]`` value: the seconds as an integer when they are one
+    (the store's check says what is wrong otherwise)."""
+    text = (await part.text()).strip()
+    if name == "seconds" and text.lstrip("-").isdigit():
+        return int(text)
+    return text
 
 
 async def _read_limited(part: BodyPartReader, limit: int) -> bytes:
@@ -135,8 +155,10 @@ async def create_batch(request: web.Request) -> web.Response:
             raise ApiError(400, f"{name} is required", param=name, code="missing_field")
     window = field(data, "completion_window", STR) or "24h"
     metadata = field(data, "metadata", OBJECT)
+    output_expires_after = field(data, "output_expires_after", OBJECT)
     tenant = request.app[STATE].tenants.for_key(bearer_key(request)).id
-    batch = await _call(batches.create, input_file_id, endpoint, window, metadata, tenant)
+    batch = await _call(batches.create, input_file_id, endpoint, window, metadata, tenant,
+                        output_expires_after)  # fmt: skip
     return web.json_response(batch)
 
 

@@ -3,7 +3,8 @@
 A runner takes a batch with a lease in Redis, renewed every poll, and runs its lines as the
 ingress runs a request answered whole (handlers.answer_whole): through the same checks, the
 same pipeline and the same response bodies, at most ``batch_concurrency`` lines at once.
-Each line's result is recorded once in Redis as it finishes. When an ingress dies its
+Each line's result is recorded once in Redis as it finishes. A line runs as its batch's
+owner: its key's tenant (weight and limits) and owner (who may abort it). When an ingress dies its
 leases lapse and another replica's runner takes its batches: it aborts the requests the dead
 one had running, and runs every line without a result, so a line is answered exactly once.
 
@@ -108,7 +109,8 @@ class BatchRunner:
         try:
             # A file deleted before its batch ran fails the batch, as one that is no batch.
             content = await self._call(self.store.files.content, obj["input_file_id"])
-            lines, bad = parse_input(content, obj["endpoint"], self.config.max_batch_lines)
+            lines, bad = parse_input(content, obj["endpoint"], self.config.max_batch_lines,
+                                     self.config.max_batch_line_bytes)  # fmt: skip
         except RequestError as exc:
             await self._call(self.store.fail, batch_id, exc)
             return
@@ -175,11 +177,11 @@ class BatchRunner:
         else:
             job.sampling["priority"] = max(BATCH_PRIORITY, job.sampling.get("priority", 0))
             tenant = self.state.tenants.named(obj.get("tenant"))  # whose key made the batch
-            result, ok = await self._answer(batch_id, line, job, fmt, tenant)
+            result, ok = await self._answer(batch_id, line, job, fmt, tenant, obj.get("owner"))
         await self._call(self.store.record, batch_id, line.line, result, ok)
 
     async def _answer(
-        self, batch_id: str, line: BatchLine, job, fmt, tenant: Tenant
+        self, batch_id: str, line: BatchLine, job, fmt, tenant: Tenant, owner: str | None
     ) -> tuple[dict, bool]:
         """The line's result, waiting out a full queue, its tenant's limits, no live worker
         or a Redis outage."""
@@ -189,7 +191,8 @@ class BatchRunner:
             rids = job.rids(request_id)
             try:
                 await self._call(self.store.running, batch_id, line.line, request_id, rids)
-                body = await handlers.answer_whole(self.state, job, fmt, request_id, tenant)
+                body = await handlers.answer_whole(self.state, job, fmt, request_id, tenant,
+                                                   owner)  # fmt: skip
                 return result_line(line.custom_id, 200, body), True
             except RequestError as exc:
                 if exc.status not in (429, 503):

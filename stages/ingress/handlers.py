@@ -38,6 +38,7 @@ from stages.ingress.openai_format import (
     timing_headers,
     usage,
 )
+from stages.ingress.ownership import owner_of
 from stages.ingress.params import (
     ApiRequest,
     check_model,
@@ -85,7 +86,8 @@ async def _resume_point(
 ) -> resume.ResumePoint | None:
     """A streamed request with Last-Event-ID resumes another replica's stream."""
     last_event_id = request.headers.get(resume.HEADER) if job.stream else None
-    return await resume.resume_point(state.redis, state.config, last_event_id, choices)
+    return await resume.resume_point(state.redis, state.config, last_event_id, choices,
+                                     owner_of(request, state.tenants))  # fmt: skip
 
 
 def _resumed(state: IngressState, job: ApiRequest, point: resume.ResumePoint) -> Submission:
@@ -98,11 +100,12 @@ def _resumed(state: IngressState, job: ApiRequest, point: resume.ResumePoint) ->
 
 
 async def _submit(
-    state: IngressState, job: ApiRequest, request_id: str, tenant: Tenant
+    state: IngressState, job: ApiRequest, request_id: str, tenant: Tenant, owner: str | None
 ) -> Submission:
     await state.admit(len(job.prompts) * job.n)
     requests = job.requests(request_id, state.reply_stream, tenant.id, tenant.weight)
-    return Submission(state, request_id, requests, resumable=job.stream, tenant=tenant)
+    return Submission(state, request_id, requests, resumable=job.stream, tenant=tenant,
+                      owner=owner)  # fmt: skip
 
 
 def _tenant(request: web.Request, state: IngressState) -> Tenant:
@@ -135,7 +138,8 @@ async def _openai(
     if point is not None:
         async with _resumed(state, job, point) as sub:
             return await _stream_openai(request, sub, job, fmt, head, choices, point)
-    async with await _submit(state, job, request_id, _tenant(request, state)) as sub:
+    owner = owner_of(request, state.tenants)
+    async with await _submit(state, job, request_id, _tenant(request, state), owner) as sub:
         await sub.first_replies()
         if job.stream:
             return await _stream_openai(request, sub, job, fmt, head, choices)
@@ -148,13 +152,15 @@ async def _openai(
 
 
 async def answer_whole(
-    state: IngressState, job: ApiRequest, fmt: OpenAIFormat, request_id: str, tenant: Tenant
-) -> dict[str, Any]:
+    state: IngressState, job: ApiRequest, fmt: OpenAIFormat, request_id: str, tenant: Tenant,
+    owner: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The body of an OpenAI request answered whole, as `_openai` would answer it; what a
-    batch line gets (stages/ingress/batch_runner.py). Raises ApiError as `_openai` does."""
+    batch line gets (stages/ingress/batch_runner.py), as its batch's `owner`. Raises
+    ApiError as `_openai` does."""
     head = _head(state, fmt, request_id)
     choices = _choices(job, request_id)
-    async with await _submit(state, job, request_id, tenant) as sub:
+    async with await _submit(state, job, request_id, tenant, owner) as sub:
         await sub.first_replies()
         return await _whole_openai(sub, job, fmt, head, choices)
 
@@ -271,7 +277,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if point is not None:
         async with _resumed(state, job, point) as sub:
             return await _stream_generate(request, sub, job, sub.requests[0].rid, point)
-    async with await _submit(state, job, request_id, _tenant(request, state)) as sub:
+    owner = owner_of(request, state.tenants)
+    async with await _submit(state, job, request_id, _tenant(request, state), owner) as sub:
         rid = sub.requests[0].rid
         await sub.first_replies()
         if job.stream:
@@ -353,10 +360,10 @@ async def model(request: web.Request) -> web.Response:
 async def abort(request: web.Request) -> web.Response:
     """Stop a request some ingress replica is serving (its response ``id``, or a native
     ``meta_info.id``): its workers free its KV within a step, and its stream ends with
-    finish_reason "abort"."""
+    finish_reason "abort". Another owner's request is as unknown as a finished one."""
     state = request.app[STATE]
     request_id = request.match_info["id"]
-    rids = await state.sub_requests(request_id)
+    rids = await state.sub_requests(request_id, owner_of(request, state.tenants))
     if not rids:
         raise ApiError(
             404, f"no request {request_id!r} is running", param="id", code="request_not_found"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bus.batch_files import EXPIRES_AFTER_S
 from bus.protocol import MAX_TOKEN_ID
 from bus.sampling_params import SAMPLING_FIELDS, Param
 from stages.ingress import response_format, tool_request
@@ -250,10 +251,16 @@ def _operation(method: str, summary: str, errors: tuple[int, ...], path_param: s
 
 
 def _batch_paths() -> dict[str, Any]:
+    least, most = EXPIRES_AFTER_S
+    seconds = {"type": "integer", "minimum": least, "maximum": most}
+    expires_after = {"type": "object", "required": ["anchor", "seconds"], "properties": {
+        "anchor": {"type": "string", "enum": ["created_at"]}, "seconds": seconds}}  # fmt: skip
     upload = {"multipart/form-data": {"schema": {
         "type": "object", "required": ["file", "purpose"],
         "properties": {"file": {"type": "string", "format": "binary"},
-                       "purpose": {"type": "string", "enum": ["batch"]}}}}}  # fmt: skip
+                       "purpose": {"type": "string", "enum": ["batch"]},
+                       "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+                       "expires_after[seconds]": seconds}}}}  # fmt: skip
     create = {"application/json": {"schema": {
         "type": "object", "required": ["input_file_id", "endpoint"],
         "properties": {"input_file_id": {"type": "string"},
@@ -261,7 +268,8 @@ def _batch_paths() -> dict[str, Any]:
                                     "enum": ["/v1/chat/completions", "/v1/completions"]},
                        "completion_window": {"type": "string", "enum": ["24h"]},
                        "metadata": {"type": "object",
-                                    "additionalProperties": {"type": "string"}}}}}}  # fmt: skip
+                                    "additionalProperties": {"type": "string"}},
+                       "output_expires_after": expires_after}}}}  # fmt: skip
     return {
         "/v1/files": {
             **_operation(

@@ -7,7 +7,8 @@ e.g. ``cmpl-3f…/ingress-ab12/17.-.9``. The requests of an ingress that dies ar
 dead replica's reply stream, which nobody trims any more. A client that sends the same body
 again, to any ingress replica, with the last id it received in ``Last-Event-ID`` gets the
 rest: the replica reads that stream from its start, replays each choice's replies up to the
-progress without sending them, and relays the rest live.
+progress without sending them, and relays the rest live. Only the request's owner resumes
+it (stages/ingress/ownership.py): anyone else's resume is a 404, as an unknown request's.
 
 Only a dead replica's stream can be replayed: a live one trims what it has read. So a
 replica announces itself (``frontend_key``, refreshed every second, expiring after a few) and
@@ -29,6 +30,7 @@ from bus.config import BusConfig
 from bus.protocol import TextDelta
 from stages.ingress.errors import ApiError
 from stages.ingress.openai_format import Choice
+from stages.ingress.ownership import read_request_record, sees
 
 HEADER = "Last-Event-ID"
 ALIVE_INTERVAL_S = 1.0
@@ -75,28 +77,32 @@ def parse_event_id(value: str, choices: int) -> ResumePoint:
 
 
 async def resume_point(
-    client: aredis.Redis, config: BusConfig, last_event_id: str | None, choices: int
-) -> ResumePoint | None:
-    """Where a request with this ``Last-Event-ID`` resumes; None without one. An id that
-    cannot be resumed is an ApiError saying why."""
+    client: aredis.Redis, config: BusConfig, last_event_id: str | None, choices: int,
+    caller: str | None = None,
+) -> ResumePoint | None:  # fmt: skip
+    """Where `caller`'s request with this ``Last-Event-ID`` resumes; None without one. An id
+    that cannot be resumed is an ApiError saying why."""
     if not last_event_id:
         return None
     point = parse_event_id(last_event_id, choices)
-    await check_resumable(client, config, point)
+    await check_resumable(client, config, point, caller)
     return point
 
 
-async def check_resumable(client: aredis.Redis, config: BusConfig, point: ResumePoint) -> None:
+async def check_resumable(
+    client: aredis.Redis, config: BusConfig, point: ResumePoint, caller: str | None = None
+) -> None:
     pipe = client.pipeline(transaction=False)
     pipe.get(config.request_key(point.request_id))
     pipe.exists(config.frontend_key(point.frontend_id))
-    count, alive = await pipe.execute()
-    if count is None:
+    raw, alive = await pipe.execute()
+    count, owner = (0, None) if raw is None else read_request_record(raw)
+    if raw is None or not sees(caller, owner):
         raise ApiError(404, f"request {point.request_id!r} has ended or is unknown; nothing to "
                        "resume", param=HEADER, code="request_not_found")  # fmt: skip
-    if int(count) != len(point.sent):
+    if count != len(point.sent):
         raise ApiError(400, f"{HEADER} names {len(point.sent)} choices; the request has "
-                       f"{int(count)}", param=HEADER, code="invalid_value")  # fmt: skip
+                       f"{count}", param=HEADER, code="invalid_value")  # fmt: skip
     if alive:
         raise ApiError(409, f"request {point.request_id!r} is still being streamed by its "
                        "ingress", param=HEADER, code="stream_in_progress")  # fmt: skip

@@ -26,7 +26,7 @@ from bus.config import BusConfig
 from bus.metrics import start_publisher
 from bus.replies import AsyncReplyReader
 from stages.ingress import batch_api, handlers
-from stages.ingress.auth import api_keys_from_env, auth_middleware
+from stages.ingress.auth import KEYS_CHECKED, api_keys_from_env, auth_middleware
 from stages.ingress.batch_runner import BatchRunner
 from stages.ingress.errors import Handler, error_middleware
 from stages.ingress.health import WorkerHealth
@@ -84,6 +84,7 @@ def create_app(
     if api_keys:
         middlewares.append(auth_middleware(api_keys))  # inside error_middleware: 401 body
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
+    app[KEYS_CHECKED] = bool(api_keys)
     app[STATE] = state
     app.cleanup_ctx.append(_bus_lifetime)
     app.on_shutdown.append(_drain)

@@ -21,6 +21,7 @@ from bus.replies import AsyncReplyReader
 from stages.ingress.errors import ApiError
 from stages.ingress.health import WorkerHealth, queue_depth
 from stages.ingress.metrics import IngressMetrics
+from stages.ingress.ownership import read_request_record, request_record, sees
 from stages.ingress.tenant_limits import TenantLimits
 from stages.ingress.tenants import Tenant, Tenants
 
@@ -77,9 +78,13 @@ class IngressState:
                 headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
             )
 
-    async def submit(self, request_id: str, requests: Sequence[GenerateRequest]) -> None:
+    async def submit(
+        self, request_id: str, requests: Sequence[GenerateRequest], owner: str | None = None
+    ) -> None:
+        """XADD the requests, recorded with their `owner` (stages/ingress/ownership.py)."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.config.request_key(request_id), len(requests), ex=self.config.reply_ttl_s)
+        record = request_record(len(requests), owner)
+        pipe.set(self.config.request_key(request_id), record, ex=self.config.reply_ttl_s)
         add_requests(pipe, self.config, requests)
         await pipe.execute()
 
@@ -113,17 +118,21 @@ class IngressState:
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             logger.warning("could not abort %d requests: %s", len(unfinished), exc)
 
-    async def sub_requests(self, request_id: str) -> list[str]:
-        """The rids of a request some ingress replica is serving: all of them for its id,
-        one for a sub-request's rid; none if it is unknown or done."""
-        count = await self.redis.get(self.config.request_key(request_id))
-        if count is not None:
-            return [f"{request_id}-{i}" for i in range(int(count))]
+    async def sub_requests(self, request_id: str, caller: str | None = None) -> list[str]:
+        """The rids of a request some ingress replica is serving for `caller`'s owner: all
+        of them for its id, one for a sub-request's rid; none if it is unknown, done or
+        another owner's."""
+        raw = await self.redis.get(self.config.request_key(request_id))
+        if raw is not None:
+            count, owner = read_request_record(raw)
+            return [f"{request_id}-{i}" for i in range(count)] if sees(caller, owner) else []
         parent, _, index = request_id.rpartition("-")
         if parent and index.isdigit():
-            count = await self.redis.get(self.config.request_key(parent))
-            if count is not None and int(index) < int(count):
-                return [request_id]
+            raw = await self.redis.get(self.config.request_key(parent))
+            if raw is not None:
+                count, owner = read_request_record(raw)
+                if int(index) < count and sees(caller, owner):
+                    return [request_id]
         return []
 
     def model_card(self) -> dict[str, Any]:

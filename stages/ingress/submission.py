@@ -37,6 +37,7 @@ class Submission:
         resumed: AsyncReplyReader | None = None,
         resumable: bool = False,
         tenant: Tenant | None = None,
+        owner: str | None = None,
     ) -> None:
         self.state = state
         self.resumable = resumable  # streamed: its client can resume it elsewhere
@@ -52,6 +53,7 @@ class Submission:
         self._last_token_at: dict[str, float] = {}
         self.first_token_at: dict[str, float] = {}  # monotonic, per sub-request
         self.tenant = tenant  # whose limits it counts against; None: resumed, not admitted
+        self.owner = owner  # who may abort or resume it (stages/ingress/ownership.py)
         self.tokens = 0  # prompt and completion tokens of its finished sub-requests
 
     async def __aenter__(self) -> Submission:
@@ -64,7 +66,7 @@ class Submission:
             if self.tenant is not None:
                 await self.state.tenant_limits.admit(self.tenant, self.request_id)
                 self.state.running_tenants[self.request_id] = self.tenant
-            await self.state.submit(self.request_id, self.requests)
+            await self.state.submit(self.request_id, self.requests, self.owner)
         except BaseException as exc:
             self._release()
             self._unregister()
