@@ -64,8 +64,9 @@ def test_streamserve_up_on_a_data_dir_holding_poison_starts_answers_it_and_serve
             time.sleep(0.5)
             answers = {
                 reply.rid: reply
-                for reply in (decode(f[ENTRY_FIELD], ErrorReply) for _, f in
-                              client.xrange(REPLIES))  # fmt: skip
+                for reply in (
+                    decode(f[ENTRY_FIELD], ErrorReply) for _, f in client.xrange(REPLIES)
+                )  # fmt: skip
             }
         assert set(answers) == rids, up.output[-3000:]
         assert answers["p-killer"].code == "poison_job"
