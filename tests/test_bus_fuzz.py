@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from bus.actor import Actor
 from bus.config import BusConfig
+from bus.job_failures import malformed_reply, reply_address
 from bus.protocol import (
     ENTRY_FIELD,
     MESSAGE_TYPES,
@@ -25,6 +26,7 @@ from bus.protocol import (
     GenerateRequest,
     ProtocolError,
     TextDelta,
+    TokenizedRequest,
     decode,
     encode,
 )
@@ -191,3 +193,56 @@ def test_a_worker_given_bad_jobs_answers_each_with_an_error_or_tokens(redis_url,
     assert client.xlen("t:fuzz") > 0  # some jobs got as far as the worker's own checks
     for _, fields in client.xrange("t:fuzz"):
         decode(fields[ENTRY_FIELD], ErrorReply, TextDelta)  # whatever it said is well-formed
+
+
+# A generate job naming its requester, every other field drawn from anything.
+answerable_jobs = st.builds(
+    lambda fields, rid: {**fields, "kind": "generate", "rid": rid, "reply_to": "t:fuzz-replies"},
+    st.dictionaries(st.sampled_from(sorted(GenerateRequest.FIELDS)) | st.text(max_size=6),
+                    values, max_size=6),
+    st.uuids().map(str),
+)  # fmt: skip
+
+
+def test_every_job_that_names_its_requester_is_forwarded_or_answered(
+    redis_client, config, tokenizer
+):
+    """Nothing is lost: whatever else a job holds, one that says who waits for it goes on to
+    the next stage or its requester gets an error reply, never only a dead letter."""
+    stage = TokenizerStage(config, tokenizer)
+    stream = stage.input_stream(config)
+    ensure_group(redis_client, stream, stage.group)
+    actor = Actor(redis_client, config, stage)
+
+    @settings(max_examples=150, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(job=answerable_jobs)
+    def check(job):
+        redis_client.xadd(stream, {ENTRY_FIELD: msgpack.packb(job, use_bin_type=True)})
+        while actor.run_once():
+            pass
+        forwarded = {
+            decode(fields[ENTRY_FIELD], TokenizedRequest).rid
+            for _, fields in redis_client.xrange(config.tokenized_stream())
+        }
+        answered = {
+            decode(fields[ENTRY_FIELD], ErrorReply).rid
+            for _, fields in redis_client.xrange("t:fuzz-replies")
+        }
+        assert job["rid"] in forwarded | answered
+
+    check()
+
+
+@FAST
+@given(payload=payloads | answerable_jobs.map(msgpack.packb))
+def test_reading_the_requester_of_any_entry_never_raises(payload):
+    address = reply_address(payload)
+    if address is not None:
+        rid, reply_to = address
+        assert isinstance(rid, str) and isinstance(reply_to, str)
+        try:
+            decode(payload, *MESSAGE_TYPES.values())
+        except ProtocolError as exc:
+            (_, answer) = malformed_reply(payload, exc)
+            assert decode(encode(answer), ErrorReply) == answer  # a well-formed reply
