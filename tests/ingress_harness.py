@@ -37,6 +37,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def post_raw(
+    url: str, body: dict, headers: dict[str, str], timeout: float = 5
+) -> tuple[int, bytes]:
+    """POST a JSON body with extra headers; (status, raw body), an HTTP error's included."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json", **headers},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
 def add_worker(client: redis.Redis, config: BusConfig, worker_id: str = "w0") -> None:
     """A live worker as the router and the ingress see one: listed, with a heartbeat key."""
     beat = Heartbeat(worker_id, config.worker_stream(worker_id), MODEL, 0, 0, 1000, 1000, 0,

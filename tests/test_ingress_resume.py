@@ -12,7 +12,7 @@ import json
 import pytest
 
 from bus.protocol import ENTRY_FIELD, encode
-from tests.ingress_harness import MODEL, RunningIngress, add_worker, deltas
+from tests.ingress_harness import MODEL, RunningIngress, add_worker, deltas, post_raw
 
 DEAD = "ingress-deadhost-1-abcdef"
 PIECES = [("Once", [1]), (" upon", [2, 3]), (" a", [4]), (" time", [5])]
@@ -43,18 +43,7 @@ def _events(data: bytes) -> list[tuple[str | None, str]]:
 
 
 def _resume(ingress, path: str, body: dict, last_event_id: str):
-    import urllib.error
-    import urllib.request
-
-    request = urllib.request.Request(
-        ingress.url + path, data=json.dumps(body).encode(), method="POST",
-        headers={"Content-Type": "application/json", "Last-Event-ID": last_event_id},
-    )  # fmt: skip
-    try:
-        with urllib.request.urlopen(request, timeout=5) as reply:
-            return reply.status, reply.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read()
+    return post_raw(ingress.url + path, body, {"Last-Event-ID": last_event_id})
 
 
 COMPLETION = {"model": MODEL, "prompt": "Tell me", "stream": True}

@@ -9,7 +9,6 @@ import io
 import json
 import threading
 import time
-import urllib.request
 
 import openai
 import pytest
@@ -18,7 +17,7 @@ from bus.client import Client
 from bus.protocol import ENTRY_FIELD, encode
 from stages.ingress.ownership import key_owner, request_record
 from stages.ingress.tenants import Tenant, Tenants
-from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
+from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas, post_raw
 
 KEYS = ("sk-a", "sk-b", "sk-team")
 DEAD = "ingress-deadhost-9-abcdef"
@@ -149,16 +148,8 @@ def test_output_file_ids_are_random_not_the_batch_ids(ingress):
 
 
 def _post(ingress, path: str, key: str, body: dict | None = None, headers: dict | None = None):
-    request = urllib.request.Request(
-        ingress.url + path, data=json.dumps(body or {}).encode(), method="POST",
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}",
-                 **(headers or {})},
-    )  # fmt: skip
-    try:
-        with urllib.request.urlopen(request, timeout=5) as reply:
-            return reply.status, reply.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read()
+    return post_raw(ingress.url + path, body or {},
+                    {"Authorization": f"Bearer {key}", **(headers or {})})  # fmt: skip
 
 
 def test_only_its_owner_aborts_a_running_request(ingress, redis_client):
