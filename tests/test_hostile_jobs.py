@@ -31,7 +31,8 @@ def _ids(*ids: int) -> bytes:
 
 
 def _job(kind: str, rid: str, **fields: Any) -> dict[str, Any]:
-    return {"kind": kind, "rid": rid, "reply_to": "hostile:replies", **fields}
+    job = {"kind": kind, "rid": rid, "reply_to": "hostile:replies", "sampling": {}, **fields}
+    return {name: value for name, value in job.items() if value is not None}
 
 
 def _generate(rid: str, **fields: Any) -> dict[str, Any]:
@@ -39,7 +40,7 @@ def _generate(rid: str, **fields: Any) -> dict[str, Any]:
 
 
 def _tokenized(rid: str, **fields: Any) -> dict[str, Any]:
-    return _job("tokenized", rid, **({"input_ids": _ids(1, 2, 3), "sampling": {}} | fields))
+    return _job("tokenized", rid, **({"input_ids": _ids(1, 2, 3)} | fields))
 
 
 def _sampling(**params: Any) -> dict[str, Any]:
