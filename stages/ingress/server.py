@@ -35,7 +35,7 @@ from stages.ingress.openapi import openapi_document
 from stages.ingress.resume import announce_alive
 from stages.ingress.state import STATE, IngressState
 from stages.ingress.status_page import status_json, status_page
-from stages.ingress.tenant_limits import LEASE_S, TenantLimits
+from stages.ingress.tenant_limits import CHARGE_INTERVAL_S, LEASE_S, TenantLimits
 from stages.ingress.tenants import Tenants, tenants_from_env
 
 logger = logging.getLogger(__name__)
@@ -117,10 +117,12 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     )
     runner = asyncio.get_running_loop().create_task(BatchRunner(state).run())
     renewals = asyncio.get_running_loop().create_task(_renew_tenant_slots(state))
+    charges = asyncio.get_running_loop().create_task(_flush_tenant_tokens(state))
     logger.info("ingress %s: replies on %s", state.frontend_id, state.reply_stream)
     yield
     alive.cancel()
     renewals.cancel()
+    charges.cancel()
     # Its lines' submissions abort their requests as they unwind; its leases are let go
     # so another replica takes its batches at once.
     runner.cancel()
@@ -128,6 +130,12 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     # Handlers cancelled at shutdown have queued their aborts: let them reach Redis.
     if state.background:
         await asyncio.wait(list(state.background), timeout=CONNECT_TIMEOUT_S)
+    for task in list(state.settling):
+        task.cancel()  # what dropped requests used past here goes uncharged
+    try:
+        await state.tenant_limits.flush()
+    except (redis.ConnectionError, redis.TimeoutError):
+        pass  # the tokens of this replica's last second go uncharged
     # Streams handed over still need this stream's history; the gone liveness key lets
     # their clients resume them at once.
     await state.replies.close(delete_stream=not state.handed_over)
@@ -152,6 +160,16 @@ async def _renew_tenant_slots(state: IngressState) -> None:
             await state.tenant_limits.renew(dict(state.running_tenants))
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             logger.warning("could not renew the tenants' running slots: %s", exc)
+
+
+async def _flush_tenant_tokens(state: IngressState) -> None:
+    """Send the tokens charged to tenants, once per CHARGE_INTERVAL_S."""
+    while True:
+        await asyncio.sleep(CHARGE_INTERVAL_S)
+        try:
+            await state.tenant_limits.flush()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            logger.warning("could not charge the tenants' tokens: %s", exc)
 
 
 async def _drain(app: web.Application) -> None:
