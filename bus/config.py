@@ -29,6 +29,13 @@ Environment variables read by ``BusConfig.from_env``:
   runner silent for longer (its ingress died) leaves the batch to another replica.
 - ``STREAMSERVE_MAX_FILE_BYTES``, ``STREAMSERVE_MAX_BATCH_LINES``: the largest upload to
   ``/v1/files`` and the most lines a batch takes.
+- ``STREAMSERVE_INGRESS_HEADER_TIMEOUT_S``: seconds an ingress connection may take to send a
+  request's headers, from its opening or the end of its previous response (also how long
+  an idle keep-alive connection stays open); past it the connection is closed.
+- ``STREAMSERVE_INGRESS_BODY_TIMEOUT_S``: seconds a request body may take to arrive once
+  its headers have; past it the request gets a 408 and its connection is closed.
+- ``STREAMSERVE_INGRESS_MAX_CONNECTIONS``: open connections one ingress replica serves at
+  once; one more gets a 503 with Retry-After and is closed.
 """
 
 from __future__ import annotations
@@ -67,6 +74,11 @@ class BusConfig:
     batch_lease_s: float = 10.0
     max_file_bytes: int = 200 * 2**20  # OpenAI's limit for a batch input file
     max_batch_lines: int = 50_000  # OpenAI's
+    # Above the idle time common HTTP clients keep a pooled connection (httpx 5 s, aiohttp
+    # 15 s), so the server is not the one to close a connection a client is reusing.
+    ingress_header_timeout_s: float = 20.0
+    ingress_body_timeout_s: float = 60.0  # 8 MiB (the body limit) at ~140 KiB/s
+    ingress_max_connections: int = 512  # each an fd; below the usual 1024 of `ulimit -n`
 
     def __post_init__(self) -> None:
         if self.redis_url is not None and not self.redis_url.startswith(_URL_SCHEMES):
@@ -87,6 +99,7 @@ class BusConfig:
             "batch_concurrency",
             "max_file_bytes",
             "max_batch_lines",
+            "ingress_max_connections",
         ):
             _require_int(name, getattr(self, name), minimum=1)
         # 0 would mean "block forever" to XREADGROUP, and a stage must stay responsive.
@@ -98,6 +111,8 @@ class BusConfig:
             "no_worker_timeout_s",
             "metrics_interval_s",
             "batch_lease_s",
+            "ingress_header_timeout_s",
+            "ingress_body_timeout_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:

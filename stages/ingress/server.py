@@ -4,10 +4,12 @@ Each replica has a unique frontend id and its own reply stream ``<p>:reply:<fron
 named in the ``reply_to`` of every job it submits; one task reads it for every open request.
 Replicas on one host share the port (SO_REUSEPORT), and the kernel spreads connections.
 Handlers are cancelled when their client disconnects (``handler_cancellation``), which is
-what aborts the client's requests. SIGTERM stops accepting and gives in-flight requests
-``SHUTDOWN_TIMEOUT_S``; a stream cut then is handed over, not aborted: it runs on, its
-history stays on this replica's reply stream, and its client resumes it on another replica
-with ``Last-Event-ID`` (stages/ingress/resume.py).
+what aborts the client's requests. A client gets ``ingress_header_timeout_s`` to send a
+request's head and ``ingress_body_timeout_s`` its body, and a replica serves at most
+``ingress_max_connections`` connections at once (stages/ingress/connections.py). SIGTERM
+stops accepting and gives in-flight requests ``SHUTDOWN_TIMEOUT_S``; a stream cut then is
+handed over, not aborted: it runs on, its history stays on this replica's reply stream, and
+its client resumes it on another replica with ``Last-Event-ID`` (stages/ingress/resume.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from bus.replies import AsyncReplyReader
 from stages.ingress import batch_api, handlers
 from stages.ingress.auth import api_keys_from_env, auth_middleware
 from stages.ingress.batch_runner import BatchRunner
+from stages.ingress.connections import BODY_TIMEOUT_S, CappedSite
 from stages.ingress.errors import Handler, error_middleware
 from stages.ingress.health import WorkerHealth
 from stages.ingress.metrics import IngressMetrics
@@ -85,6 +88,7 @@ def create_app(
         middlewares.append(auth_middleware(api_keys))  # inside error_middleware: 401 body
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[STATE] = state
+    app[BODY_TIMEOUT_S] = config.ingress_body_timeout_s
     app.cleanup_ctx.append(_bus_lifetime)
     app.on_shutdown.append(_drain)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
@@ -208,10 +212,12 @@ async def serve(
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
 ) -> None:
     """Serve `app` until `stop` is set, then drain and clean up."""
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout_s)
+    config = app[STATE].config
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout_s,
+                           keepalive_timeout=config.ingress_header_timeout_s)  # fmt: skip
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port, reuse_port=True).start()
+        await CappedSite(runner, host, port, config.ingress_max_connections).start()
         for address in runner.addresses:
             logger.info("ingress listening on http://%s:%d", *address[:2])
         await stop.wait()
