@@ -177,3 +177,33 @@ def test_a_finished_requests_prompt_is_charged_from_its_finish(ingress):
     before = charged(ingress, "tpm")
     assert complete(ingress, "sk-tpm")[0] == 200  # 7 prompt tokens, 8 completion
     wait_for(lambda: charged(ingress, "tpm") == before + 15, what="finish not charged")
+
+
+# ---- batch lines ----------------------------------------------------------------------------
+
+
+def test_batch_lines_are_held_to_their_owners_range(ingress):
+    import openai
+
+    client = openai.OpenAI(base_url=ingress.url + "/v1", api_key="sk-low", max_retries=0)
+    lines = [
+        {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+         "body": {"model": MODEL, "prompt": "hi", "max_tokens": 8, **extra}}
+        for custom_id, extra in [("plain", {}), ("below", {"priority": 4}),
+                                 ("lower", {"priority": 9})]
+    ]  # fmt: skip
+    content = "\n".join(json.dumps(line) for line in lines).encode()
+    upload = client.files.create(file=("lines.jsonl", content), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                  completion_window="24h")  # fmt: skip
+    wait_for(lambda: client.batches.retrieve(batch.id).status == "completed", 30,
+             "the batch did not complete")  # fmt: skip
+    batch = client.batches.retrieve(batch.id)
+    results = [json.loads(line) for file_id in (batch.output_file_id, batch.error_file_id)
+               for line in client.files.content(file_id).text.splitlines()]  # fmt: skip
+    status = {r["custom_id"]: r["response"]["status_code"] for r in results}
+    assert status == {"plain": 200, "below": 403, "lower": 200}
+    below = next(r for r in results if r["custom_id"] == "below")["response"]["body"]
+    assert below["error"]["param"] == "priority"
+    ran = {r.sampling.get("priority") for r in ingress.upstream.requests[-2:]}
+    assert ran == {5, 9}  # the owner's minimum for a line naming none, above batches' 1
