@@ -153,7 +153,8 @@ class TenantLimits:
         try:
             await pipe.execute()
         except BaseException:
-            self._tally[key] += tokens
+            if tokens:
+                self._tally[key] += tokens  # sent with the next flush instead
             raise
 
     async def renew(self, running: Mapping[str, Tenant]) -> None:
