@@ -32,6 +32,8 @@ DRIP = [TextDelta("", seq, [1] * 4, "four") for seq in (0, 4)]  # 8 tokens, no e
 def script(request):
     if request.prompt == "hold":
         return []  # never answered: it runs until its client goes
+    if request.prompt == "many":  # 100 replies of a token each
+        return deltas(request.rid, [("x", [1])] * 100, prompt_tokens=7)
     if request.prompt == "drip" or request.input_ids is not None:
         return [TextDelta(request.rid, d.seq, d.ids, d.text) for d in DRIP]
     return deltas(request.rid, [("one", [1] * 8)], prompt_tokens=7)
@@ -177,6 +179,17 @@ def test_a_finished_requests_prompt_is_charged_from_its_finish(ingress):
     before = charged(ingress, "tpm")
     assert complete(ingress, "sk-tpm")[0] == 200  # 7 prompt tokens, 8 completion
     wait_for(lambda: charged(ingress, "tpm") == before + 15, what="finish not charged")
+
+
+def test_charging_costs_no_redis_command_per_token(ingress):
+    def hincrby_calls() -> int:
+        stats = ingress.redis.info("commandstats").get("cmdstat_hincrby", {})
+        return int(stats.get("calls", 0))
+
+    before, calls = charged(ingress, "tpm"), hincrby_calls()
+    assert complete(ingress, "sk-tpm", prompt="many", max_tokens=100)[0] == 200
+    wait_for(lambda: charged(ingress, "tpm") == before + 7 + 100, what="tokens uncharged")
+    assert hincrby_calls() - calls <= 2  # at its release, and perhaps a second's flush
 
 
 # ---- batch lines ----------------------------------------------------------------------------
