@@ -120,6 +120,13 @@ def test_a_key_with_a_raised_minimum_runs_at_it_when_it_asks_for_nothing(ingress
     assert complete(ingress, "sk-low", priority=0)[0] == 403
 
 
+@pytest.mark.parametrize("bad", [-(2**31) - 1, 2**31, 1.5, "0", True])
+def test_a_bad_min_priority_is_refused_at_start(bad):
+    raw = json.dumps({"keys": {"k": {"min_priority": bad}}})
+    with pytest.raises(ValueError, match="min_priority"):
+        tenants_from_env({KEY_LIMITS_ENV: raw})
+
+
 # ---- max_concurrent counts sequences --------------------------------------------------------
 
 

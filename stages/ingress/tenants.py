@@ -11,9 +11,11 @@ key itself never goes to Redis or the logs); any other request (another key, or 
 ``STREAMSERVE_API_KEY`` is unset) is the ``default`` tenant. ``weight`` is the tenant's
 share of the workers when several wait (gpu_worker/scheduling/fair_share.py); past
 ``tokens_per_minute`` (prompt plus completion tokens charged over the last 60 s, as they are
-generated) or ``max_concurrent`` sequences running (every choice of every prompt: ``n=4`` of
-2 prompts is 8), a request gets a 429 with Retry-After (stages/ingress/tenant_limits.py).
-Each of these is off where it is absent or null.
+generated, a dropped stream's included; each replica's charges reach Redis within a second)
+or ``max_concurrent`` sequences running (every choice of every prompt: ``n=4`` of 2 prompts
+is 8), a request gets a 429 with Retry-After (stages/ingress/tenant_limits.py); one asking
+for more sequences than ``max_concurrent`` at once gets a 400 naming ``n``. Each of these is
+off where it is absent or null.
 
 ``min_priority`` (default 0) is the lowest ``priority`` the key's requests may ask for. As
 in vLLM, a lower priority is served first and retracts the running requests of higher ones,
