@@ -33,7 +33,8 @@ Environment variables read by ``BusConfig.from_env``:
   request's headers, from its opening or the end of its previous response (also how long
   an idle keep-alive connection stays open); past it the connection is closed.
 - ``STREAMSERVE_INGRESS_BODY_TIMEOUT_S``: seconds a request body may take to arrive once
-  its headers have; past it the request gets a 408 and its connection is closed.
+  its headers have, plus one per 256 KiB of its Content-Length; past it the request gets a
+  408 and its connection is closed.
 - ``STREAMSERVE_INGRESS_MAX_CONNECTIONS``: open connections one ingress replica serves at
   once; one more gets a 503 with Retry-After and is closed.
 """
@@ -77,7 +78,7 @@ class BusConfig:
     # Above the idle time common HTTP clients keep a pooled connection (httpx 5 s, aiohttp
     # 15 s), so the server is not the one to close a connection a client is reusing.
     ingress_header_timeout_s: float = 20.0
-    ingress_body_timeout_s: float = 60.0  # 8 MiB (the body limit) at ~140 KiB/s
+    ingress_body_timeout_s: float = 60.0  # plus a second per 256 KiB of the body
     ingress_max_connections: int = 512  # each an fd; below the usual 1024 of `ulimit -n`
 
     def __post_init__(self) -> None:

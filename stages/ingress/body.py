@@ -13,7 +13,6 @@ from typing import Any
 
 from aiohttp import web
 
-from stages.ingress.connections import read_body
 from stages.ingress.errors import ApiError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what msgpack and the worker can carry
@@ -27,9 +26,8 @@ def _reject_constant(name: str) -> Any:
 
 
 async def read_object(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object (413 past client_max_size comes from `read`, 408 past the
-    body deadline from `read_body`)."""
-    raw = await read_body(request)
+    """The body as a JSON object (413 past client_max_size comes from `read`)."""
+    raw = await request.read()
     try:
         # NaN and Infinity are Python's extension, not JSON.
         data = json.loads(raw, parse_constant=_reject_constant)

@@ -5,8 +5,10 @@ to send a request, and how many it serves at once (bus/config.py's ``ingress_*``
   ``keepalive_timeout`` has passed since the connection opened or its last response ended
   (``RequestHandler._process_keepalive``), so that timeout, ``ingress_header_timeout_s``, is
   the deadline of a client trickling its headers as well as an idle keep-alive's life.
-- Body: `read_body` reads it under ``ingress_body_timeout_s``; past it the request gets a
-  408 and its connection is closed.
+- Body: `body_deadline` gives every request's body ``ingress_body_timeout_s``, plus a
+  second per ``MIN_BODY_BYTES_PER_S`` of its Content-Length (an upload of 200 MiB may take
+  its time; a body trickled a byte at a time may not). Past it, whatever reads the body
+  (a JSON body, a multipart upload) gets a 408, and the connection is closed.
 - Connections: `CappedSite` hands a new connection to the app while fewer than
   ``ingress_max_connections`` are open, and answers any other with a 503 (Retry-After) and
   closes it, before reading a byte of it. The count is the app server's open connections
@@ -24,23 +26,38 @@ import json
 
 from aiohttp import web
 
-from stages.ingress.errors import ApiError
+from stages.ingress.errors import ApiError, Handler
 
 BODY_TIMEOUT_S = web.AppKey("streamserve_body_timeout_s", float)
+MIN_BODY_BYTES_PER_S = 256 * 2**10  # the slowest a long body may come, on average
 REFUSED_RETRY_AFTER_S = 1
 REFUSED_LINGER_S = 1.0  # how long a refused client has to read its 503 before the close
 
 
-async def read_body(request: web.Request) -> bytes:
-    """The request's body, or a 408 (and the connection closed) past the body deadline."""
-    timeout_s = request.app[BODY_TIMEOUT_S]
+class BodyTimeout(ApiError, TimeoutError):
+    """A 408 to the handler reading the body; a TimeoutError to aiohttp, which then drops
+    the rest of the body and closes the connection (rather than reading on)."""
+
+
+@web.middleware
+async def body_deadline(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Fail the reads of a body not arrived by its deadline (measured from the head's)."""
+    if not request.body_exists:
+        return await handler(request)
+    timeout_s = request.app[BODY_TIMEOUT_S] + (request.content_length or 0) / MIN_BODY_BYTES_PER_S
+    content = request.content
+
+    def expire() -> None:
+        if not content.is_eof():  # is_eof: all of it has arrived, read or not
+            message = f"the request body did not arrive within {timeout_s:.0f} s"
+            content.set_exception(BodyTimeout(408, message, code="request_timeout",
+                                              headers={"Connection": "close"}))  # fmt: skip
+
+    timer = asyncio.get_running_loop().call_later(timeout_s, expire)
     try:
-        async with asyncio.timeout(timeout_s):
-            return await request.read()
-    except TimeoutError:
-        message = f"the request body did not arrive within {timeout_s:g} s"
-        raise ApiError(408, message, code="request_timeout",
-                       headers={"Connection": "close"}) from None  # fmt: skip
+        return await handler(request)
+    finally:
+        timer.cancel()
 
 
 def _refusal(max_connections: int) -> bytes:

@@ -30,7 +30,7 @@ from bus.replies import AsyncReplyReader
 from stages.ingress import batch_api, handlers
 from stages.ingress.auth import api_keys_from_env, auth_middleware
 from stages.ingress.batch_runner import BatchRunner
-from stages.ingress.connections import BODY_TIMEOUT_S, CappedSite
+from stages.ingress.connections import BODY_TIMEOUT_S, CappedSite, body_deadline
 from stages.ingress.errors import Handler, error_middleware
 from stages.ingress.health import WorkerHealth
 from stages.ingress.metrics import IngressMetrics
@@ -83,7 +83,7 @@ def create_app(
         tenants=tenants,
         tenant_limits=TenantLimits(client, config),
     )
-    middlewares = [metrics_middleware, error_middleware]
+    middlewares = [metrics_middleware, error_middleware, body_deadline]  # the 408 inside
     if api_keys:
         middlewares.append(auth_middleware(api_keys))  # inside error_middleware: 401 body
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
