@@ -171,7 +171,7 @@ class BatchRunner:
         tenant = self.state.tenants.named(obj.get("tenant"))  # whose key made the batch
         try:
             job = (parse_chat if chat else parse_completion)(line.body, self.state.model)
-            # Within the owner's range (a 403 line below it), and never above interactive.
+            # Within the owner's range (a 403 below it), then at 1 or above: after interactive.
             asked = tenant.priority_of(job.sampling.get("priority"))
             job.sampling["priority"] = max(BATCH_PRIORITY, asked or DEFAULT_PRIORITY)
         except RequestError as exc:

@@ -89,7 +89,7 @@ class IngressState:
     def release_soon(self, tenant: Tenant, rids: list[str]) -> None:
         """Free the sub-requests' slots in their tenant's limits, and send the tokens it
         was charged."""
-        self.in_background(self._release(tenant, rids))
+        self._in_background(self._release(tenant, rids))
 
     async def _release(self, tenant: Tenant, rids: list[str]) -> None:
         try:
@@ -99,12 +99,14 @@ class IngressState:
             # sent with the next flush.
             logger.warning("could not release %d slots: %s", len(rids), exc)
 
-    def in_background(self, work: Coroutine[Any, Any, None]) -> None:
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
     def settle_soon(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run a dropped request's charging to its end (Submission._settle); unlike the
+        other background work, shutdown does not wait for it."""
         task = asyncio.get_running_loop().create_task(work)
         self.settling.add(task)
         task.add_done_callback(self.settling.discard)
@@ -112,7 +114,7 @@ class IngressState:
     def finish_soon(self, request_id: str, unfinished: list[str]) -> None:
         """Forget `request_id` and abort its `unfinished` sub-requests, from a task of its
         own: the handler asking may be being cancelled."""
-        self.in_background(self._finish(request_id, unfinished))
+        self._in_background(self._finish(request_id, unfinished))
 
     async def _finish(self, request_id: str, unfinished: list[str]) -> None:
         try:
