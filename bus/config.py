@@ -39,6 +39,14 @@ Environment variables read by ``BusConfig.from_env``:
   ``expires_after``, and a batch's output and error files (OpenAI's 30 days).
 - ``STREAMSERVE_BATCH_RESULT_TTL_S``: seconds a batch's per-line result hashes outlive its
   end (its output and error files hold the results from then on).
+- ``STREAMSERVE_INGRESS_HEADER_TIMEOUT_S``: seconds an ingress connection may take to send a
+  request's headers, from its opening or the end of its previous response (also how long
+  an idle keep-alive connection stays open); past it the connection is closed.
+- ``STREAMSERVE_INGRESS_BODY_TIMEOUT_S``: seconds a request body may take to arrive once
+  its headers have, plus one per 256 KiB of its Content-Length; past it the request gets a
+  408 and its connection is closed.
+- ``STREAMSERVE_INGRESS_MAX_CONNECTIONS``: open connections one ingress replica serves at
+  once; one more gets a 503 with Retry-After and is closed.
 """
 
 from __future__ import annotations
@@ -84,6 +92,11 @@ class BusConfig:
     max_bytes_per_owner: int = 2**30
     file_expiry_s: int = 30 * 24 * 3600  # OpenAI's default for batch files
     batch_result_ttl_s: int = 3_600  # the files hold the results; the hashes, for inspection
+    # Above the idle time common HTTP clients keep a pooled connection (httpx 5 s, aiohttp
+    # 15 s), so the server is not the one to close a connection a client is reusing.
+    ingress_header_timeout_s: float = 20.0
+    ingress_body_timeout_s: float = 60.0  # plus a second per 256 KiB of the body
+    ingress_max_connections: int = 512  # each an fd; below the usual 1024 of `ulimit -n`
 
     def __post_init__(self) -> None:
         if self.redis_url is not None and not self.redis_url.startswith(_URL_SCHEMES):
@@ -109,6 +122,7 @@ class BusConfig:
             "max_bytes_per_owner",
             "file_expiry_s",
             "batch_result_ttl_s",
+            "ingress_max_connections",
         ):
             _require_int(name, getattr(self, name), minimum=1)
         # 0 would mean "block forever" to XREADGROUP, and a stage must stay responsive.
@@ -120,6 +134,8 @@ class BusConfig:
             "no_worker_timeout_s",
             "metrics_interval_s",
             "batch_lease_s",
+            "ingress_header_timeout_s",
+            "ingress_body_timeout_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:

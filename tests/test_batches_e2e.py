@@ -12,11 +12,24 @@ import time
 import openai
 import pytest
 
+from stages.ingress.tenants import KEY_LIMITS_ENV
+from tests.pipeline_harness import QUICK_RECOVERY_ENV, Pipeline
+
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def float32_pipeline():
+    """conftest's, with its clients allowed priorities down to -10 (by default no key may
+    ask for one below 0), as a test here sends one."""
+    limits = json.dumps({"default": {"min_priority": -10}})
+    env = {**QUICK_RECOVERY_ENV, KEY_LIMITS_ENV: limits}
+    with Pipeline(MODEL, env=env, worker_arg=["--dtype=float32"]) as running:
+        yield running
 
 
 def jsonl(lines: list) -> io.BytesIO:

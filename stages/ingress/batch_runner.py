@@ -33,7 +33,7 @@ from stages.ingress.errors import error_body
 from stages.ingress.openai_format import ChatFormat, CompletionFormat
 from stages.ingress.params import parse_chat, parse_completion
 from stages.ingress.state import IngressState
-from stages.ingress.tenants import Tenant
+from stages.ingress.tenants import DEFAULT_PRIORITY, Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -170,13 +170,15 @@ class BatchRunner:
     async def _line(self, batch_id: str, obj: dict[str, Any], line: BatchLine) -> None:
         chat = obj["endpoint"] == "/v1/chat/completions"
         fmt = ChatFormat() if chat else CompletionFormat()
+        tenant = self.state.tenants.named(obj.get("tenant"))  # whose key made the batch
         try:
             job = (parse_chat if chat else parse_completion)(line.body, self.state.model)
+            # Within the owner's range (a 403 below it), then at 1 or above: after interactive.
+            asked = tenant.priority_of(job.sampling.get("priority"))
+            job.sampling["priority"] = max(BATCH_PRIORITY, asked or DEFAULT_PRIORITY)
         except RequestError as exc:
             result, ok = result_line(line.custom_id, exc.status, error_body(exc)), False
         else:
-            job.sampling["priority"] = max(BATCH_PRIORITY, job.sampling.get("priority", 0))
-            tenant = self.state.tenants.named(obj.get("tenant"))  # whose key made the batch
             result, ok = await self._answer(batch_id, line, job, fmt, tenant, obj.get("owner"))
         await self._call(self.store.record, batch_id, line.line, result, ok)
 

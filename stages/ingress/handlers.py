@@ -102,6 +102,9 @@ def _resumed(state: IngressState, job: ApiRequest, point: resume.ResumePoint) ->
 async def _submit(
     state: IngressState, job: ApiRequest, request_id: str, tenant: Tenant, owner: str | None
 ) -> Submission:
+    priority = tenant.priority_of(job.sampling.get("priority"))  # a 403 below the key's range
+    if priority is not None:
+        job.sampling["priority"] = priority
     await state.admit(len(job.prompts) * job.n)
     requests = job.requests(request_id, state.reply_stream, tenant.id, tenant.weight)
     return Submission(state, request_id, requests, resumable=job.stream, tenant=tenant,

@@ -171,12 +171,14 @@ def _errors(*statuses: int) -> dict[str, Any]:
     meaning = {
         400: "a bad value, an unknown field, a prompt beyond the context",
         401: "a missing or wrong API key",
+        403: "a priority below the lowest the API key may ask for (its min_priority)",
+        408: "a body slower than the ingress's body deadline",
         404: "an unknown model, path, request, file or batch",
         409: "a resume of a stream its ingress still serves",
         413: "a body over the limit",
         422: "JSON of the wrong shape or type",
-        429: "too many jobs waiting (see Retry-After)",
-        503: "Redis unreachable or no live worker",
+        429: "too many jobs waiting, or the API key past its limits (see Retry-After)",
+        503: "Redis unreachable, no live worker, or too many connections open",
     }
     error = {"application/json": {"schema": _ref("Error")}}
     return {str(status): {"description": meaning[status], "content": error} for status in statuses}
@@ -209,7 +211,7 @@ def _generation(summary: str, schema: str) -> dict[str, Any]:
                         "text/event-stream": {"schema": {"description": SSE}},
                     },
                 },  # fmt: skip
-                **_errors(400, 401, 404, 409, 413, 422, 429, 503),
+                **_errors(400, 401, 403, 404, 408, 409, 413, 422, 429, 503),
             },
         }
     }

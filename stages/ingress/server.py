@@ -4,10 +4,12 @@ Each replica has a unique frontend id and its own reply stream ``<p>:reply:<fron
 named in the ``reply_to`` of every job it submits; one task reads it for every open request.
 Replicas on one host share the port (SO_REUSEPORT), and the kernel spreads connections.
 Handlers are cancelled when their client disconnects (``handler_cancellation``), which is
-what aborts the client's requests. SIGTERM stops accepting and gives in-flight requests
-``SHUTDOWN_TIMEOUT_S``; a stream cut then is handed over, not aborted: it runs on, its
-history stays on this replica's reply stream, and its client resumes it on another replica
-with ``Last-Event-ID`` (stages/ingress/resume.py).
+what aborts the client's requests. A client gets ``ingress_header_timeout_s`` to send a
+request's head and ``ingress_body_timeout_s`` its body, and a replica serves at most
+``ingress_max_connections`` connections at once (stages/ingress/connections.py). SIGTERM
+stops accepting and gives in-flight requests ``SHUTDOWN_TIMEOUT_S``; a stream cut then is
+handed over, not aborted: it runs on, its history stays on this replica's reply stream, and
+its client resumes it on another replica with ``Last-Event-ID`` (stages/ingress/resume.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from bus.replies import AsyncReplyReader
 from stages.ingress import batch_api, handlers
 from stages.ingress.auth import KEYS_CHECKED, api_keys_from_env, auth_middleware
 from stages.ingress.batch_runner import BatchRunner
+from stages.ingress.connections import BODY_TIMEOUT_S, CappedSite, body_deadline
 from stages.ingress.errors import Handler, error_middleware
 from stages.ingress.health import WorkerHealth
 from stages.ingress.metrics import IngressMetrics
@@ -35,7 +38,7 @@ from stages.ingress.openapi import openapi_document
 from stages.ingress.resume import announce_alive
 from stages.ingress.state import STATE, IngressState
 from stages.ingress.status_page import status_json, status_page
-from stages.ingress.tenant_limits import LEASE_S, TenantLimits
+from stages.ingress.tenant_limits import CHARGE_INTERVAL_S, LEASE_S, TenantLimits
 from stages.ingress.tenants import Tenants, tenants_from_env
 
 logger = logging.getLogger(__name__)
@@ -80,12 +83,13 @@ def create_app(
         tenants=tenants,
         tenant_limits=TenantLimits(client, config),
     )
-    middlewares = [metrics_middleware, error_middleware]
+    middlewares = [metrics_middleware, error_middleware, body_deadline]  # the 408 inside
     if api_keys:
         middlewares.append(auth_middleware(api_keys))  # inside error_middleware: 401 body
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[KEYS_CHECKED] = bool(api_keys)
     app[STATE] = state
+    app[BODY_TIMEOUT_S] = config.ingress_body_timeout_s
     app.cleanup_ctx.append(_bus_lifetime)
     app.on_shutdown.append(_drain)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
@@ -118,10 +122,12 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     )
     runner = asyncio.get_running_loop().create_task(BatchRunner(state).run())
     renewals = asyncio.get_running_loop().create_task(_renew_tenant_slots(state))
+    charges = asyncio.get_running_loop().create_task(_flush_tenant_tokens(state))
     logger.info("ingress %s: replies on %s", state.frontend_id, state.reply_stream)
     yield
     alive.cancel()
     renewals.cancel()
+    charges.cancel()
     # Its lines' submissions abort their requests as they unwind; its leases are let go
     # so another replica takes its batches at once.
     runner.cancel()
@@ -129,6 +135,12 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     # Handlers cancelled at shutdown have queued their aborts: let them reach Redis.
     if state.background:
         await asyncio.wait(list(state.background), timeout=CONNECT_TIMEOUT_S)
+    for task in list(state.settling):
+        task.cancel()  # what dropped requests used past here goes uncharged
+    try:
+        await state.tenant_limits.flush()
+    except (redis.ConnectionError, redis.TimeoutError):
+        pass  # the tokens of this replica's last second go uncharged
     # Streams handed over still need this stream's history; the gone liveness key lets
     # their clients resume them at once.
     await state.replies.close(delete_stream=not state.handed_over)
@@ -153,6 +165,16 @@ async def _renew_tenant_slots(state: IngressState) -> None:
             await state.tenant_limits.renew(dict(state.running_tenants))
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             logger.warning("could not renew the tenants' running slots: %s", exc)
+
+
+async def _flush_tenant_tokens(state: IngressState) -> None:
+    """Send the tokens charged to tenants, once per CHARGE_INTERVAL_S."""
+    while True:
+        await asyncio.sleep(CHARGE_INTERVAL_S)
+        try:
+            await state.tenant_limits.flush()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            logger.warning("could not charge the tenants' tokens: %s", exc)
 
 
 async def _drain(app: web.Application) -> None:
@@ -191,10 +213,12 @@ async def serve(
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
 ) -> None:
     """Serve `app` until `stop` is set, then drain and clean up."""
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout_s)
+    config = app[STATE].config
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout_s,
+                           keepalive_timeout=config.ingress_header_timeout_s)  # fmt: skip
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port, reuse_port=True).start()
+        await CappedSite(runner, host, port, config.ingress_max_connections).start()
         for address in runner.addresses:
             logger.info("ingress listening on http://%s:%d", *address[:2])
         await stop.wait()

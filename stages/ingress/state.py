@@ -48,9 +48,12 @@ class IngressState:
     metrics_publisher: Any = None  # bus.metrics.MetricsPublisher, None with metrics off
     started: int = field(default_factory=lambda: int(time.time()))
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    # Dropped requests' last replies being awaited to charge them (cancelled at shutdown).
+    settling: set[asyncio.Task[None]] = field(default_factory=set)
     draining: bool = False  # SIGTERM: streams cut now are left running, to be resumed
     handed_over: int = 0  # such streams
-    # Requests admitted here against a tenant's limits, whose running slots it renews.
+    # Sub-requests admitted here against a tenant's limits (rid -> tenant): the running
+    # slots this replica renews.
     running_tenants: dict[str, Tenant] = field(default_factory=dict)
 
     @property
@@ -88,21 +91,30 @@ class IngressState:
         add_requests(pipe, self.config, requests)
         await pipe.execute()
 
-    def release_soon(self, tenant: Tenant, request_id: str, tokens: int) -> None:
-        """Free the request's slot in its tenant's limits, and count its tokens."""
-        self._in_background(self._release(tenant, request_id, tokens))
+    def release_soon(self, tenant: Tenant, rids: list[str]) -> None:
+        """Free the sub-requests' slots in their tenant's limits, and send the tokens it
+        was charged."""
+        self._in_background(self._release(tenant, rids))
 
-    async def _release(self, tenant: Tenant, request_id: str, tokens: int) -> None:
+    async def _release(self, tenant: Tenant, rids: list[str]) -> None:
         try:
-            await self.tenant_limits.release(tenant, request_id, tokens)
+            await self.tenant_limits.release(tenant, rids)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            # Its slot's lease ends on its own (tenant_limits.LEASE_S).
-            logger.warning("could not release %s's slot: %s", request_id, exc)
+            # The slots' leases end on their own (tenant_limits.LEASE_S); the tokens are
+            # sent with the next flush.
+            logger.warning("could not release %d slots: %s", len(rids), exc)
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+
+    def settle_soon(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run a dropped request's charging to its end (Submission._settle); unlike the
+        other background work, shutdown does not wait for it."""
+        task = asyncio.get_running_loop().create_task(work)
+        self.settling.add(task)
+        task.add_done_callback(self.settling.discard)
 
     def finish_soon(self, request_id: str, unfinished: list[str]) -> None:
         """Forget `request_id` and abort its `unfinished` sub-requests, from a task of its

@@ -9,20 +9,30 @@ Every sub-request's replies go to one queue, each rid's in order (the reply read
 them). On exit, however it happens (done, an error, the client gone and the handler
 cancelled), the sub-requests without a final reply are aborted, so a worker never keeps
 generating for nobody.
+
+Tokens are charged to the request's tenant as the ingress learns of them (its limits,
+stages/ingress/tenant_limits.py): a prompt of token ids on submission, each reply's new
+tokens as it is handled, and at a sub-request's end the rest of what its Finish counts
+(a text prompt's tokens, ids the replies held back). A sub-request whose client went away
+is still charged in full: its replies are read on, for up to ``SETTLE_S``, until the
+worker's last one (its Finish, reason "abort") says what it used.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 from bus.protocol import ErrorReply, Finish, GenerateRequest, TextDelta
 from bus.replies import AsyncReplyReader, Reply, is_terminal
 from stages.ingress.errors import ApiError
 from stages.ingress.state import IngressState
 from stages.ingress.tenants import Tenant
+
+SETTLE_S = 10.0  # how long a dropped request's last replies are awaited, to charge them
 
 
 class Submission:
@@ -54,7 +64,7 @@ class Submission:
         self.first_token_at: dict[str, float] = {}  # monotonic, per sub-request
         self.tenant = tenant  # whose limits it counts against; None: resumed, not admitted
         self.owner = owner  # who may abort or resume it (stages/ingress/ownership.py)
-        self.tokens = 0  # prompt and completion tokens of its finished sub-requests
+        self._charged: collections.Counter[str] = collections.Counter()  # rid -> tokens
 
     async def __aenter__(self) -> Submission:
         for request in self.requests:
@@ -64,9 +74,13 @@ class Submission:
             return self
         try:
             if self.tenant is not None:
-                await self.state.tenant_limits.admit(self.tenant, self.request_id)
-                self.state.running_tenants[self.request_id] = self.tenant
+                await self.state.tenant_limits.admit(self.tenant, list(self.index))
+                for rid in self.index:
+                    self.state.running_tenants[rid] = self.tenant
             await self.state.submit(self.request_id, self.requests, self.owner)
+            for request in self.requests:
+                if request.input_ids is not None:  # a prompt the ingress can count
+                    self._charge(request.rid, len(request.input_ids))
         except BaseException as exc:
             self._release()
             self._unregister()
@@ -76,12 +90,15 @@ class Submission:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
-        self._unregister()
+        unfinished = [r.rid for r in self.requests if r.rid not in self.finished]
+        handed_over = (unfinished and self.resumable and self.state.draining
+                       and exc_type is not None)  # fmt: skip
+        settling = bool(unfinished) and not handed_over and self._charges_tokens
+        self._unregister(keep=unfinished if settling else ())
         self._release()
         if self.resumed:
             await self.reader.close(delete_stream=False)  # another resume may need it
-        unfinished = [r.rid for r in self.requests if r.rid not in self.finished]
-        if unfinished and self.resumable and self.state.draining and exc_type is not None:
+        if handed_over:
             # Cut by a shutdown, not by its client: it runs on, and its client resumes it
             # on another replica with Last-Event-ID.
             self.state.handed_over += 1
@@ -89,17 +106,38 @@ class Submission:
         if unfinished:
             self.state.metrics.aborts.inc(len(unfinished))
         self.state.finish_soon(self.request_id, unfinished)
+        if settling:
+            self.state.settle_soon(self._settle(set(unfinished)))
+
+    @property
+    def _charges_tokens(self) -> bool:
+        return self.tenant is not None and self.tenant.tokens_per_minute is not None
 
     def _release(self) -> None:
-        """Give back the tenant's running slot and count the tokens used (from a task of
+        """Give back the tenant's running slots and send the tokens charged (from a task of
         its own, as aborts are: the handler may be being cancelled)."""
-        if self.state.running_tenants.pop(self.request_id, None) is not None:
+        rids = [rid for rid in self.index if self.state.running_tenants.pop(rid, None)]
+        if rids:
             assert self.tenant is not None
-            self.state.release_soon(self.tenant, self.request_id, self.tokens)
+            self.state.release_soon(self.tenant, rids)
 
-    def _unregister(self) -> None:
-        for request in self.requests:
-            self.reader.unregister(request.rid)
+    def _unregister(self, keep: Iterable[str] = ()) -> None:
+        for rid in set(self.index) - set(keep):
+            self.reader.unregister(rid)
+
+    async def _settle(self, unfinished: set[str]) -> None:
+        """Charge the sub-requests aborted as their client went away for what their last
+        replies say they used; those not ended within SETTLE_S keep what was charged."""
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SETTLE_S):
+                    while unfinished:
+                        reply = self._early.popleft() if self._early else await self.queue.get()
+                        self._charge_reply(reply)
+                        if is_terminal(reply):
+                            unfinished.discard(reply.rid)
+        finally:
+            self._unregister()
 
     async def first_replies(self) -> None:
         """Wait until every sub-request has replied once; raise an ErrorReply as an ApiError."""
@@ -125,11 +163,27 @@ class Submission:
     def _note(self, reply: Reply) -> None:
         if is_terminal(reply):
             self.finished.add(reply.rid)
-            finish = reply.finish_info() if isinstance(reply, TextDelta) else None
-            if finish is not None:
-                self.tokens += finish.prompt_tokens + finish.completion_tokens
+        self._charge_reply(reply)
         if isinstance(reply, TextDelta) and not self.resumed:  # a replay would count twice
             self._time_tokens(reply)
+
+    def _charge_reply(self, reply: Reply) -> None:
+        """Charge a reply's new tokens; on a sub-request's last, what its Finish counts
+        beyond what was charged already (the prompt, unless it came as token ids)."""
+        if not isinstance(reply, TextDelta):
+            return
+        finish = reply.finish_info()
+        if finish is None:
+            self._charge(reply.rid, len(reply.ids))
+        else:
+            used = finish.prompt_tokens + finish.completion_tokens
+            self._charge(reply.rid, used - self._charged[reply.rid])
+
+    def _charge(self, rid: str, tokens: int) -> None:
+        if self._charges_tokens and tokens > 0:
+            assert self.tenant is not None
+            self._charged[rid] += tokens
+            self.state.tenant_limits.charge(self.tenant, tokens)
 
     def _time_tokens(self, delta: TextDelta) -> None:
         metrics = self.state.metrics

@@ -1,0 +1,140 @@
+"""Slow clients are bounded at the ingress (stages/ingress/connections.py): a request head
+or body trickled past its deadline loses its connection while other clients are served, and
+connections past a replica's cap get a 503 before a byte of them is read."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from bus.config import BusConfig
+from tests.ingress_harness import RunningIngress
+
+HEADER_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 1.0
+MAX_CONNECTIONS = 3
+
+
+def running(redis_url: str, **settings) -> RunningIngress:
+    server = RunningIngress(redis_url)
+    server.config = BusConfig(redis_url=redis_url, **settings)
+    return server
+
+
+@pytest.fixture(scope="module")
+def deadlines(redis_url):
+    with running(redis_url, ingress_header_timeout_s=HEADER_TIMEOUT_S,
+                 ingress_body_timeout_s=BODY_TIMEOUT_S) as server:  # fmt: skip
+        yield server
+
+
+@pytest.fixture(scope="module")
+def capped(redis_url):
+    with running(redis_url, ingress_max_connections=MAX_CONNECTIONS) as server:
+        yield server
+
+
+def open_socket(server) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=10)
+
+
+def closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") -> float | None:
+    """Seconds until the server closes `sock` (sending `trickle` a byte at a time meanwhile),
+    None if still open after `seconds`."""
+    began = time.monotonic()
+    sock.settimeout(0.2)
+    sent = 0
+    while time.monotonic() - began < seconds:
+        try:
+            if sent < len(trickle):
+                sock.sendall(trickle[sent : sent + 1])
+                sent += 1
+            if sock.recv(4096) == b"":
+                return time.monotonic() - began
+        except TimeoutError:
+            continue
+        except (ConnectionResetError, BrokenPipeError):
+            return time.monotonic() - began
+    return None
+
+
+def test_a_head_trickled_past_the_deadline_is_cut_while_others_are_served(deadlines):
+    slow = open_socket(deadlines)
+    head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
+    cut_after = closed_within(slow, 10 * HEADER_TIMEOUT_S, trickle=head)
+    slow.close()
+    assert cut_after is not None, "a client trickling its headers kept its connection"
+    assert HEADER_TIMEOUT_S * 0.8 <= cut_after <= HEADER_TIMEOUT_S + 2
+    status, _, _ = deadlines.request("GET", "/v1/models")
+    assert status == 200
+
+
+def test_a_client_sending_nothing_is_cut_after_the_deadline(deadlines):
+    idle = open_socket(deadlines)
+    other = open_socket(deadlines)
+    other.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert other.recv(4096).startswith(b"HTTP/1.1 200")
+    other.close()
+    assert closed_within(idle, 10 * HEADER_TIMEOUT_S) is not None
+    idle.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "content_type", "start"),
+    [
+        ("/v1/completions", "application/json", b"{"),
+        ("/v1/files", "multipart/form-data; boundary=b",
+         b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{'),
+    ],
+)  # fmt: skip
+def test_a_body_trickled_past_the_deadline_gets_408_and_is_cut(deadlines, path, content_type,
+                                                                start):  # fmt: skip
+    slow = open_socket(deadlines)
+    slow.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+                 "Content-Length: 1000\r\n\r\n".encode() + start)  # fmt: skip
+    slow.settimeout(BODY_TIMEOUT_S + 5)
+    began = time.monotonic()
+    answer = b""
+    try:
+        while chunk := slow.recv(65536):  # until the server closes the connection
+            answer += chunk
+            slow.sendall(b" ")  # trickling on does not keep it open
+            time.sleep(0.05)
+    except (ConnectionResetError, BrokenPipeError):
+        pass  # closed while bytes were still coming: reset
+    waited = time.monotonic() - began
+    slow.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer
+    assert b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    assert BODY_TIMEOUT_S * 0.8 <= waited <= BODY_TIMEOUT_S + 2
+
+
+def test_connections_past_the_cap_get_503_and_are_closed(capped):
+    held = [open_socket(capped) for _ in range(MAX_CONNECTIONS)]
+    time.sleep(0.3)  # the server has taken them all
+    extra = open_socket(capped)
+    extra.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    extra.settimeout(5)
+    answer = b""
+    while chunk := extra.recv(65536):
+        answer += chunk  # until the server closes it
+    extra.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), answer
+    assert b"retry-after: 1" in head.lower()
+    assert json.loads(body)["error"]["code"] == "too_many_connections"
+    # A held connection is served as usual, and once one closes a new one is too.
+    held[0].sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    held[0].settimeout(5)
+    assert held[0].recv(65536).startswith(b"HTTP/1.1 200")
+    held.pop().close()
+    time.sleep(0.3)
+    status, _, _ = capped.request("GET", "/v1/models")
+    assert status == 200
+    for sock in held:
+        sock.close()
