@@ -15,7 +15,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -24,6 +25,7 @@ from bus.config import BusConfig
 from bus.protocol import Finish, GenerateRequest, Heartbeat, TextDelta, decode
 from bus.wire import ENTRY_FIELD, Message, ProtocolError, encode
 from stages.ingress.server import create_app, serve
+from stages.ingress.tenants import KEY_LIMITS_ENV, tenants_from_env
 
 MODEL = "test-model"
 START_TIMEOUT_S = 5.0
@@ -171,3 +173,21 @@ class RunningIngress:
     def post(self, path: str, body: Any) -> tuple[int, Any]:
         status, _, data = self.request("POST", path, body)
         return status, json.loads(data)
+
+
+@contextmanager
+def keyed_ingress(
+    redis_url: str, keys: Iterable[str], limits: dict[str, Any], script: Callable
+) -> Iterator[RunningIngress]:
+    """An ingress taking `keys`, with `limits` as STREAMSERVE_KEY_LIMITS, a live worker and an
+    Upstream answering with `script`; the server has `upstream` and `redis` set."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    tenants = tenants_from_env({KEY_LIMITS_ENV: json.dumps(limits)})
+    with RunningIngress(redis_url, api_keys=keys, tenants=tenants) as server:
+        add_worker(client, server.config)
+        with Upstream(redis_url, server.config, script) as upstream:
+            server.upstream = upstream
+            server.redis = client
+            yield server
+    client.close()

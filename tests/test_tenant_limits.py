@@ -9,10 +9,9 @@ import json
 import time
 
 import pytest
-import redis
 
 from stages.ingress.tenants import KEY_LIMITS_ENV, Tenants, tenants_from_env
-from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
+from tests.ingress_harness import MODEL, deltas, keyed_ingress
 
 LIMITS = {
     "default": {"weight": 1},
@@ -32,14 +31,8 @@ def script(request):
 
 @pytest.fixture(scope="module")
 def ingress(redis_url):
-    client = redis.Redis.from_url(redis_url)
-    client.flushall()
-    tenants = tenants_from_env({KEY_LIMITS_ENV: json.dumps(LIMITS)})
-    with RunningIngress(redis_url, api_keys=KEYS, tenants=tenants) as server:
-        add_worker(client, server.config)
-        with Upstream(redis_url, server.config, script) as upstream:
-            server.upstream = upstream
-            yield server
+    with keyed_ingress(redis_url, KEYS, LIMITS, script) as server:
+        yield server
 
 
 def complete(server, key: str, prompt: str = "hi", timeout: float = 10):

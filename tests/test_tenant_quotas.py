@@ -9,12 +9,11 @@ import json
 import time
 
 import pytest
-import redis
 
 from bus.protocol import Finish, TextDelta
 from bus.wire import ENTRY_FIELD, encode
 from stages.ingress.tenants import KEY_LIMITS_ENV, tenants_from_env
-from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
+from tests.ingress_harness import MODEL, deltas, keyed_ingress
 
 LIMITS = {
     "keys": {
@@ -41,16 +40,8 @@ def script(request):
 
 @pytest.fixture(scope="module")
 def ingress(redis_url):
-    client = redis.Redis.from_url(redis_url)
-    client.flushall()
-    tenants = tenants_from_env({KEY_LIMITS_ENV: json.dumps(LIMITS)})
-    with RunningIngress(redis_url, api_keys=KEYS, tenants=tenants) as server:
-        add_worker(client, server.config)
-        with Upstream(redis_url, server.config, script) as upstream:
-            server.upstream = upstream
-            server.redis = client
-            yield server
-    client.close()
+    with keyed_ingress(redis_url, KEYS, LIMITS, script) as server:
+        yield server
 
 
 def connect(server, key: str, path: str, body: dict) -> http.client.HTTPConnection:
