@@ -29,9 +29,24 @@ def ensure_group(client: redis.Redis, stream: str, group: str) -> None:
     try:
         # From id 0: jobs written before any consumer existed are still served.
         client.xgroup_create(stream, group, id="0", mkstream=True)
+    except redis.OutOfMemoryError:
+        # A full Redis refuses XGROUP CREATE before it could answer BUSYGROUP. A group that
+        # exists is all a consumer needs to go on: reading, acknowledging and trimming are
+        # allowed while full, and trimming is how memory comes back.
+        if not _has_group(client, stream, group):
+            raise
     except redis.ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
+
+
+def _has_group(client: redis.Redis, stream: str, group: str) -> bool:
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:
+        return False  # no stream
+    names = {g["name"].decode() if isinstance(g["name"], bytes) else g["name"] for g in groups}
+    return group in names
 
 
 def is_missing_group(exc: redis.ResponseError) -> bool:

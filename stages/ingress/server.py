@@ -117,10 +117,12 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     )
     runner = asyncio.get_running_loop().create_task(BatchRunner(state).run())
     renewals = asyncio.get_running_loop().create_task(_renew_tenant_slots(state))
+    key_renewals = asyncio.get_running_loop().create_task(_renew_keys(state))
     logger.info("ingress %s: replies on %s", state.frontend_id, state.reply_stream)
     yield
     alive.cancel()
     renewals.cancel()
+    key_renewals.cancel()
     # Its lines' submissions abort their requests as they unwind; its leases are let go
     # so another replica takes its batches at once.
     runner.cancel()
@@ -152,6 +154,16 @@ async def _renew_tenant_slots(state: IngressState) -> None:
             await state.tenant_limits.renew(dict(state.running_tenants))
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             logger.warning("could not renew the tenants' running slots: %s", exc)
+
+
+async def _renew_keys(state: IngressState) -> None:
+    """Keep this replica's reply stream and its running requests' keys past their TTL."""
+    while True:
+        await asyncio.sleep(state.renew_keys_every_s())
+        try:
+            await state.renew_keys()
+        except redis.RedisError as exc:  # the next pass tries again, well within the TTL
+            logger.warning("could not renew the running requests' keys: %s", exc)
 
 
 async def _drain(app: web.Application) -> None:

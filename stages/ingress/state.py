@@ -1,4 +1,9 @@
-"""What the handlers of one ingress replica share: its Redis client, reply reader, figures."""
+"""What the handlers of one ingress replica share: its Redis client, reply reader, figures.
+
+A request's keys live as long as the request: its request key is set with ``reply_ttl_s``
+and, like this replica's reply stream, renewed every quarter of that while it runs
+(`renew_keys`, one pipeline for all of them), so a job longer than the TTL keeps them.
+"""
 
 from __future__ import annotations
 
@@ -51,6 +56,8 @@ class IngressState:
     handed_over: int = 0  # such streams
     # Requests admitted here against a tenant's limits, whose running slots it renews.
     running_tenants: dict[str, Tenant] = field(default_factory=dict)
+    # Requests submitted here and not yet done: their request keys are renewed.
+    live_requests: set[str] = field(default_factory=set)
 
     @property
     def reply_stream(self) -> str:
@@ -78,9 +85,23 @@ class IngressState:
             )
 
     async def submit(self, request_id: str, requests: Sequence[GenerateRequest]) -> None:
-        pipe = self.redis.pipeline(transaction=False)
+        """Queue the request's jobs, all or none: a MULTI, so a Redis that fills up midway
+        (OOM) leaves no choice running that its 503 said was refused."""
+        pipe = self.redis.pipeline(transaction=True)
         pipe.set(self.config.request_key(request_id), len(requests), ex=self.config.reply_ttl_s)
         add_requests(pipe, self.config, requests)
+        await pipe.execute()
+
+    def renew_keys_every_s(self) -> float:
+        return self.config.reply_ttl_s / 4
+
+    async def renew_keys(self) -> None:
+        """Renew the TTL of this replica's reply stream and of its live requests' keys."""
+        ttl = self.config.reply_ttl_s
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.expire(self.reply_stream, ttl)
+        for request_id in self.live_requests:
+            pipe.expire(self.config.request_key(request_id), ttl)
         await pipe.execute()
 
     def release_soon(self, tenant: Tenant, request_id: str, tokens: int) -> None:

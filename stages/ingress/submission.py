@@ -9,6 +9,11 @@ Every sub-request's replies go to one queue, each rid's in order (the reply read
 them). On exit, however it happens (done, an error, the client gone and the handler
 cancelled), the sub-requests without a final reply are aborted, so a worker never keeps
 generating for nobody.
+
+No handler waits for ever: when none of its sub-requests has replied for
+``reply_timeout_s`` (a job dropped somewhere, a queue that never moves), the wait ends with
+a 504 ``reply_timeout`` error (an HTTP error before the first reply, an SSE error event
+after it) and the unfinished sub-requests are aborted like any others.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class Submission:
                 await self.state.tenant_limits.admit(self.tenant, self.request_id)
                 self.state.running_tenants[self.request_id] = self.tenant
             await self.state.submit(self.request_id, self.requests)
+            self.state.live_requests.add(self.request_id)
         except BaseException as exc:
             self._release()
             self._unregister()
@@ -74,6 +80,8 @@ class Submission:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if not self.resumed:
+            self.state.live_requests.discard(self.request_id)
         self._unregister()
         self._release()
         if self.resumed:
@@ -103,7 +111,9 @@ class Submission:
         """Wait until every sub-request has replied once; raise an ErrorReply as an ApiError."""
         waiting = set(self.index)
         while waiting:
-            reply = await self.queue.get()
+            reply = await self._next_reply()
+            if reply is None:
+                raise ApiError.from_reply(self._timed_out())
             self._early.append(reply)
             waiting.discard(reply.rid)
             if isinstance(reply, TextDelta) and reply.ids:
@@ -116,9 +126,26 @@ class Submission:
     async def replies(self) -> AsyncIterator[Reply]:
         """Every reply (the early ones first) until each sub-request has its last one."""
         while self._early or len(self.finished) < len(self.requests):
-            reply = self._early.popleft() if self._early else await self.queue.get()
+            reply = self._early.popleft() if self._early else await self._next_reply()
+            if reply is None:
+                # Not noted as finished: the exit aborts the sub-requests that timed out.
+                yield self._timed_out()
+                return
             self._note(reply)
             yield reply
+
+    async def _next_reply(self) -> Reply | None:
+        """The next reply; None after reply_timeout_s without one."""
+        try:
+            return await asyncio.wait_for(self.queue.get(), self.state.config.reply_timeout_s)
+        except asyncio.TimeoutError:
+            return None
+
+    def _timed_out(self) -> ErrorReply:
+        rid = next(r.rid for r in self.requests if r.rid not in self.finished)
+        timeout = self.state.config.reply_timeout_s
+        return ErrorReply(rid, 504, f"no reply for {timeout:g} s: the request was aborted",
+                          "timeout", None, "reply_timeout")  # fmt: skip
 
     def _note(self, reply: Reply) -> None:
         if is_terminal(reply):
