@@ -32,3 +32,15 @@ def returns_none(config: dict):
 
 
 NOT_CALLABLE = 42
+
+
+def slow_down(config: dict):
+    """Sleep in every forward: a job that runs for seconds on a tiny model."""
+    import time
+
+    seconds = config["seconds"]
+
+    def hook(module, args, output):
+        time.sleep(seconds)
+
+    return hook
