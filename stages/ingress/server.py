@@ -24,6 +24,7 @@ from bus.actor import unique_consumer_name
 from bus.async_pool import async_redis
 from bus.config import BusConfig
 from bus.metrics import start_publisher
+from bus.reconnect import REDIS_TRANSIENT
 from bus.replies import AsyncReplyReader
 from stages.ingress import batch_api, handlers
 from stages.ingress.auth import api_keys_from_env, auth_middleware
@@ -135,7 +136,7 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     await state.replies.close(delete_stream=not state.handed_over)
     try:
         await state.redis.delete(state.config.frontend_key(state.frontend_id))
-    except (redis.ConnectionError, redis.TimeoutError):
+    except REDIS_TRANSIENT:
         pass  # it expires within seconds anyway
     if state.handed_over:
         logger.info("ingress %s: %d streams left running for their clients to resume",
@@ -152,7 +153,7 @@ async def _renew_tenant_slots(state: IngressState) -> None:
         await asyncio.sleep(LEASE_S / 3)
         try:
             await state.tenant_limits.renew(dict(state.running_tenants))
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except REDIS_TRANSIENT as exc:
             logger.warning("could not renew the tenants' running slots: %s", exc)
 
 

@@ -22,6 +22,7 @@ from bus.aborts import publish_aborts_async
 from bus.client import add_requests
 from bus.config import BusConfig
 from bus.protocol import GenerateRequest
+from bus.reconnect import REDIS_TRANSIENT
 from bus.replies import AsyncReplyReader
 from stages.ingress.errors import ApiError
 from stages.ingress.health import WorkerHealth, queue_depth
@@ -111,7 +112,7 @@ class IngressState:
     async def _release(self, tenant: Tenant, request_id: str, tokens: int) -> None:
         try:
             await self.tenant_limits.release(tenant, request_id, tokens)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except REDIS_TRANSIENT as exc:
             # Its slot's lease ends on its own (tenant_limits.LEASE_S).
             logger.warning("could not release %s's slot: %s", request_id, exc)
 
@@ -131,7 +132,7 @@ class IngressState:
             if unfinished:
                 await publish_aborts_async(self.redis, self.config, unfinished)
                 logger.debug("aborted %s", unfinished)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except REDIS_TRANSIENT as exc:
             logger.warning("could not abort %d requests: %s", len(unfinished), exc)
 
     async def sub_requests(self, request_id: str) -> list[str]:
