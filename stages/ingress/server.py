@@ -34,7 +34,7 @@ from stages.ingress.health import WorkerHealth
 from stages.ingress.metrics import IngressMetrics
 from stages.ingress.openapi import openapi_document
 from stages.ingress.resume import announce_alive
-from stages.ingress.state import STATE, IngressState
+from stages.ingress.state import RENEWALS_PER_TTL, STATE, IngressState
 from stages.ingress.status_page import status_json, status_page
 from stages.ingress.tenant_limits import LEASE_S, TenantLimits
 from stages.ingress.tenants import Tenants, tenants_from_env
@@ -160,7 +160,7 @@ async def _renew_tenant_slots(state: IngressState) -> None:
 async def _renew_keys(state: IngressState) -> None:
     """Keep this replica's reply stream and its running requests' keys past their TTL."""
     while True:
-        await asyncio.sleep(state.renew_keys_every_s())
+        await asyncio.sleep(state.config.reply_ttl_s / RENEWALS_PER_TTL)
         try:
             await state.renew_keys()
         except redis.RedisError as exc:  # the next pass tries again, well within the TTL

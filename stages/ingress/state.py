@@ -33,6 +33,9 @@ from stages.ingress.tenants import Tenant, Tenants
 logger = logging.getLogger(__name__)
 
 QUEUE_FULL_RETRY_AFTER_S = 1
+# A running request's keys are renewed this many times per TTL: a missed renewal or two
+# (Redis briefly away) still leaves them alive.
+RENEWALS_PER_TTL = 4
 
 
 @dataclass
@@ -92,9 +95,6 @@ class IngressState:
         pipe.set(self.config.request_key(request_id), len(requests), ex=self.config.reply_ttl_s)
         add_requests(pipe, self.config, requests)
         await pipe.execute()
-
-    def renew_keys_every_s(self) -> float:
-        return self.config.reply_ttl_s / 4
 
     async def renew_keys(self) -> None:
         """Renew the TTL of this replica's reply stream and of its live requests' keys."""
