@@ -32,12 +32,7 @@ def _routed(rids: Sequence[str], results: list) -> list[tuple[str, str]]:
 
 def _tell_workers(pipe, config: BusConfig, routed: list[tuple[str, str]]) -> None:
     for rid, worker_id in routed:
-        pipe.xadd(
-            config.worker_stream(worker_id),
-            {ENTRY_FIELD: encode(Abort(rid))},
-            maxlen=config.stream_maxlen,
-            approximate=True,
-        )
+        pipe.xadd(config.worker_stream(worker_id), {ENTRY_FIELD: encode(Abort(rid))})
 
 
 def publish_aborts(client: redis.Redis, config: BusConfig, rids: Sequence[str]) -> None:

@@ -8,7 +8,10 @@ the stage accepts, or that make the stage raise, go to the dead-letter stream wi
 reason, and the stage keeps running. Entries left pending by a dead consumer are taken over
 with ``XAUTOCLAIM`` once idle for ``claim_idle_ms``; one delivered more than
 ``max_deliveries`` times is dead-lettered (it may be what killed its consumers). A stage
-that cannot handle a batch yet raises `HoldBatch`: nothing is written or acknowledged.
+that cannot handle a batch yet raises `HoldBatch`: nothing is written or acknowledged. A
+MULTI refused because Redis is full (OOM) is retried like an outage: nothing acknowledged.
+Every few seconds a replica trims its input stream below what every group acknowledged
+(bus/stream_trim.py).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from bus.metrics import ProcessMetrics
 from bus.protocol import ENTRY_FIELD, Message, ProtocolError, decode, encode
 from bus.reconnect import REDIS_TRANSIENT, ReconnectingLoop, ensure_group
 from bus.stage_metrics import StageMetrics
+from bus.stream_trim import StreamTrimmer
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +106,7 @@ class Actor:
         self.processed = 0
         self.dead_lettered = 0
         self.metrics = StageMetrics(ProcessMetrics(stage.group, self.consumer, config.metrics))
+        self.trimmer = StreamTrimmer(client, self.stream, config.trim_interval_s)
 
     def run(self) -> None:
         logger.info("%s: consumer %s on %s", self.stage.group, self.consumer, self.stream)
@@ -112,7 +117,8 @@ class Actor:
         ensure_group(self.client, self.stream, self.stage.group)
 
     def run_once(self) -> int:
-        """One read-handle-commit turn (plus a claim of stale entries when due)."""
+        """One read-handle-commit turn (plus a claim of stale entries and a trim when due)."""
+        self.trimmer.maybe_trim()
         entries = self._claim_stale() if time.monotonic() >= self._next_claim else []
         if not entries:
             response = self.client.xreadgroup(
@@ -136,7 +142,12 @@ class Actor:
         dead: list[dict[str, Any]] = []
         refusals: list[Output] = []
         for entry_id, fields in entries:
-            if fields is None:  # deleted (trimmed) while pending: nothing to do but ack it
+            if fields is None:
+                # Deleted while pending: the bus never trims an unacknowledged entry
+                # (bus/stream_trim.py), so only an XDEL or XTRIM by hand gets here. Its
+                # requester cannot be answered (its reply_to went with it); people can.
+                reason = "deleted from the stream while pending; its requester got no reply"
+                dead.append(dead_letter_fields(self.stream, entry_id, reason, None))
                 continue
             payload = fields.get(ENTRY_FIELD)
             try:

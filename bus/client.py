@@ -97,12 +97,7 @@ def add_requests(
 ) -> None:
     """Queue the XADDs of `requests` to the requests stream on `pipe` (sync or async)."""
     for request in requests:
-        pipe.xadd(
-            config.requests_stream(),
-            {ENTRY_FIELD: encode(request)},
-            maxlen=config.stream_maxlen,
-            approximate=True,
-        )
+        pipe.xadd(config.requests_stream(), {ENTRY_FIELD: encode(request)})
 
 
 def resolve_config(redis_url: str | None, config: BusConfig | None) -> BusConfig:

@@ -6,7 +6,14 @@ Environment variables read by ``BusConfig.from_env``:
   empty: start the embedded server.
 - ``STREAMSERVE_STREAM_PREFIX``: prefix of every stream and key name (default
   ``streamserve``).
-- ``STREAMSERVE_STREAM_MAXLEN``: approximate ``MAXLEN`` each ``XADD`` trims a stream to.
+- ``STREAMSERVE_STREAM_MAXLEN``: approximate ``MAXLEN`` of the dead-letter stream (it is for
+  people). The streams that carry work are never cut by a count: they are trimmed only below
+  what every consumer group has acknowledged (bus/stream_trim.py).
+- ``STREAMSERVE_TRIM_INTERVAL_S``: seconds between two such trims of a stream by one of its
+  consumers.
+- ``STREAMSERVE_REDIS_MAXMEMORY``: ``maxmemory`` of the embedded server (valkey's units:
+  ``512mb``, ``1gb``); it runs with ``noeviction``, so a full Redis refuses writes (the
+  ingress answers 503 with Retry-After) rather than dropping keys a job needs.
 - ``STREAMSERVE_READ_COUNT``: most entries one ``XREADGROUP`` returns.
 - ``STREAMSERVE_BLOCK_MS``: how long one ``XREADGROUP`` blocks waiting for entries.
 - ``STREAMSERVE_CLAIM_IDLE_MS``: how long an entry stays pending before another consumer
@@ -20,6 +27,8 @@ Environment variables read by ``BusConfig.from_env``:
   (one step, or a wait for Redis) before the worker takes itself for hung and exits.
 - ``STREAMSERVE_REPLY_TTL_S``: seconds a reply stream lives after its last write (a reader
   that died leaves nothing behind for longer).
+- ``STREAMSERVE_REPLY_TIMEOUT_S``: seconds an HTTP request may wait with no reply to any of
+  its sub-requests before the ingress answers 504 and aborts it.
 - ``STREAMSERVE_NO_WORKER_TIMEOUT_S``: how long the router holds a job while no worker is
   alive before failing it with an error reply.
 - ``STREAMSERVE_METRICS``: ``0`` turns every process's metrics off (bus/metrics.py).
@@ -61,6 +70,8 @@ from typing import Any
 ENV_PREFIX = "STREAMSERVE_"
 REDIS_URL_ENV = "REDIS_URL"
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
+# valkey's memory units; 0 (no limit) is refused: an unbounded Redis is what this guards.
+_MEMORY = re.compile(r"[1-9][0-9]*(b|k|kb|m|mb|g|gb)?", re.IGNORECASE)
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}  # fmt: skip
 
@@ -97,6 +108,9 @@ class BusConfig:
     ingress_header_timeout_s: float = 20.0
     ingress_body_timeout_s: float = 60.0  # plus a second per 256 KiB of the body
     ingress_max_connections: int = 512  # each an fd; below the usual 1024 of `ulimit -n`
+    trim_interval_s: float = 5.0
+    redis_maxmemory: str = "1gb"
+    reply_timeout_s: float = 3_600.0  # as long as a reply stream outlives its last write
 
     def __post_init__(self) -> None:
         if self.redis_url is not None and not self.redis_url.startswith(_URL_SCHEMES):
@@ -136,10 +150,17 @@ class BusConfig:
             "batch_lease_s",
             "ingress_header_timeout_s",
             "ingress_body_timeout_s",
+            "trim_interval_s",
+            "reply_timeout_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"{name} must be a positive number; got {value!r}")
+        if not isinstance(self.redis_maxmemory, str) or not _MEMORY.fullmatch(self.redis_maxmemory):
+            raise ValueError(
+                f"redis_maxmemory must be a positive size such as 512mb or 1gb; "
+                f"got {self.redis_maxmemory!r}"
+            )
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
             # Otherwise a live worker's key expires between two beats.
             raise ValueError(

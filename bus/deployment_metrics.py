@@ -60,7 +60,7 @@ class DeploymentCollector(Collector):
         gauges = {
             name: Metric(PREFIX + name, documentation, "gauge")
             for name, documentation in (
-                ("stream_length", "Entries in the stream (trimmed to about stream_maxlen)."),
+                ("stream_length", "Entries in the stream (kept until every group acked them)."),
                 ("stream_group_lag", "Entries of the stream the group has not read yet."),
                 ("stream_group_pending", "Entries the group read and has not acknowledged."),
                 ("stream_group_consumers", "Consumers the group has known (live or not)."),

@@ -4,7 +4,14 @@ A stage returns outputs (messages to add to streams, keys to set, append or dele
 code that commits its turn queues them, with the turn's dead letters, on the MULTI that
 acknowledges its inputs: either all of it is written or none is. Executed with
 `execute_logging_errors`, one command that fails (a reply stream that is a hash) is dropped
-without undoing the others.
+without undoing the others; a Redis at ``maxmemory`` refuses the whole MULTI, and that is
+raised as the transient error it is (redis.OutOfMemoryError, in REDIS_TRANSIENT): the
+inputs stay pending, to be handled again once memory is freed.
+
+No XADD here trims its stream by a count: a stream read by consumer groups is trimmed by
+its consumers below what every group acknowledged (bus/stream_trim.py), and a reply stream
+by its reader (bus/replies.py) and its TTL. Only the dead-letter stream, which is for
+people, keeps an approximate MAXLEN.
 """
 
 from __future__ import annotations
@@ -32,8 +39,7 @@ class Outbound:
     expire_s: int | None = None  # for reply streams: gone once their reader is long gone
 
     def apply(self, pipe: Any, config: BusConfig) -> None:
-        pipe.xadd(self.stream, {ENTRY_FIELD: encode(self.message)},
-                  maxlen=config.stream_maxlen, approximate=True)  # fmt: skip
+        pipe.xadd(self.stream, {ENTRY_FIELD: encode(self.message)})
         if self.expire_s is not None:
             pipe.expire(self.stream, self.expire_s)
 
@@ -48,6 +54,17 @@ class SetKey:
 
     def apply(self, pipe: Any, config: BusConfig) -> None:
         pipe.set(self.key, self.value, ex=self.ttl_s)
+
+
+@dataclass
+class ExpireKey:
+    """A key's TTL renewed (a running job's route key, which outlives the TTL it was set with)."""
+
+    key: str
+    ttl_s: int
+
+    def apply(self, pipe: Any, config: BusConfig) -> None:
+        pipe.expire(self.key, self.ttl_s)
 
 
 @dataclass
@@ -82,7 +99,7 @@ class DeleteKey:
         pipe.delete(self.key)
 
 
-Output = Outbound | SetKey | IncrHash | AppendKey | DeleteKey
+Output = Outbound | SetKey | ExpireKey | IncrHash | AppendKey | DeleteKey
 
 
 def reply(config: BusConfig, reply_to: str, message: Message) -> Outbound:
@@ -119,9 +136,15 @@ def write_dead_letters(pipe: Any, config: BusConfig, dead: Sequence[dict[str, An
 def execute_logging_errors(pipe: Any, who: str) -> list[Any]:
     """EXEC without raising on a failed command: one output to a key of the wrong type (a
     client naming a hash as its reply stream) must not undo the rest or kill the stage. The
-    other commands of a MULTI are applied either way."""
+    other commands of a MULTI are applied either way.
+
+    Raises redis.OutOfMemoryError when Redis is full: a MULTI is then refused whole, and a
+    command refused in a plain pipeline must not be dropped as if it were the client's
+    fault. The caller's reconnect policy retries; its inputs stay pending meanwhile."""
     results = pipe.execute(raise_on_error=False)
     for result in results:
+        if isinstance(result, redis.OutOfMemoryError):
+            raise result
         if isinstance(result, redis.ResponseError):
             logger.warning("%s: a write failed and was dropped: %s", who, result)
     return results

@@ -14,6 +14,12 @@ under a long home folder might not. One data dir serves one server at a time, un
 ``flock`` on its ``lock`` file: a second server on it gets a private data dir in its temp
 dir instead (it survives a crash of that server, not its stop), or with
 ``if_locked="error"`` refuses to start.
+
+The server's memory is bounded (``maxmemory``, ``STREAMSERVE_REDIS_MAXMEMORY``) with
+``noeviction``: a full server refuses writes with an OOM error, which every stage retries as
+an outage and the ingress answers as 503 with Retry-After. No policy that evicts keys would
+do: the keys it would pick (a job's progress, a consumer group's stream) are what a running
+job needs.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import IO, Literal
 import redis
 
 from bus.child_process import owned_child
+from bus.config import BusConfig
 from bus.model_files import default_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -45,6 +52,7 @@ LOCK_NAME = "lock"
 APPEND_DIR_NAME = "appendonlydir"  # valkey's default, named so the layout is written here
 APPEND_FILE_NAME = "streamserve.aof"
 PRIVATE_DATA_NAME = "data"
+DEFAULT_MAXMEMORY = BusConfig.redis_maxmemory
 
 
 class EmbeddedServerError(RuntimeError):
@@ -84,8 +92,8 @@ class EmbeddedRedis:
     """One private server process on a unix socket; a context manager.
 
     `data_dir`: None keeps nothing on disk; a folder keeps an append-only file there (see
-    the module's docstring for `if_locked`). Not thread-safe: start and stop it from one
-    thread.
+    the module's docstring for `if_locked`). `maxmemory`: valkey's size (``1gb``). Not
+    thread-safe: start and stop it from one thread.
     """
 
     def __init__(
@@ -94,11 +102,13 @@ class EmbeddedRedis:
         stop_timeout_s: float = 5.0,
         data_dir: str | Path | None = None,
         if_locked: Literal["private", "error"] = "private",
+        maxmemory: str = DEFAULT_MAXMEMORY,
     ) -> None:
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.requested_data_dir = None if data_dir is None else Path(data_dir).expanduser()
         self.if_locked = if_locked
+        self.maxmemory = maxmemory
         self._process: subprocess.Popen[bytes] | None = None
         self._dir: Path | None = None
         self._data_dir: Path | None = None
@@ -162,6 +172,8 @@ class EmbeddedRedis:
             "--unixsocketperm", "700",
             "--save", "",  # no RDB snapshots: the append-only file, if any, is the one copy
             *persistence,
+            "--maxmemory", self.maxmemory,
+            "--maxmemory-policy", "noeviction",
             "--dir", str(self._data_dir or self._dir),
             "--logfile", str(log_path),
             "--daemonize", "no",

@@ -25,6 +25,9 @@ under WATCH of the worker's fence key, which the reaper changes in the MULTI tha
 jobs off it (`fence_off`). A commit that finds the fence changed writes nothing and raises
 `Fenced`; the worker drops every job and starts again from `restart_fenced`: the entries
 still pending to it are its own, and resume from their progress.
+
+The worker trims its stream, at most once per ``trim_interval_s``, below what its group has
+acknowledged (bus/stream_trim.py): a job stays on the stream until it finishes.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from bus.actor import unique_consumer_name
 from bus.config import BusConfig
 from bus.effects import Output, execute_logging_errors, write_dead_letters, write_outputs
 from bus.reconnect import ensure_group, is_missing_group
+from bus.stream_trim import StreamTrimmer
 
 WORKER_GROUP = "worker"  # the workers' consumer group, one per worker stream
 
@@ -66,6 +70,7 @@ class FencedStream:
         # Entry id -> deliveries to a previous life under this id, for the entries `open`
         # took back (read once, when the job is admitted).
         self.previous_deliveries: dict[bytes, int] = {}
+        self.trimmer = StreamTrimmer(client, self.stream, config.trim_interval_s)
 
     def ensure_group(self) -> None:
         ensure_group(self.client, self.stream, WORKER_GROUP)
@@ -104,6 +109,7 @@ class FencedStream:
         """One MULTI, valid only under our fence: outputs, dead letters, acks, and
         (optionally) a non-blocking read of new jobs. Returns the jobs read; raises `Fenced`
         (having written nothing) when the fence changed."""
+        self.trimmer.maybe_trim()
         if not (self.outbox or self.acks or self.dead or read):
             return []
         with self.client.pipeline(transaction=True) as pipe:

@@ -4,7 +4,10 @@ A consumer outlives Redis outages: a turn that fails with a connection error or 
 is tried again after a backoff (``RECONNECT_BACKOFF_S``, the last step repeated), and
 whatever the turn had not yet written stays with its owner for the next try. A Redis that
 restarted without persistence has no groups: the group is made again after an outage, and
-at once when a command says it is gone (NOGROUP). Any other error ends the loop.
+at once when a command says it is gone (NOGROUP). A Redis at ``maxmemory`` (it runs with
+``noeviction``) refuses writes with OOM until memory is freed: that is an outage too, retried
+the same way, so a turn whose MULTI was refused leaves its inputs pending rather than
+acknowledging them. Any other error ends the loop.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import redis
 logger = logging.getLogger(__name__)
 
 RECONNECT_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
-REDIS_TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
+REDIS_TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.OutOfMemoryError)
 
 
 def ensure_group(client: redis.Redis, stream: str, group: str) -> None:
@@ -26,9 +29,24 @@ def ensure_group(client: redis.Redis, stream: str, group: str) -> None:
     try:
         # From id 0: jobs written before any consumer existed are still served.
         client.xgroup_create(stream, group, id="0", mkstream=True)
+    except redis.OutOfMemoryError:
+        # A full Redis refuses XGROUP CREATE before it could answer BUSYGROUP. A group that
+        # exists is all a consumer needs to go on: reading, acknowledging and trimming are
+        # allowed while full, and trimming is how memory comes back.
+        if not _has_group(client, stream, group):
+            raise
     except redis.ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
+
+
+def _has_group(client: redis.Redis, stream: str, group: str) -> bool:
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:
+        return False  # no stream
+    names = {g["name"].decode() if isinstance(g["name"], bytes) else g["name"] for g in groups}
+    return group in names
 
 
 def is_missing_group(exc: redis.ResponseError) -> bool:
@@ -71,7 +89,7 @@ class ReconnectingLoop:
             except REDIS_TRANSIENT as exc:
                 delay = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
                 failures += 1
-                logger.warning("%s: Redis unreachable (%s); retrying in %.1f s",
+                logger.warning("%s: Redis unavailable (%s); retrying in %.1f s",
                                self.who, exc, delay)  # fmt: skip
                 self.stop.wait(delay)
                 if self.on_retry is not None:

@@ -11,6 +11,11 @@ aborted or given up on, and are dropped.
 The reply stream's name is unique to its reader, so everything on it is the reader's: the
 reader starts from the stream's beginning rather than from ``$``, which would miss a reply
 landing between a submit and the first XREAD.
+
+No writer caps a reply stream's length: a cap by count would cut replies the reader has not
+read yet, or the history a resumed stream replays. Its reader trims it (`trim_point`) and it
+expires ``reply_ttl_s`` after its last write (a live ingress renews it), so what a dead
+reader leaves goes too; Redis's ``maxmemory`` bounds the rest.
 """
 
 from __future__ import annotations

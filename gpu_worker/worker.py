@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import redis
 
 from bus.config import BusConfig
-from bus.effects import AppendKey, DeleteKey, Outbound, dead_letter_fields, reply
+from bus.effects import AppendKey, DeleteKey, ExpireKey, Outbound, dead_letter_fields, reply
 from bus.fenced_stream import Entry, Fenced, FencedStream
 from bus.job_failures import failure_reply, malformed_reply, too_many_deliveries
 from bus.metrics import ProcessMetrics, start_publisher
@@ -84,7 +84,7 @@ class RunningJob:
     entry_id: bytes  # acknowledged when the request finishes, not before
     window: int  # output tokens of context the detokenizer needs
     reported: int = 0  # output tokens already published
-    progress_ttl_set: bool = False
+    keys_renewed_at: float | None = None  # monotonic; when its progress key's TTL was set
     created: float | None = None  # unix time the job entered the system
     queue_seconds: float | None = None  # set at its first token here, unless it resumed
 
@@ -344,6 +344,18 @@ class Worker:
             batch = TokenBatch(self.worker_id, self.steps, items)
             self.bus.outbox.append(Outbound(self.config.tokens_stream(), batch))
 
+    def _renewed_ttl(self, job: RunningJob) -> int | None:
+        """The TTL to set on the job's progress key with this write, None to leave it: set
+        at its first tokens, then renewed (with its route key, set once by the router) each
+        quarter of the TTL, so a job running longer keeps them; never a command per token."""
+        now, ttl = time.monotonic(), self.config.reply_ttl_s
+        if job.keys_renewed_at is not None and now - job.keys_renewed_at < ttl / 4:
+            return None
+        if job.keys_renewed_at is not None:
+            self.bus.outbox.append(ExpireKey(self.config.route_key(job.req.rid), ttl))
+        job.keys_renewed_at = now
+        return ttl
+
     def _item(self, job: RunningJob) -> TokenItem:
         req = job.req
         start, end = job.reported, len(req.output_ids)
@@ -351,8 +363,7 @@ class Worker:
         self.metrics.generation_tokens.inc(end - start)
         if end > start and not req.finished:
             # Durable progress, written in the MULTI that publishes these tokens.
-            ttl = None if job.progress_ttl_set else self.config.reply_ttl_s
-            job.progress_ttl_set = True
+            ttl = self._renewed_ttl(job)
             key = self.config.progress_key(req.rid)
             self.bus.outbox.append(AppendKey(key, pack_ids(req.output_ids[start:end]), ttl))
         item = token_item(req, job.reply_to, start, job.window)

@@ -45,3 +45,15 @@ def raise_on_token(config: dict):
             raise RuntimeError(f"token {token} breaks this step")
 
     return hook
+
+
+def slow_down(config: dict):
+    """Sleep in every forward: a job that runs for seconds on a tiny model."""
+    import time
+
+    seconds = config["seconds"]
+
+    def hook(module, args, output):
+        time.sleep(seconds)
+
+    return hook

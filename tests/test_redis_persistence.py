@@ -190,6 +190,11 @@ def test_the_compose_files_redis_keeps_its_data_through_a_kill_9():
             settings = client.config_get("*")
             assert (settings["appendonly"], settings["appendfsync"]) == ("yes", "everysec")
             assert settings["save"] == ""
+            # Bounded, and full means "refuse writes", never "evict a job's keys".
+            assert (int(settings["maxmemory"]), settings["maxmemory-policy"]) == (
+                2**30,
+                "noeviction",
+            )
             _write_some_bus_state(client)
             time.sleep(FSYNC_WINDOW_S)
             process.kill()

@@ -103,6 +103,7 @@ class Launcher:
             # and survives a crash of its server. A dir the user named: refuse, rather than
             # keep their data somewhere they did not ask for.
             if_locked="error" if a.redis_data is not None else "private",
+            maxmemory=self.config.redis_maxmemory,
         )
         url = self.server.start()
         where = self.server.data_dir or "nowhere (no persistence)"

@@ -28,6 +28,7 @@ from bus.aborts import publish_aborts_async
 from bus.batch_input import BatchLine, parse_input
 from bus.batches import BATCH_PRIORITY, BatchStore, error_line, result_line
 from bus.errors import RequestError
+from bus.reconnect import REDIS_TRANSIENT
 from stages.ingress import handlers
 from stages.ingress.errors import error_body
 from stages.ingress.openai_format import ChatFormat, CompletionFormat
@@ -63,7 +64,7 @@ class BatchRunner:
             while True:
                 try:
                     await self._poll()
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                except REDIS_TRANSIENT as exc:
                     logger.warning("batch runner: Redis unreachable: %s", exc)
                 await asyncio.sleep(POLL_S)
         finally:
@@ -199,7 +200,7 @@ class BatchRunner:
             except RequestError as exc:
                 if exc.status not in (429, 503):
                     return result_line(line.custom_id, exc.status, error_body(exc)), False
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except REDIS_TRANSIENT as exc:
                 logger.debug("batch %s line %d: Redis unreachable: %s", batch_id, line.line, exc)
             await asyncio.sleep(RETRY_S[min(attempt, len(RETRY_S) - 1)])
             attempt += 1

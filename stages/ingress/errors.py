@@ -2,8 +2,10 @@
 
 Handlers raise `ApiError`, bus/errors.py's `RequestError` with response headers; the
 middleware also turns aiohttp's own HTTP exceptions (unknown path, wrong method, body over
-``client_max_size``) and an unreachable Redis into that body, and anything else into a logged
-500, so a client never sees an HTML page or a dropped connection.
+``client_max_size``), an unreachable Redis (503) and a full one (503 with Retry-After: it
+runs with ``maxmemory`` and ``noeviction``, so it refuses writes rather than evict) into that
+body, and anything else into a logged 500, so a client never sees an HTML page or a dropped
+connection.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from bus.errors import RequestError
 from bus.protocol import ErrorReply
 
 logger = logging.getLogger(__name__)
+
+# Memory comes back as streams are trimmed and jobs finish: seconds, not minutes.
+REDIS_FULL_RETRY_AFTER_S = 5
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -69,6 +74,18 @@ def redis_unavailable(exc: Exception) -> ApiError:
     )
 
 
+def redis_full(exc: Exception) -> ApiError:
+    """Redis is at its maxmemory: nothing new is accepted until memory is freed."""
+    return ApiError(
+        503,
+        f"the request bus (Redis) is full and accepts no new work for now; retry later ({exc})",
+        "service_unavailable",
+        None,
+        "redis_full",
+        headers={"Retry-After": str(REDIS_FULL_RETRY_AFTER_S)},
+    )
+
+
 def _from_http_exception(request: web.Request, exc: web.HTTPException) -> ApiError:
     if exc.status == 404:
         return ApiError(404, f"no such path: {request.path}", code="not_found")
@@ -103,6 +120,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         logger.warning("%s %s: Redis unreachable: %s", request.method, request.path, exc)
         return redis_unavailable(exc).response()
+    except redis.OutOfMemoryError as exc:
+        logger.warning("%s %s: Redis full: %s", request.method, request.path, exc)
+        return redis_full(exc).response()
     except Exception:
         logger.exception("%s %s failed", request.method, request.path)
         return ApiError(500, "internal error", "internal_error", None, "internal_error").response()

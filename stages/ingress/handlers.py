@@ -27,7 +27,7 @@ from bus.replies import AsyncReplyReader
 from stages.ingress import resume
 from stages.ingress.auth import bearer_key
 from stages.ingress.body import read_object
-from stages.ingress.errors import ApiError, error_body, redis_unavailable
+from stages.ingress.errors import ApiError, error_body, redis_full, redis_unavailable
 from stages.ingress.health import serving_paths
 from stages.ingress.native_format import meta_info, native_logprobs, native_prompt_logprobs
 from stages.ingress.openai_format import (
@@ -266,6 +266,8 @@ async def _stream_openai(
 def _internal(exc: Exception) -> ApiError:
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
         return redis_unavailable(exc)
+    if isinstance(exc, redis.OutOfMemoryError):
+        return redis_full(exc)
     return ApiError(500, "internal error", "internal_error", None, "internal_error")
 
 

@@ -26,6 +26,7 @@ from bus.actor import unique_consumer_name
 from bus.async_pool import async_redis
 from bus.config import BusConfig
 from bus.metrics import start_publisher
+from bus.reconnect import REDIS_TRANSIENT
 from bus.replies import AsyncReplyReader
 from stages.ingress import batch_api, handlers
 from stages.ingress.auth import KEYS_CHECKED, api_keys_from_env, auth_middleware
@@ -36,7 +37,7 @@ from stages.ingress.health import WorkerHealth
 from stages.ingress.metrics import IngressMetrics
 from stages.ingress.openapi import openapi_document
 from stages.ingress.resume import announce_alive
-from stages.ingress.state import STATE, IngressState
+from stages.ingress.state import RENEWALS_PER_TTL, STATE, IngressState
 from stages.ingress.status_page import status_json, status_page
 from stages.ingress.tenant_limits import CHARGE_INTERVAL_S, LEASE_S, TenantLimits
 from stages.ingress.tenants import Tenants, tenants_from_env
@@ -123,11 +124,13 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     runner = asyncio.get_running_loop().create_task(BatchRunner(state).run())
     renewals = asyncio.get_running_loop().create_task(_renew_tenant_slots(state))
     charges = asyncio.get_running_loop().create_task(_flush_tenant_tokens(state))
+    key_renewals = asyncio.get_running_loop().create_task(_renew_keys(state))
     logger.info("ingress %s: replies on %s", state.frontend_id, state.reply_stream)
     yield
     alive.cancel()
     renewals.cancel()
     charges.cancel()
+    key_renewals.cancel()
     # Its lines' submissions abort their requests as they unwind; its leases are let go
     # so another replica takes its batches at once.
     runner.cancel()
@@ -146,7 +149,7 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     await state.replies.close(delete_stream=not state.handed_over)
     try:
         await state.redis.delete(state.config.frontend_key(state.frontend_id))
-    except (redis.ConnectionError, redis.TimeoutError):
+    except REDIS_TRANSIENT:
         pass  # it expires within seconds anyway
     if state.handed_over:
         logger.info("ingress %s: %d streams left running for their clients to resume",
@@ -163,7 +166,7 @@ async def _renew_tenant_slots(state: IngressState) -> None:
         await asyncio.sleep(LEASE_S / 3)
         try:
             await state.tenant_limits.renew(dict(state.running_tenants))
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except REDIS_TRANSIENT as exc:
             logger.warning("could not renew the tenants' running slots: %s", exc)
 
 
@@ -173,8 +176,18 @@ async def _flush_tenant_tokens(state: IngressState) -> None:
         await asyncio.sleep(CHARGE_INTERVAL_S)
         try:
             await state.tenant_limits.flush()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except REDIS_TRANSIENT as exc:
             logger.warning("could not charge the tenants' tokens: %s", exc)
+
+
+async def _renew_keys(state: IngressState) -> None:
+    """Keep this replica's reply stream and its running requests' keys past their TTL."""
+    while True:
+        await asyncio.sleep(state.config.reply_ttl_s / RENEWALS_PER_TTL)
+        try:
+            await state.renew_keys()
+        except redis.RedisError as exc:  # the next pass tries again, well within the TTL
+            logger.warning("could not renew the running requests' keys: %s", exc)
 
 
 async def _drain(app: web.Application) -> None:

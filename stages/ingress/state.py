@@ -1,4 +1,9 @@
-"""What the handlers of one ingress replica share: its Redis client, reply reader, figures."""
+"""What the handlers of one ingress replica share: its Redis client, reply reader, figures.
+
+A request's keys live as long as the request: its request key is set with ``reply_ttl_s``
+and, like this replica's reply stream, renewed every quarter of that while it runs
+(`renew_keys`, one pipeline for all of them), so a job longer than the TTL keeps them.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from bus.aborts import publish_aborts_async
 from bus.client import add_requests
 from bus.config import BusConfig
 from bus.protocol import GenerateRequest
+from bus.reconnect import REDIS_TRANSIENT
 from bus.replies import AsyncReplyReader
 from stages.ingress.errors import ApiError
 from stages.ingress.health import WorkerHealth, queue_depth
@@ -28,6 +34,9 @@ from stages.ingress.tenants import Tenant, Tenants
 logger = logging.getLogger(__name__)
 
 QUEUE_FULL_RETRY_AFTER_S = 1
+# A running request's keys are renewed this many times per TTL: a missed renewal or two
+# (Redis briefly away) still leaves them alive.
+RENEWALS_PER_TTL = 4
 
 
 @dataclass
@@ -55,6 +64,8 @@ class IngressState:
     # Sub-requests admitted here against a tenant's limits (rid -> tenant): the running
     # slots this replica renews.
     running_tenants: dict[str, Tenant] = field(default_factory=dict)
+    # Requests submitted here and not yet done: their request keys are renewed.
+    live_requests: set[str] = field(default_factory=set)
 
     @property
     def reply_stream(self) -> str:
@@ -84,11 +95,22 @@ class IngressState:
     async def submit(
         self, request_id: str, requests: Sequence[GenerateRequest], owner: str | None = None
     ) -> None:
-        """XADD the requests, recorded with their `owner` (stages/ingress/ownership.py)."""
-        pipe = self.redis.pipeline(transaction=False)
+        """Queue the request's jobs, recorded with their `owner` (stages/ingress/ownership.py),
+        all or none: a MULTI, so a Redis that fills up midway (OOM) leaves no choice running
+        that its 503 said was refused."""
+        pipe = self.redis.pipeline(transaction=True)
         record = request_record(len(requests), owner)
         pipe.set(self.config.request_key(request_id), record, ex=self.config.reply_ttl_s)
         add_requests(pipe, self.config, requests)
+        await pipe.execute()
+
+    async def renew_keys(self) -> None:
+        """Renew the TTL of this replica's reply stream and of its live requests' keys."""
+        ttl = self.config.reply_ttl_s
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.expire(self.reply_stream, ttl)
+        for request_id in self.live_requests:
+            pipe.expire(self.config.request_key(request_id), ttl)
         await pipe.execute()
 
     def release_soon(self, tenant: Tenant, rids: list[str]) -> None:
@@ -99,7 +121,7 @@ class IngressState:
     async def _release(self, tenant: Tenant, rids: list[str]) -> None:
         try:
             await self.tenant_limits.release(tenant, rids)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except REDIS_TRANSIENT as exc:
             # The slots' leases end on their own (tenant_limits.LEASE_S); the tokens are
             # sent with the next flush.
             logger.warning("could not release %d slots: %s", len(rids), exc)
@@ -127,7 +149,7 @@ class IngressState:
             if unfinished:
                 await publish_aborts_async(self.redis, self.config, unfinished)
                 logger.debug("aborted %s", unfinished)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except REDIS_TRANSIENT as exc:
             logger.warning("could not abort %d requests: %s", len(unfinished), exc)
 
     async def sub_requests(self, request_id: str, caller: str | None = None) -> list[str]:

@@ -16,6 +16,11 @@ tokens as it is handled, and at a sub-request's end the rest of what its Finish 
 (a text prompt's tokens, ids the replies held back). A sub-request whose client went away
 is still charged in full: its replies are read on, for up to ``SETTLE_S``, until the
 worker's last one (its Finish, reason "abort") says what it used.
+
+No handler waits for ever: when none of its sub-requests has replied for
+``reply_timeout_s`` (a job dropped somewhere, a queue that never moves), the wait ends with
+a 504 ``reply_timeout`` error (an HTTP error before the first reply, an SSE error event
+after it) and the unfinished sub-requests are aborted like any others.
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ class Submission:
             for request in self.requests:
                 if request.input_ids is not None:  # a prompt the ingress can count
                     self._charge(request.rid, len(request.input_ids))
+            self.state.live_requests.add(self.request_id)
         except BaseException as exc:
             self._release()
             self._unregister()
@@ -94,6 +100,8 @@ class Submission:
         handed_over = (unfinished and self.resumable and self.state.draining
                        and exc_type is not None)  # fmt: skip
         settling = bool(unfinished) and not handed_over and self._charges_tokens
+        if not self.resumed:
+            self.state.live_requests.discard(self.request_id)
         self._unregister(keep=unfinished if settling else ())
         self._release()
         if self.resumed:
@@ -143,7 +151,9 @@ class Submission:
         """Wait until every sub-request has replied once; raise an ErrorReply as an ApiError."""
         waiting = set(self.index)
         while waiting:
-            reply = await self.queue.get()
+            reply = await self._next_reply()
+            if reply is None:
+                raise ApiError.from_reply(self._timed_out())
             self._early.append(reply)
             waiting.discard(reply.rid)
             if isinstance(reply, TextDelta) and reply.ids:
@@ -156,9 +166,26 @@ class Submission:
     async def replies(self) -> AsyncIterator[Reply]:
         """Every reply (the early ones first) until each sub-request has its last one."""
         while self._early or len(self.finished) < len(self.requests):
-            reply = self._early.popleft() if self._early else await self.queue.get()
+            reply = self._early.popleft() if self._early else await self._next_reply()
+            if reply is None:
+                # Not noted as finished: the exit aborts the sub-requests that timed out.
+                yield self._timed_out()
+                return
             self._note(reply)
             yield reply
+
+    async def _next_reply(self) -> Reply | None:
+        """The next reply; None after reply_timeout_s without one."""
+        try:
+            return await asyncio.wait_for(self.queue.get(), self.state.config.reply_timeout_s)
+        except asyncio.TimeoutError:
+            return None
+
+    def _timed_out(self) -> ErrorReply:
+        rid = next(r.rid for r in self.requests if r.rid not in self.finished)
+        timeout = self.state.config.reply_timeout_s
+        return ErrorReply(rid, 504, f"no reply for {timeout:g} s: the request was aborted",
+                          "timeout", None, "reply_timeout")  # fmt: skip
 
     def _note(self, reply: Reply) -> None:
         if is_terminal(reply):

@@ -1,0 +1,50 @@
+"""A job that runs longer than the keys' TTL keeps them: the worker renews its progress key
+and its route key every quarter of ``reply_ttl_s`` (never a command per token)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from bus.config import BusConfig
+from bus.protocol import ENTRY_FIELD, TokenizedRequest, encode, unpack_ids
+from gpu_worker import Engine
+from gpu_worker.worker import Worker
+
+MODEL = "random:tiny-llama"
+SLOW = {
+    "name": "slow",
+    "target_modules": "lm_head",
+    "hook_factory": "tests.hook_factories.slow_down",
+    "config": {"seconds": 0.02},
+}
+MAX_NEW = 150  # about 3 s at 20 ms a step: three times the TTL
+
+
+def test_a_job_longer_than_the_ttl_keeps_its_progress_and_route_keys(redis_client, redis_url):
+    config = BusConfig(redis_url=redis_url, block_ms=20, reply_ttl_s=1)
+    worker = Worker(Engine(MODEL, dtype="float32", forward_hooks=[SLOW]), redis_client, config,
+                    "w", MODEL)  # fmt: skip
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    rid = "long"
+    progress, route = config.progress_key(rid), config.route_key(rid)
+    redis_client.set(route, "w", ex=config.reply_ttl_s)  # as the router sets it
+    job = TokenizedRequest(rid, "t:reply", [5, 17, 99], {"max_new_tokens": MAX_NEW,
+                                                          "ignore_eos": True})  # fmt: skip
+    redis_client.xadd(config.worker_stream("w"), {ENTRY_FIELD: encode(job)})
+    try:
+        seen = []
+        deadline = time.monotonic() + 2.5  # well past the 1 s TTL both were set with
+        while time.monotonic() < deadline:
+            produced = redis_client.get(progress)
+            if produced is not None:
+                seen.append(len(unpack_ids(produced)))
+            assert produced is None or redis_client.exists(route), "route key expired"
+            time.sleep(0.05)
+        assert seen and max(seen) < MAX_NEW, "the job ended too soon to say anything"
+        assert redis_client.exists(progress) and redis_client.exists(route)
+        assert 0 < redis_client.ttl(progress) <= config.reply_ttl_s
+    finally:
+        worker.stop.set()
+        thread.join(timeout=30)
