@@ -49,6 +49,9 @@ from bus.stream_trim import StreamTrimmer
 logger = logging.getLogger(__name__)
 
 
+Entry = tuple[bytes, dict[bytes, bytes] | None]  # (entry id, fields; None once deleted)
+
+
 class HoldBatch(Exception):  # noqa: N818 (a signal, not an error)
     """Raised by a stage to leave its batch pending (unacknowledged) for later or another
     replica, e.g. when the stage is stopping while it waits."""
@@ -103,6 +106,7 @@ class Actor:
             stage.keep_alive = self.touch
         self._next_claim = 0.0
         self._claim_cursor: bytes | str = "0-0"  # XAUTOCLAIM resumes where it left off
+        self._unfinished: list[Entry] = []  # a turn Redis refused (an outage, OOM): retried
         self.processed = 0
         self.dead_lettered = 0
         self.metrics = StageMetrics(ProcessMetrics(stage.group, self.consumer, config.metrics))
@@ -119,7 +123,10 @@ class Actor:
     def run_once(self) -> int:
         """One read-handle-commit turn (plus a claim of stale entries and a trim when due)."""
         self.trimmer.maybe_trim()
-        entries = self._claim_stale() if time.monotonic() >= self._next_claim else []
+        entries = self._still_ours(self._unfinished)
+        self._unfinished = []
+        if not entries and time.monotonic() >= self._next_claim:
+            entries = self._claim_stale()
         if not entries:
             response = self.client.xreadgroup(
                 self.stage.group,
@@ -134,7 +141,23 @@ class Actor:
                 self.process(entries)
             except HoldBatch:
                 logger.info("%s: holding %d entries", self.stage.group, len(entries))
+            except REDIS_TRANSIENT:
+                # Handled again next turn, by us: a claim would count one more delivery,
+                # and an outage (a full Redis) is no fault of the entries.
+                self._unfinished = list(entries)
+                raise
         return len(entries)
+
+    def _still_ours(self, entries: list[Entry]) -> list[Entry]:
+        """Of entries a failed turn left pending, those no peer has claimed since."""
+        if not entries:
+            return []
+        pending = self.client.xpending_range(
+            self.stream, self.stage.group, "-", "+", count=len(entries) + 1000,
+            consumername=self.consumer,
+        )  # fmt: skip
+        ours = {p["message_id"] for p in pending}
+        return [entry for entry in entries if entry[0] in ours]
 
     def process(self, entries: Sequence[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
         started = time.perf_counter()
