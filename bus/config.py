@@ -29,6 +29,22 @@ Environment variables read by ``BusConfig.from_env``:
   runner silent for longer (its ingress died) leaves the batch to another replica.
 - ``STREAMSERVE_MAX_FILE_BYTES``, ``STREAMSERVE_MAX_BATCH_LINES``: the largest upload to
   ``/v1/files`` and the most lines a batch takes.
+
+Request bounds (docs/BOUNDS.md), each a 400 naming the field it is about:
+
+- ``STREAMSERVE_MAX_STOP_STRINGS``, ``STREAMSERVE_MAX_STOP_CHARS``,
+  ``STREAMSERVE_MAX_STOP_TOTAL_CHARS``: the most stop strings a request gives, the longest
+  one and all of them together, in characters.
+- ``STREAMSERVE_MAX_STOP_TOKEN_IDS``: the most ``stop_token_ids``.
+- ``STREAMSERVE_MAX_LOGIT_BIAS``: the most ``logit_bias`` entries.
+- ``STREAMSERVE_MAX_GRAMMAR_BYTES``, ``STREAMSERVE_MAX_GRAMMAR_DEPTH``: the largest
+  structured-output grammar (``json_schema``, ``regex``, ``ebnf``, ``response_format``, a
+  tool grammar) in UTF-8 bytes, and its deepest nesting of brackets.
+- ``STREAMSERVE_GRAMMAR_COMPILE_TIMEOUT_S``: how long compiling one grammar may take, at
+  the ingress and in the worker, before the request is refused.
+- ``STREAMSERVE_MAX_CHOICES``: the most choices (prompts x ``n``) of one HTTP request.
+- ``STREAMSERVE_MAX_REQUEST_PROMPT_TOKENS``: ``n`` x the prompts' size of one HTTP request
+  (token ids count one each, a text prompt its UTF-8 bytes: at least its tokens).
 """
 
 from __future__ import annotations
@@ -67,6 +83,17 @@ class BusConfig:
     batch_lease_s: float = 10.0
     max_file_bytes: int = 200 * 2**20  # OpenAI's limit for a batch input file
     max_batch_lines: int = 50_000  # OpenAI's
+    # Request bounds: see docs/BOUNDS.md and bus/request_bounds.py.
+    max_stop_strings: int = 16  # OpenAI allows 4; vLLM does not bound them
+    max_stop_chars: int = 256
+    max_stop_total_chars: int = 1024
+    max_stop_token_ids: int = 256
+    max_logit_bias: int = 300  # OpenAI's
+    max_grammar_bytes: int = 256 * 2**10
+    max_grammar_depth: int = 64
+    grammar_compile_timeout_s: float = 10.0
+    max_choices: int = 128
+    max_request_prompt_tokens: int = 2**20
 
     def __post_init__(self) -> None:
         if self.redis_url is not None and not self.redis_url.startswith(_URL_SCHEMES):
@@ -87,6 +114,15 @@ class BusConfig:
             "batch_concurrency",
             "max_file_bytes",
             "max_batch_lines",
+            "max_stop_strings",
+            "max_stop_chars",
+            "max_stop_total_chars",
+            "max_stop_token_ids",
+            "max_logit_bias",
+            "max_grammar_bytes",
+            "max_grammar_depth",
+            "max_choices",
+            "max_request_prompt_tokens",
         ):
             _require_int(name, getattr(self, name), minimum=1)
         # 0 would mean "block forever" to XREADGROUP, and a stage must stay responsive.
@@ -98,6 +134,7 @@ class BusConfig:
             "no_worker_timeout_s",
             "metrics_interval_s",
             "batch_lease_s",
+            "grammar_compile_timeout_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
