@@ -170,6 +170,7 @@ class BatchRunner:
         fmt = ChatFormat() if chat else CompletionFormat()
         try:
             job = (parse_chat if chat else parse_completion)(line.body, self.state.model)
+            await job.compile_grammar()
         except RequestError as exc:
             result, ok = result_line(line.custom_id, exc.status, error_body(exc)), False
         else:
