@@ -8,6 +8,7 @@ import threading
 import uuid
 
 import pytest
+import redis
 
 from bus.actor import Actor, Inbound
 from bus.config import BusConfig
@@ -303,4 +304,33 @@ def test_a_chat_beyond_the_context_names_messages_over_the_real_stage(redis_url,
     ((_, fields),) = redis_client.xrange("t:reply")
     reply = decode(fields[ENTRY_FIELD], ErrorReply)
     assert (reply.status, reply.param) == (400, "messages")
+    assert redis_client.xlen(config.tokenized_stream()) == 0
+
+
+def test_a_response_format_nested_past_json_parsing_is_a_400_not_a_500(ingress):
+    raw = b'{"model": "test-model", "messages": [], "response_format": ' + b"[" * 100_000
+    status, _, body = ingress.request("POST", "/v1/chat/completions", raw=raw)
+    assert status == 400, body
+
+
+def test_a_chat_beyond_the_context_is_a_400_over_http(redis_url, redis_client, ingress):
+    """The real tokenizer stage behind the real ingress: the refusal reaches the client."""
+    from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
+
+    config = BusConfig(redis_url=redis_url, block_ms=5)
+    add_worker(redis_client, config)
+    stage = TokenizerStage(config, load_stage_tokenizer("smollm2-135m-instruct"), 32)
+    ensure_group(redis_client, config.requests_stream(), "tokenizer")
+    stop = threading.Event()
+    actor = Actor(redis.Redis.from_url(redis_url), config, stage, stop)
+    thread = threading.Thread(target=actor.run, daemon=True)
+    thread.start()
+    try:
+        reply = ingress.post("/v1/chat/completions", chat(messages=[
+            {"role": "user", "content": "hello " * 60}]))  # fmt: skip
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+    assert "maximum context length is 32 tokens" in assert_refused(reply, "messages")
+    assert reply[1]["error"]["code"] == "context_length_exceeded"
     assert redis_client.xlen(config.tokenized_stream()) == 0
