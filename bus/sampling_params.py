@@ -214,8 +214,9 @@ def wire_sampling(
     Only the fields given are sent, so the worker's defaults apply to the rest; a missing
     ``max_new_tokens`` means "up to the context length". Checks that need the model's
     vocabulary are left to the worker. A grammar is compiled (in bus/grammar.py's pool,
-    waited for up to its deadline) unless `compile_grammar` is False: the ingress compiles
-    it itself, off its event loop (`compile_async`).
+    waited for up to its deadline; GrammarError, a FieldError too, if it cannot be) unless
+    `compile_grammar` is False: the ingress compiles it itself, off its event loop
+    (`compile_async`).
     """
     given = dict(sampling or {})
     params = SamplingParams.from_dict(given)
