@@ -172,21 +172,22 @@ def test_a_grammar_compiling_past_the_deadline_is_a_400(ingress, bounds_env):
     assert "took longer than" in assert_refused(ingress.post("/generate", body), "regex")
 
 
-def test_grammar_checks_leave_the_event_loop_serving(ingress):
-    """A grammar is compiled in a pool thread: the loop answers other requests meanwhile."""
-    results = []
+def test_the_ingress_compiles_grammars_off_its_event_loop(ingress, monkeypatch):
+    import bus.grammar
 
-    def refused_grammar() -> None:
-        body = {"text": "a", "sampling_params": {"json_schema": DEEP_SCHEMA}}
-        results.append(ingress.post("/generate", body)[0])
+    threads = []
+    compiled = bus.grammar._compiled
 
-    threads = [threading.Thread(target=refused_grammar) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    status, _, _ = ingress.request("GET", "/v1/models")
-    for thread in threads:
-        thread.join()
-    assert status == 200 and results == [400] * 4
+    def recording(name, spec):
+        threads.append(threading.current_thread().name)
+        return compiled(name, spec)
+
+    monkeypatch.setattr(bus.grammar, "_compiled", recording)
+    regex = f"[ab]+{uuid.uuid4().hex}"
+    # The scripted upstream is absent: a compiled grammar gets as far as "no live worker".
+    status, _ = ingress.post("/generate", {"text": "a", "sampling_params": {"regex": regex}})
+    assert status == 503
+    assert threads and all(name.startswith("grammar-compile") for name in threads), threads
 
 
 def test_the_direct_client_refuses_the_deep_schema_before_sending():
