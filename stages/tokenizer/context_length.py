@@ -11,11 +11,14 @@ neither (None: the worker alone checks). A worker started with a smaller
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from pathlib import Path
 from typing import BinaryIO
 
 from bus.model_files import resolve_model
+
+logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 # GGUF value types -> struct format of a scalar of that type (8: string, 9: array).
@@ -30,13 +33,19 @@ def model_context_length(model: str) -> int | None:
     resolved = resolve_model(model, marker="tokenizer.json", what="a tokenizer for")
     if resolved.kind == "random" or resolved.path is None:
         return None
-    if resolved.kind == "gguf":
-        with open(resolved.path, "rb") as file:
-            return gguf_context_length(file)
-    config = Path(resolved.path) / "config.json"
-    if not config.is_file():
+    try:
+        if resolved.kind == "gguf":
+            with open(resolved.path, "rb") as file:
+                return gguf_context_length(file)
+        config = Path(resolved.path) / "config.json"
+        if not config.is_file():
+            return None
+        values = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError, struct.error) as exc:
+        # The worker, which loads the model, will say what is wrong with it; here the
+        # context check is only skipped.
+        logger.warning("cannot read the context length of %s: %s", model, exc)
         return None
-    values = json.loads(config.read_text(encoding="utf-8"))
     values = {**values.get("text_config", {}), **values}  # multimodal configs nest it
     return next((int(values[key]) for key in CONFIG_KEYS if isinstance(values.get(key), int)),
                 None)  # fmt: skip
