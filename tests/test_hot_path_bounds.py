@@ -4,6 +4,8 @@ the text, and logit_bias is applied as tensors built once per request."""
 from __future__ import annotations
 
 import random
+import statistics
+import time
 
 import torch
 
@@ -53,11 +55,28 @@ def test_stop_matching_work_is_linear_in_the_output(monkeypatch):
     assert large <= 8_000 * 2 * 201
 
 
+def test_a_push_costs_the_same_after_two_million_characters_of_output():
+    """Each push appends its text: one grown with += copied the whole output every token.
+    Pushes to a fresh stream and to a long one alternate, so load on the machine hits both;
+    medians, so a stall does not count. The old copy made the long one's ~10x slower."""
+    fresh, long = TextStream(OneCharTokenizer(), ["ab"]), TextStream(OneCharTokenizer(), ["ab"])
+    long.push([0] * 2_000_000)
+    long.push([0])  # the window after the big push is decoded once more, then stays small
+    times: dict[int, list[float]] = {id(fresh): [], id(long): []}
+    for _ in range(2_000):
+        for stream in (fresh, long):
+            started = time.perf_counter()
+            stream.push([0])
+            times[id(stream)].append(time.perf_counter() - started)
+    assert statistics.median(times[id(long)]) < 2 * statistics.median(times[id(fresh)])
+    assert len(long.text) == 2_002_000
+
+
 def test_stop_prefix_len_matches_the_definition():
     rng = random.Random(0)
-    for _ in range(5_000):
-        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
-        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(3)]
+    for _ in range(5_000):  # up to 30 characters: past a few candidates, KMP takes over
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 30)))
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 14))) for _ in range(3)]
         expected = max(
             (n for s in stops for n in range(len(s)) if n <= len(text) and text.endswith(s[:n])),
             default=0,
