@@ -56,6 +56,22 @@ Environment variables read by ``BusConfig.from_env``:
   408 and its connection is closed.
 - ``STREAMSERVE_INGRESS_MAX_CONNECTIONS``: open connections one ingress replica serves at
   once; one more gets a 503 with Retry-After and is closed.
+
+Request bounds (docs/BOUNDS.md), each a 400 naming the field it is about:
+
+- ``STREAMSERVE_MAX_STOP_STRINGS``, ``STREAMSERVE_MAX_STOP_CHARS``,
+  ``STREAMSERVE_MAX_STOP_TOTAL_CHARS``: the most stop strings a request gives, the longest
+  one and all of them together, in characters.
+- ``STREAMSERVE_MAX_STOP_TOKEN_IDS``: the most ``stop_token_ids``.
+- ``STREAMSERVE_MAX_LOGIT_BIAS``: the most ``logit_bias`` entries.
+- ``STREAMSERVE_MAX_GRAMMAR_BYTES``, ``STREAMSERVE_MAX_GRAMMAR_DEPTH``: the largest
+  structured-output grammar (``json_schema``, ``regex``, ``ebnf``, ``response_format``, a
+  tool grammar) in UTF-8 bytes, and its deepest nesting of brackets.
+- ``STREAMSERVE_GRAMMAR_COMPILE_TIMEOUT_S``: how long compiling one grammar may take, at
+  the ingress and in the worker, before the request is refused.
+- ``STREAMSERVE_MAX_CHOICES``: the most choices (prompts x ``n``) of one HTTP request.
+- ``STREAMSERVE_MAX_REQUEST_PROMPT_TOKENS``: ``n`` x the prompts' size of one HTTP request
+  (token ids count one each, a text prompt its UTF-8 bytes: at least its tokens).
 """
 
 from __future__ import annotations
@@ -111,6 +127,17 @@ class BusConfig:
     trim_interval_s: float = 5.0
     redis_maxmemory: str = "1gb"
     reply_timeout_s: float = 3_600.0  # as long as a reply stream outlives its last write
+    # Request bounds: see docs/BOUNDS.md and bus/request_bounds.py.
+    max_stop_strings: int = 16  # OpenAI allows 4; vLLM does not bound them
+    max_stop_chars: int = 256
+    max_stop_total_chars: int = 1024
+    max_stop_token_ids: int = 256
+    max_logit_bias: int = 300  # OpenAI's
+    max_grammar_bytes: int = 256 * 2**10
+    max_grammar_depth: int = 64
+    grammar_compile_timeout_s: float = 10.0
+    max_choices: int = 128
+    max_request_prompt_tokens: int = 2**20
 
     def __post_init__(self) -> None:
         if self.redis_url is not None and not self.redis_url.startswith(_URL_SCHEMES):
@@ -137,6 +164,15 @@ class BusConfig:
             "file_expiry_s",
             "batch_result_ttl_s",
             "ingress_max_connections",
+            "max_stop_strings",
+            "max_stop_chars",
+            "max_stop_total_chars",
+            "max_stop_token_ids",
+            "max_logit_bias",
+            "max_grammar_bytes",
+            "max_grammar_depth",
+            "max_choices",
+            "max_request_prompt_tokens",
         ):
             _require_int(name, getattr(self, name), minimum=1)
         # 0 would mean "block forever" to XREADGROUP, and a stage must stay responsive.
@@ -152,6 +188,7 @@ class BusConfig:
             "ingress_body_timeout_s",
             "trim_interval_s",
             "reply_timeout_s",
+            "grammar_compile_timeout_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus.field_error import FieldError
-from bus.grammar import GRAMMAR_FIELDS, grammar_problem, json_schema_text
+from bus.grammar import GRAMMAR_FIELDS, json_schema_text, shape_problem
+from bus.request_bounds import request_bounds
 
-MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 20  # OpenAI's
 MAX_LOGIT_BIAS = 100.0
 # OpenAI's range for frequency_penalty and presence_penalty.
 MAX_OPENAI_PENALTY = 2.0
@@ -44,10 +44,16 @@ class Kind:
 # ---- types ---------------------------------------------------------------------------------
 
 
+def _shown(value: Any) -> str:
+    """`value` quoted in a message; a huge one cut, so the error stays small."""
+    text = repr(value)
+    return text if len(text) <= 100 else text[:100] + "..."
+
+
 def _as_int(name: str, value: Any) -> int:
     # bool is an int subclass; `true` for a count is a client bug, not 1.
     if not isinstance(value, int) or isinstance(value, bool):
-        raise SamplingParamError(name, f"{name} must be an integer, got {value!r}")
+        raise SamplingParamError(name, f"{name} must be an integer, got {_shown(value)}")
     return value
 
 
@@ -57,7 +63,7 @@ def _as_optional_int(name: str, value: Any) -> int | None:
 
 def _as_float(name: str, value: Any) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise SamplingParamError(name, f"{name} must be a number, got {value!r}")
+        raise SamplingParamError(name, f"{name} must be a number, got {_shown(value)}")
     try:
         return float(value)
     except OverflowError:  # an integer past any float; too long to quote
@@ -66,7 +72,7 @@ def _as_float(name: str, value: Any) -> float:
 
 def _as_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise SamplingParamError(name, f"{name} must be true or false, got {value!r}")
+        raise SamplingParamError(name, f"{name} must be true or false, got {_shown(value)}")
     return value
 
 
@@ -76,7 +82,7 @@ def _as_stop_list(name: str, stop: Any) -> list[str]:
     if isinstance(stop, str):
         return [stop]
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        message = f"{name} must be a string or a list of strings, got {stop!r}"
+        message = f"{name} must be a string or a list of strings, got {_shown(stop)}"
         raise SamplingParamError(name, message)
     return list(stop)
 
@@ -85,7 +91,7 @@ def _as_token_ids(name: str, ids: Any) -> list[int]:
     if ids is None:
         return []
     if not isinstance(ids, (list, tuple)):
-        raise SamplingParamError(name, f"{name} must be a list of token ids, got {ids!r}")
+        raise SamplingParamError(name, f"{name} must be a list of token ids, got {_shown(ids)}")
     return [_as_int(name, token) for token in ids]
 
 
@@ -93,7 +99,9 @@ def _as_logit_bias(name: str, bias: Any) -> dict[int, float]:
     if bias is None:
         return {}
     if not isinstance(bias, Mapping):
-        raise SamplingParamError(name, f"{name} must be a dict of token id -> bias, got {bias!r}")
+        raise SamplingParamError(
+            name, f"{name} must be a dict of token id -> bias, got {_shown(bias)}"
+        )
     result: dict[int, float] = {}
     for key, value in bias.items():
         # JSON object keys are strings: {"50256": -100} means token 50256. No token id has
@@ -103,20 +111,28 @@ def _as_logit_bias(name: str, bias: Any) -> dict[int, float]:
         elif isinstance(key, int) and not isinstance(key, bool):
             token = key
         else:
-            raise SamplingParamError(name, f"{name}: key {key!r} is not a token id")
+            raise SamplingParamError(name, f"{name}: key {_shown(key)} is not a token id")
         result[token] = _as_float(name, value)
     return result
 
 
 def _as_optional_str(name: str, value: Any) -> str | None:
     if value is not None and not isinstance(value, str):
-        raise SamplingParamError(name, f"{name} must be a string, got {value!r}")
+        raise SamplingParamError(name, f"{name} must be a string, got {_shown(value)}")
     return value
+
+
+def _as_grammar_text(name: str, value: Any) -> str | None:
+    text = _as_optional_str(name, value)
+    problem = None if text is None else shape_problem(name, text)
+    if problem is not None:
+        raise SamplingParamError(name, problem)
+    return text
 
 
 def _as_json_schema(name: str, value: Any) -> str | None:
     if value is not None and not isinstance(value, (str, dict)):
-        raise SamplingParamError(name, f"{name} must be a JSON Schema object, got {value!r}")
+        raise SamplingParamError(name, f"{name} must be a JSON Schema object, got {_shown(value)}")
     try:
         return json_schema_text(value)
     except ValueError as exc:
@@ -132,6 +148,7 @@ TOKEN_IDS = Kind(("array",), _as_token_ids, {"items": {"type": "integer"}})
 TOKEN_BIASES = Kind(("object",), _as_logit_bias, {"additionalProperties": {"type": "number"}})
 OPTIONAL_STRING = Kind(("string",), _as_optional_str)
 JSON_SCHEMA = Kind(("object", "string"), _as_json_schema)
+GRAMMAR_TEXT = Kind(("string",), _as_grammar_text)
 
 
 # ---- ranges --------------------------------------------------------------------------------
@@ -194,19 +211,37 @@ def check_seed(name: str, value: int | None, *_: Any) -> str | None:
 
 
 def check_stop(name: str, stop: list[str], *_: Any) -> str | None:
-    if len(stop) > MAX_STOP_STRINGS:
-        return f"{name}: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}"
+    # Every stop string is matched against each step's text (bus/stop_strings.py) and sizes
+    # the token window each item carries to the detokenizer: their length is per-token work.
+    bounds = request_bounds()
+    if len(stop) > bounds.max_stop_strings:
+        return f"{name}: at most {bounds.max_stop_strings} stop strings, got {len(stop)}"
     if any(not s for s in stop):
         return f"{name}: a stop string is empty"
+    longest = max(map(len, stop), default=0)
+    if longest > bounds.max_stop_chars:
+        return f"{name}: a stop string is {longest} characters, more than {bounds.max_stop_chars}"
+    total = sum(map(len, stop))
+    if total > bounds.max_stop_total_chars:
+        return (
+            f"{name}: the stop strings are {total} characters together, more than "
+            f"{bounds.max_stop_total_chars}"
+        )
     return None
 
 
 def check_stop_token_ids(name: str, ids: list[int], _: Any, vocab_size: int) -> str | None:
+    limit = request_bounds().max_stop_token_ids
+    if len(ids) > limit:
+        return f"{name}: at most {limit} token ids, got {len(ids)}"
     bad = next((token for token in ids if not 0 <= token < vocab_size), None)
     return None if bad is None else f"{name}: token id {bad} is not in [0, {vocab_size})"
 
 
 def check_logit_bias(name: str, bias: dict[int, float], _: Any, vocab_size: int) -> str | None:
+    limit = request_bounds().max_logit_bias
+    if len(bias) > limit:
+        return f"{name}: at most {limit} entries, got {len(bias)}"
     for token, value in bias.items():
         if not 0 <= token < vocab_size:
             return f"{name}: token id {token} is not in [0, {vocab_size})"
@@ -224,11 +259,12 @@ def check_top_logprobs(name: str, value: int, values: Mapping[str, Any], _: int)
 
 
 def check_grammar(name: str, value: str | None, values: Mapping[str, Any], _: int) -> str | None:
-    """One structure at most, and one that compiles (bus/grammar.py)."""
+    """One structure at most, within the size and nesting bounds (bus/grammar.py). Whether
+    it compiles is checked apart, off the caller's thread: `wire_sampling`, the ingress's
+    `compile_async`, the worker's compile pool."""
     if value is None:
         return None
     given = [field for field in GRAMMAR_FIELDS if values.get(field) is not None]
     if len(given) > 1:
         return f"{name}: give at most one of {', '.join(GRAMMAR_FIELDS)}, got {', '.join(given)}"
-    problem = grammar_problem(name, value)
-    return None if problem is None else f"{name} does not compile: {problem}"
+    return shape_problem(name, value)

@@ -24,14 +24,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from bus.grammar import compile_with_deadline, grammar_field
 from bus.protocol import MAX_TOKEN_ID
 from bus.sampling_checks import (
     BOOLEAN,
+    GRAMMAR_TEXT,
     INTEGER,
     JSON_SCHEMA,
     NUMBER,
     OPTIONAL_INTEGER,
-    OPTIONAL_STRING,
     STOP_STRINGS,
     TOKEN_BIASES,
     TOKEN_IDS,
@@ -139,11 +140,11 @@ class SamplingParams:
         None, JSON_SCHEMA, check_grammar, "a JSON Schema the output must match", openai=()
     )
     regex: str | None = _param(
-        None, OPTIONAL_STRING, check_grammar, "a regular expression the output must match",
+        None, GRAMMAR_TEXT, check_grammar, "a regular expression the output must match",
         openai=(),
     )  # fmt: skip
     ebnf: str | None = _param(
-        None, OPTIONAL_STRING, check_grammar, "a grammar the output must match: GBNF or Lark",
+        None, GRAMMAR_TEXT, check_grammar, "a grammar the output must match: GBNF or Lark",
         openai=(),
     )  # fmt: skip
 
@@ -205,12 +206,17 @@ SAMPLING_FIELDS: tuple[Param, ...] = _rows()
 FIELD_NAMES = frozenset(param.name for param in SAMPLING_FIELDS)
 
 
-def wire_sampling(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
+def wire_sampling(
+    sampling: Mapping[str, Any] | None, compile_grammar: bool = True
+) -> dict[str, Any]:
     """`sampling` checked as SamplingParams (SamplingParamError), ready for msgpack.
 
     Only the fields given are sent, so the worker's defaults apply to the rest; a missing
     ``max_new_tokens`` means "up to the context length". Checks that need the model's
-    vocabulary are left to the worker.
+    vocabulary are left to the worker. A grammar is compiled (in bus/grammar.py's pool,
+    waited for up to its deadline; GrammarError, a FieldError too, if it cannot be) unless
+    `compile_grammar` is False: the ingress compiles it itself, off its event loop
+    (`compile_async`).
     """
     given = dict(sampling or {})
     params = SamplingParams.from_dict(given)
@@ -228,4 +234,7 @@ def wire_sampling(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
         given["stop"] = params.stop
     if "json_schema" in given:
         given["json_schema"] = params.json_schema  # its JSON text, however it was given
+    grammar = grammar_field(vars(params))
+    if compile_grammar and grammar is not None:
+        compile_with_deadline(grammar, getattr(params, grammar))
     return given

@@ -257,7 +257,8 @@ class Engine:
         new_ids = req.output_ids[reported:]
         if not new_ids and not req.pending_text and not req.finished:
             return None
-        text, req.pending_text = req.pending_text, ""
+        text = "".join(req.pending_text)
+        req.pending_text.clear()
         chunk: dict[str, Any] = {
             "index": index,
             "rid": req.rid,

@@ -17,6 +17,11 @@ Stop strings: decoded text goes to `_pending` first. Text is released only up to
 suffix of `_pending` that could still begin a stop string, so a stop string split across
 tokens is found before any of it is emitted; when one completes, everything from its start
 on is dropped and the stream is stopped.
+
+Cost: a push matches stop strings over `_pending` only (the held-back tail, shorter than the
+longest stop string, plus the new text), and the emitted text is kept as a list of pieces
+joined on demand (`text`): an attribute grown with += is copied whole on every push, which
+made a long output quadratic.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ class TextStream:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.skip_special_tokens = skip_special_tokens
-        self.text = ""  # everything emitted so far
+        self._emitted: list[str] = []  # everything emitted so far, piece by piece
         self.stopped = False
         self.matched_stop: str | None = None  # the stop string that ended the stream
         self._ids: list[int] = []
@@ -55,6 +60,13 @@ class TextStream:
             if not self._decode(context).endswith(REPLACEMENT_CHAR):
                 self._ids = context
                 self._read_offset = len(context)
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        if len(self._emitted) > 1:
+            self._emitted[:] = ["".join(self._emitted)]
+        return self._emitted[0] if self._emitted else ""
 
     def push(self, token_ids: list[int]) -> tuple[str, bool]:
         """Add output tokens; return (new text safe to emit, whether a stop string hit)."""
@@ -95,7 +107,7 @@ class TextStream:
         pending = self._pending + new_text
         if not self.stop:
             self._pending = ""
-            self.text += pending
+            self._emitted.append(pending)
             return pending, False
         # A stop string lies wholly inside `pending`: earlier text was released only when no
         # suffix of it could begin one.
@@ -104,10 +116,10 @@ class TextStream:
             at, self.matched_stop = hit
             self.stopped = True
             self._pending = ""
-            self.text += pending[:at]
+            self._emitted.append(pending[:at])
             return pending[:at], True
         keep = 0 if final else stop_prefix_len(pending, self.stop)
         emit = pending[: len(pending) - keep]
         self._pending = pending[len(pending) - keep :]
-        self.text += emit
+        self._emitted.append(emit)
         return emit, False

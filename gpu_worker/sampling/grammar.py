@@ -10,10 +10,18 @@ request with "stop".
 Compiling a grammar is the expensive part, so `Grammars` keeps one template matcher per
 grammar string and gives each request a deep copy. llguidance's tokenizer is built once,
 at the first grammar request, from the model's Hugging Face tokenizer.
+
+A grammar is a client's text (a direct job reaches the worker unchecked), so compiling one
+runs in bus/grammar.py's compile pool, not on the engine thread's stack: whatever it raises
+(RecursionError, MemoryError, llguidance's errors) or a compile past the deadline
+(`STREAMSERVE_GRAMMAR_COMPILE_TIMEOUT_S`) is a FieldError naming the field, which the worker
+answers with a 400 for that request alone. The engine thread waits for the compile, at most
+the deadline; a template already compiled is a cache hit with no wait.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -29,7 +37,14 @@ from llguidance.numpy import (
 )
 
 from bus.field_error import FieldError
-from bus.grammar import CACHED_GRAMMARS, GRAMMAR_FIELDS, grammar_of
+from bus.grammar import (
+    CACHED_GRAMMARS,
+    COMPILE_POOL,
+    compile_grammar,
+    grammar_field,
+    too_slow,
+)
+from bus.request_bounds import request_bounds
 from bus.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -49,27 +64,31 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
         self._tokenizer: LLTokenizer | None = None
-        self._templates: OrderedDict[str, LLMatcher] = OrderedDict()
+        self._templates: OrderedDict[tuple[str, str], LLMatcher] = OrderedDict()
 
     def matcher(self, params: SamplingParams) -> LLMatcher | None:
         """A fresh matcher for the request's grammar, None when it has none; FieldError when
-        this model cannot serve it."""
-        grammar = grammar_of(vars(params))
-        if grammar is None:
+        it is too big or deep, does not compile in time, or this model cannot serve it."""
+        field = grammar_field(vars(params))
+        if field is None:
             return None
-        field = next(name for name in GRAMMAR_FIELDS if getattr(params, name) is not None)
         if self.hf_tokenizer is None:
             raise FieldError(field, f"{field}: this model has no tokenizer to match a grammar with")
-        template = self._templates.get(grammar)
+        spec = getattr(params, field)
+        template = self._templates.get((field, spec))
         if template is None:
-            template = LLMatcher(self._llg_tokenizer(), grammar)
-            if template.is_error():
-                raise FieldError(field, f"{field}: {template.get_error()}")
-            self._templates[grammar] = template
+            tokenizer = self._llg_tokenizer()  # the model's own: built here, once
+            deadline = request_bounds().grammar_compile_timeout_s
+            future = COMPILE_POOL.submit(_template, tokenizer, field, spec)
+            try:
+                template = future.result(timeout=deadline)
+            except concurrent.futures.TimeoutError:
+                raise FieldError(field, too_slow(field, deadline)) from None
+            self._templates[(field, spec)] = template
             if len(self._templates) > CACHED_GRAMMARS:
                 self._templates.popitem(last=False)
         else:
-            self._templates.move_to_end(grammar)
+            self._templates.move_to_end((field, spec))
         return template.deep_copy()
 
     def _llg_tokenizer(self) -> LLTokenizer:
@@ -80,6 +99,18 @@ class Grammars:
                 self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids
             )
         return self._tokenizer
+
+
+def _template(tokenizer: LLTokenizer, field: str, spec: str) -> LLMatcher:
+    """The compiled matcher for `spec` (run in the compile pool); FieldError naming `field`."""
+    grammar = compile_grammar(field, spec)
+    try:
+        template = LLMatcher(tokenizer, grammar)
+    except Exception as exc:  # a client's grammar: whatever llguidance raises is its problem
+        raise FieldError(field, f"{field} does not compile: {type(exc).__name__}: {exc}") from None
+    if template.is_error():
+        raise FieldError(field, f"{field}: {template.get_error()}")
+    return template
 
 
 @dataclass

@@ -15,6 +15,7 @@ import torch
 
 from bus.sampling_params import SamplingParams
 from gpu_worker.sampling.grammar import GrammarMask
+from gpu_worker.sampling.logit_bias import LogitBias, batch_bias
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -55,6 +56,9 @@ class SamplingRows:
     # grammar. A verify step's rows go past that output by the drafts before them.
     matchers: list[LLMatcher | None] = field(default_factory=list)
     drafts_before: list[list[int]] = field(default_factory=list)
+    # Per row, its request's logit_bias as tensors (Req.logit_bias, built once per request);
+    # None: built from params here.
+    biases: list[LogitBias | None] | None = None
 
 
 @dataclass
@@ -72,12 +76,9 @@ class LogitAdjustments:
     def build(cls, rows: SamplingRows, vocab_size: int, device) -> LogitAdjustments | None:
         """None when no row needs any edit (the sampler's fast path)."""
         params, prompt_ids, output_ids = rows.params, rows.prompt_ids, rows.output_ids
-        bias_rows, bias_cols, bias_values = [], [], []
-        for row, p in enumerate(params):
-            for token, value in p.logit_bias.items():
-                bias_rows.append(row)
-                bias_cols.append(token)
-                bias_values.append(value)
+        biases = rows.biases if rows.biases is not None else [LogitBias.of(p) for p in params]
+        cells = batch_bias(biases, device)
+        bias = None if cells is None else SparseEdit(*cells)
         mask_rows, mask_cols = [], []
         for row, blocked in enumerate(rows.blocked_until_min_tokens):
             mask_rows.extend([row] * len(blocked))
@@ -112,7 +113,6 @@ class LogitAdjustments:
                 accumulate=True,
             )
 
-        bias = SparseEdit.build(bias_rows, bias_cols, bias_values, device)
         min_tokens_mask = SparseEdit.build(mask_rows, mask_cols, float("-inf"), device)
         grammar = GrammarMask.build(rows.matchers, vocab_size, device, rows.drafts_before)
         edits = (bias, repetition, counts, min_tokens_mask, grammar)

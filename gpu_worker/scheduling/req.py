@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bus.sampling_params import SamplingParams
+from gpu_worker.sampling.logit_bias import LogitBias
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -53,6 +54,7 @@ class Req:
         # The grammar's matcher (sampling/grammar.py), in the state after output_ids; None
         # when the request has no grammar.
         self.matcher = matcher
+        self.logit_bias = LogitBias.of(params)  # as tensors, once (sampling/logit_bias.py)
 
         self.req_pool_idx: int | None = None
         self.kv_len = 0
@@ -69,8 +71,9 @@ class Req:
         # resumed after its first tokens).
         self.prompt_logprobs: list[float] | None = [] if params.prompt_logprobs else None
         self.prompt_top_logprobs: list[list[tuple[int, float]]] = []
-        # Text produced by the text stream but not yet handed to the caller.
-        self.pending_text = ""
+        # Text produced by the text stream but not yet handed to the caller, piece by piece
+        # (a str grown with += is copied whole each token; the worker stage never drains it).
+        self.pending_text: list[str] = []
         # Speculative decoding's per-request state, made at its first draft.
         self.draft: DraftState | None = None
         # Fair share between tenants (scheduling/fair_share.py): whose request this is, its

@@ -387,6 +387,7 @@ class Scheduler:
             ],
             matchers,
             drafts_before,
+            [req.logit_bias for req in reqs],
         )
         return SamplingBatch.build(
             rows,
@@ -404,7 +405,8 @@ class Scheduler:
         stopped_by_string = False
         if req.text_stream is not None:
             text, stopped_by_string = req.text_stream.push([token])
-            req.pending_text += text
+            if text:
+                req.pending_text.append(text)
         num_out = len(req.output_ids)
         grammar_error = None if req.matcher is None else consume(req.matcher, token)
         if grammar_error is not None:
@@ -426,7 +428,9 @@ class Scheduler:
         # Text held back as a possible stop-string start is real output unless the request
         # was aborted or that stop string did complete.
         if req.text_stream is not None and reason.kind != "abort" and not stopped_by_string:
-            req.pending_text += req.text_stream.flush()
+            flushed = req.text_stream.flush()
+            if flushed:
+                req.pending_text.append(flushed)
         self.kv.release(req)
         return req
 

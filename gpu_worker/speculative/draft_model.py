@@ -198,6 +198,7 @@ class DraftModelDrafter(Drafter):
             [s.target.blocked_until_min_tokens(len(s.output_ids)) for s in seqs],
             matchers=[s.target.matcher for s in seqs],
             drafts_before=[s.drafts for s in seqs],
+            biases=[s.target.logit_bias for s in seqs],
         )
         sampling = SamplingBatch.build(
             rows,

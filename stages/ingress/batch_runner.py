@@ -177,6 +177,7 @@ class BatchRunner:
             # Within the owner's range (a 403 below it), then at 1 or above: after interactive.
             asked = tenant.priority_of(job.sampling.get("priority"))
             job.sampling["priority"] = max(BATCH_PRIORITY, asked or DEFAULT_PRIORITY)
+            await job.compile_grammar()
         except RequestError as exc:
             result, ok = result_line(line.custom_id, exc.status, error_body(exc)), False
         else:

@@ -121,12 +121,14 @@ def _tenant(request: web.Request, state: IngressState) -> Tenant:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     job = parse_chat(await read_object(request), state.model)
+    await job.compile_grammar()
     return await _openai(request, state, job, ChatFormat())
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     job = parse_completion(await read_object(request), state.model)
+    await job.compile_grammar()
     return await _openai(request, state, job, CompletionFormat())
 
 
@@ -277,6 +279,7 @@ def _internal(exc: Exception) -> ApiError:
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     job = parse_generate(await read_object(request), state.model)
+    await job.compile_grammar()
     request_id = uuid.uuid4().hex
     point = await _resume_point(request, state, job, 1)
     if point is not None:

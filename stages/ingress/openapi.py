@@ -12,6 +12,7 @@ from typing import Any
 
 from bus.batch_files import EXPIRES_AFTER_S
 from bus.protocol import MAX_TOKEN_ID
+from bus.request_bounds import request_bounds
 from bus.sampling_params import SAMPLING_FIELDS, Param
 from stages.ingress import response_format, tool_request
 from stages.ingress.params import (
@@ -19,7 +20,6 @@ from stages.ingress.params import (
     CHAT_ROLES,
     COMPLETION_FIELDS,
     GENERATE_FIELDS,
-    MAX_CHOICES,
     OPENAI_SAMPLING,
 )
 
@@ -48,7 +48,7 @@ def _openai_properties() -> dict[str, Any]:
             properties[name]["description"] += f"; {param.openai_off} too means null"
     properties.update(
         model={"type": "string", "description": "the served model (GET /v1/models)"},
-        n={"type": ["integer", "null"], "minimum": 1, "maximum": MAX_CHOICES},
+        n={"type": ["integer", "null"], "minimum": 1, "maximum": request_bounds().max_choices},
         stream={"type": ["boolean", "null"]},
         stream_options={
             "type": ["object", "null"],

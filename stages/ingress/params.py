@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
+from bus.field_error import FieldError
+from bus.grammar import compile_async, grammar_field
 from bus.protocol import MAX_TOKEN_ID, GenerateRequest
+from bus.request_bounds import request_bounds
 from bus.sampling_checks import SEED_LIMIT
 from bus.sampling_params import (
     FIELD_NAMES,
     SAMPLING_FIELDS,
     Param,
-    SamplingParamError,
     wire_sampling,
 )
 from stages.ingress import response_format, tool_request
@@ -36,7 +39,6 @@ from stages.ingress.body import (
 from stages.ingress.errors import ApiError
 from stages.ingress.tool_request import ToolCalling
 
-MAX_CHOICES = 128  # prompts x n of one HTTP request
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
               "tool": "tool"}  # fmt: skip
 
@@ -61,6 +63,18 @@ class ApiRequest:
     include_usage: bool = False
     tools: ToolCalling | None = None  # a chat's tool calling, when it may call tools
     echo: bool = False  # completions: the prompt comes back before each choice's text
+    # A sampling field -> its name in this request (max_new_tokens -> max_tokens, ...).
+    names: dict[str, str] = dataclass_field(default_factory=dict)
+
+    async def compile_grammar(self) -> None:
+        """Compile the request's grammar, if any, off the event loop and within the compile
+        deadline (bus/grammar.py); a 400 naming the request's field if it cannot be."""
+        name = grammar_field(self.sampling)
+        if name is not None:
+            try:
+                await compile_async(name, self.sampling[name])
+            except FieldError as exc:
+                raise field_error(exc, self.names) from None
 
     def echo_text(self, choice: int) -> str | None:
         """The prompt choice `choice` echoes, where the request gave it as text."""
@@ -178,7 +192,8 @@ def parse_generate(data: dict[str, Any], served: str) -> ApiRequest:
         sampling["prompt_logprobs"] = True
     stream = bool(field(data, "stream", BOOL))
     names = {} if "prompt_logprobs" in given else {"prompt_logprobs": "return_prompt_logprobs"}
-    return ApiRequest([prompt], _checked(sampling, names), stream=stream)
+    check_prompt_size([prompt], 1, "text" if text is not None else "input_ids")
+    return ApiRequest([prompt], _checked(sampling, names), stream=stream, names=names)
 
 
 def openai_sampling(data: dict[str, Any]) -> dict[str, Any]:
@@ -200,13 +215,15 @@ def _job(data: dict[str, Any], prompts: list[dict[str, Any]], sampling: dict) ->
     n = 1 if n is None else n
     if n < 1:
         raise ApiError(400, f"n must be at least 1, got {n}", param="n", code="invalid_value")
-    if n * len(prompts) > MAX_CHOICES:
+    max_choices = request_bounds().max_choices
+    if n * len(prompts) > max_choices:
         raise ApiError(
             400,
-            f"at most {MAX_CHOICES} choices per request (prompts x n), got {n * len(prompts)}",
+            f"at most {max_choices} choices per request (prompts x n), got {n * len(prompts)}",
             param="n",
             code="invalid_value",
         )
+    check_prompt_size(prompts, n, "messages" if "messages" in data else "prompt")
     seed = sampling.get("seed")
     if isinstance(seed, int) and not seed + n - 1 < SEED_LIMIT:
         raise ApiError(
@@ -235,19 +252,51 @@ def _job(data: dict[str, Any], prompts: list[dict[str, Any]], sampling: dict) ->
     if "logprobs" in sampling:
         openai_names.setdefault("logprobs", "logprobs")
         openai_names["top_logprobs"] = "top_logprobs" if "top_logprobs" in data else "logprobs"
-    return ApiRequest(prompts, _checked(sampling, openai_names), n, stream, include_usage)
+    wire = _checked(sampling, openai_names)
+    return ApiRequest(prompts, wire, n, stream, include_usage, names=openai_names)
 
 
 def _checked(sampling: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
-    """`sampling` in wire form; a bad value is a 400 naming the request's own field."""
+    """`sampling` in wire form; a bad value is a 400 naming the request's own field. The
+    grammar is compiled later, off the event loop (`ApiRequest.compile_grammar`)."""
     try:
-        return wire_sampling(sampling)
-    except SamplingParamError as exc:
-        param = names.get(exc.field, exc.field)
-        message = str(exc)
-        if param != exc.field and message.startswith(exc.field):
-            message = param + message[len(exc.field) :]  # in the request's own words
-        raise ApiError(400, message, param=param, code="invalid_value") from None
+        return wire_sampling(sampling, compile_grammar=False)
+    except FieldError as exc:
+        raise field_error(exc, names) from None
+
+
+def field_error(exc: FieldError, names: dict[str, str]) -> ApiError:
+    """A 400 for `exc`, naming its field as the request does."""
+    param = names.get(exc.field, exc.field)
+    message = str(exc)
+    if param != exc.field and message.startswith(exc.field):
+        message = param + message[len(exc.field) :]  # in the request's own words
+    return ApiError(400, message, param=param, code=exc.code or "invalid_value")
+
+
+def check_prompt_size(prompts: list[dict[str, Any]], n: int, param: str) -> None:
+    """n x the prompts' size within its bound: the prefill work one request can ask for.
+    Token ids count one each; text counts its UTF-8 bytes, which a byte-level tokenizer's
+    tokens never outnumber (the tokenizer stage checks each prompt's tokens against the
+    context)."""
+    limit = request_bounds().max_request_prompt_tokens
+    size = n * sum(_prompt_size(prompt) for prompt in prompts)
+    if size > limit:
+        raise ApiError(
+            400,
+            f"{param}: n x the prompts' size is {size} tokens (a text counts its UTF-8 bytes), "
+            f"more than the {limit} one request may ask for",
+            param=param,
+            code="invalid_value",
+        )
+
+
+def _prompt_size(prompt: dict[str, Any]) -> int:
+    if prompt.get("input_ids") is not None:
+        return len(prompt["input_ids"])
+    if prompt.get("prompt") is not None:
+        return len(prompt["prompt"].encode("utf-8", "surrogatepass"))
+    return sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in prompt["messages"])
 
 
 def chat_messages(value: Any) -> list[dict[str, str]]:

@@ -6,6 +6,12 @@ TokenizedRequest to ``<p>:tokenized``. Token-id jobs pass through; their ids are
 against the model's vocabulary by the worker, which knows it. A job this stage cannot
 tokenize gets an error reply and is acknowledged: it is the client's mistake, not a reason
 to retry.
+
+Every prompt, token-id jobs' too, is checked against the model's context length
+(stages/tokenizer/context_length.py) here, before it reaches a worker stream: a prompt that
+leaves no room for a token, or that with the job's ``max_new_tokens`` exceeds the context,
+gets a 400 ErrorReply (``context_length_exceeded``, OpenAI's wording) and never costs a
+worker anything.
 """
 
 from __future__ import annotations
@@ -26,9 +32,12 @@ class TokenizerStage:
     group = "tokenizer"
     accepts = (GenerateRequest,)
 
-    def __init__(self, config: BusConfig, tokenizer: Any | None) -> None:
+    def __init__(
+        self, config: BusConfig, tokenizer: Any | None, context_length: int | None = None
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer  # None: a random: model, which takes token ids only
+        self.context_length = context_length  # None: unknown here, the worker checks
 
     def input_stream(self, config: BusConfig) -> str:
         return config.requests_stream()
@@ -67,9 +76,34 @@ class TokenizerStage:
             raise FieldError(field, f"{field}: the prompt is empty")
         if min(ids) < 0:
             raise FieldError(field, f"{field}: token ids must be >= 0")
+        self._check_fits(job, len(ids), field)
         return ids
+
+    def _check_fits(self, job: GenerateRequest, prompt_tokens: int, field: str) -> None:
+        """The prompt, and the tokens the job asks for, within the model's context."""
+        limit = self.context_length
+        if limit is None:
+            return
+        asked = job.sampling.get("max_new_tokens") if isinstance(job.sampling, dict) else None
+        new = asked if isinstance(asked, int) and not isinstance(asked, bool) else None
+        if prompt_tokens + (1 if new is None else max(new, 0)) <= limit:
+            return
+        # OpenAI: "This model's maximum context length is N tokens. However, you requested…"
+        if new is None or prompt_tokens >= limit:
+            message = (
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"{field} resulted in {prompt_tokens} tokens, which leaves no room for "
+                f"output. Please reduce the length of the {field}."
+            )
+            raise FieldError(field, message, code="context_length_exceeded")
+        message = (
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + new} tokens ({prompt_tokens} in the {field}, {new} in the "
+            f"completion). Please reduce the length of the {field} or completion."
+        )
+        raise FieldError("max_new_tokens", message, code="context_length_exceeded")
 
 
 def _bad_request(job: GenerateRequest, exc: ValueError) -> ErrorReply:
-    param = exc.field if isinstance(exc, FieldError) else None
-    return ErrorReply(job.rid, 400, str(exc), "invalid_request_error", param)
+    param, code = (exc.field, exc.code) if isinstance(exc, FieldError) else (None, None)
+    return ErrorReply(job.rid, 400, str(exc), "invalid_request_error", param, code)
