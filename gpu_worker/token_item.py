@@ -1,10 +1,45 @@
-"""A request's TokenItem for one step: its new ids, the context to detokenize them, and the
-logprobs and finish it asked for (bus/protocol.py's TokenItem; the worker publishes them)."""
+"""What the worker publishes of a running job: the job's record, and its TokenItem for one
+step (its new ids, the context to detokenize them, the logprobs and finish it asked for;
+bus/protocol.py's TokenItem)."""
 
 from __future__ import annotations
 
-from bus.protocol import Finish, TokenItem, token_context
+from dataclasses import dataclass
+
+from bus.protocol import Finish, TokenItem, TokenizedRequest, token_context
+from bus.stop_strings import stop_window_tokens
 from gpu_worker.scheduling.req import Req
+
+# Output tokens of context per item beyond the longest stop string: covers a character
+# split over up to 4 byte tokens, and a window start that decodes differently.
+CONTEXT_TOKENS = 8
+
+
+@dataclass
+class RunningJob:
+    req: Req
+    reply_to: str
+    entry_id: bytes  # acknowledged when the request finishes, not before
+    window: int  # output tokens of context the detokenizer needs
+    reported: int = 0  # output tokens already published
+    keys_renewed_at: float | None = None  # monotonic; when its progress key's TTL was set
+    created: float | None = None  # unix time the job entered the system
+    queue_seconds: float | None = None  # set at its first token here, unless it resumed
+
+    def keys_due(self, now: float, ttl: int) -> tuple[int | None, bool]:
+        """(the TTL to set on the progress key with this write, or None to leave it; whether
+        to renew its route key too). Set at its first tokens, then renewed each quarter of
+        the TTL, so a job running longer keeps its keys; never a command per token."""
+        if self.keys_renewed_at is not None and now - self.keys_renewed_at < ttl / 4:
+            return None, False
+        renew_route = self.keys_renewed_at is not None
+        self.keys_renewed_at = now
+        return ttl, renew_route
+
+
+def stop_window(stop: list[str]) -> int:
+    """Output tokens of context each of a job's items carries for the detokenizer."""
+    return stop_window_tokens(stop, CONTEXT_TOKENS)
 
 
 def token_item(req: Req, reply_to: str, start: int, window: int) -> TokenItem:
@@ -26,6 +61,12 @@ def token_item(req: Req, reply_to: str, start: int, window: int) -> TokenItem:
         if req.params.top_logprobs:
             item.prompt_top_logprobs = [None, *_pairs(req.prompt_top_logprobs)]
     return item
+
+
+def aborted_item(job: TokenizedRequest, generated: int) -> TokenItem:
+    """The last item of a job aborted before it ran here, `generated` tokens in."""
+    finish = Finish("abort", None, len(job.input_ids), generated)
+    return TokenItem(job.rid, job.reply_to, generated, [], [], 0, finish=finish)
 
 
 def finish_of(req: Req, queue_seconds: float | None) -> Finish:

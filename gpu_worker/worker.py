@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import redis
 
@@ -51,7 +50,6 @@ from bus.protocol import (
     ENTRY_FIELD,
     Abort,
     ErrorReply,
-    Finish,
     ProtocolError,
     TokenBatch,
     TokenItem,
@@ -61,32 +59,17 @@ from bus.protocol import (
     unpack_ids,
 )
 from bus.reconnect import ReconnectingLoop
+from bus.request_bounds import request_bounds
 from bus.sampling_params import SamplingParams
-from bus.stop_strings import stop_window_tokens
 from gpu_worker.engine import Engine
+from gpu_worker.grammar_waits import GrammarWaits, Waiting
 from gpu_worker.heartbeat import HeartbeatThread, Load
 from gpu_worker.probation import Probation
 from gpu_worker.scheduling.req import Req
-from gpu_worker.token_item import finish_of, token_item
+from gpu_worker.token_item import RunningJob, aborted_item, finish_of, stop_window, token_item
 from gpu_worker.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
-
-# Output tokens of context per item beyond the longest stop string: covers a character
-# split over up to 4 byte tokens, and a window start that decodes differently.
-CONTEXT_TOKENS = 8
-
-
-@dataclass
-class RunningJob:
-    req: Req
-    reply_to: str
-    entry_id: bytes  # acknowledged when the request finishes, not before
-    window: int  # output tokens of context the detokenizer needs
-    reported: int = 0  # output tokens already published
-    keys_renewed_at: float | None = None  # monotonic; when its progress key's TTL was set
-    created: float | None = None  # unix time the job entered the system
-    queue_seconds: float | None = None  # set at its first token here, unless it resumed
 
 
 class Worker:
@@ -108,6 +91,7 @@ class Worker:
         self._inbox: list[Entry] = []  # read, not yet admitted
         # The jobs that were in a step that raised (gpu_worker/probation.py).
         self.probation: Probation[Req] = Probation()
+        self.grammar_waits = GrammarWaits()  # jobs whose grammar compiles off this thread
         self.heartbeat = HeartbeatThread(
             client, config, worker_id, self.bus.stream, model, engine.runner.max_total_tokens,
             attention=engine.runner.serving_path(),
@@ -146,6 +130,11 @@ class Worker:
     def _turn(self) -> None:
         """Admit what arrived, then step and commit with a read of new jobs, or, idle, commit
         and wait for jobs."""
+        for waiting, too_late in self.grammar_waits.due():
+            if too_late is not None:
+                self._refuse(waiting.entry_id, waiting.job, too_late)
+            else:
+                self._start(waiting.entry_id, waiting.job, waiting.progress, compiled=True)
         if self._inbox:
             self._admit(self._inbox)
             self._inbox = []
@@ -179,6 +168,7 @@ class Worker:
             self.scheduler.abort_request(rid)
         self.jobs.clear()
         self.probation.clear()
+        self.grammar_waits.clear()
         return self.bus.restart_fenced()
 
     def _report_load(self) -> None:
@@ -250,15 +240,17 @@ class Worker:
     def _aborted_on_arrival(self, job: TokenizedRequest, progress: bytes | None) -> TokenItem:
         """The last item of a job aborted on its way here: its stream ends with "abort"
         (whoever aborted it may still be reading: POST /v1/abort, Client.abort)."""
-        generated = len(unpack_ids(progress)) if progress else 0
         if progress:
             self.bus.outbox.append(DeleteKey(self.config.progress_key(job.rid)))
-        finish = Finish("abort", None, len(job.input_ids), generated)
-        self.metrics.finished(finish)
-        return TokenItem(job.rid, job.reply_to, generated, [], [], 0, finish=finish)
+        item = aborted_item(job, len(unpack_ids(progress)) if progress else 0)
+        self.metrics.finished(item.finish)
+        return item
 
-    def _start(self, entry_id: bytes, job: TokenizedRequest, progress: bytes | None) -> None:
-        if job.rid in self.jobs:
+    def _start(
+        self, entry_id: bytes, job: TokenizedRequest, progress: bytes | None,
+        compiled: bool = False,
+    ) -> None:  # fmt: skip
+        if job.rid in self.jobs or job.rid in self.grammar_waits:
             logger.warning("worker %s: duplicate job %s ignored", self.worker_id, job.rid)
             self.bus.acks.append(entry_id)
             return
@@ -267,22 +259,20 @@ class Worker:
             # OpenAI's missing max_tokens: as many as the context allows.
             budget = max(1, self.engine.token_budget(len(job.input_ids)))
             params = SamplingParams.from_wire(job.sampling, default_max_new_tokens=budget)
+            compiling = None if compiled else self.engine.grammars.compile_soon(params)
+            if compiling is not None:  # admitted once compiled, by `_turn`
+                deadline = time.monotonic() + request_bounds().grammar_compile_timeout_s
+                self.grammar_waits.park(Waiting(entry_id, job, progress, *compiling, deadline))
+                return
             req = self.engine.build_request(
                 job.rid, job.input_ids, params, detokenize=False, output_ids=generated
             )
             req.tenant = job.tenant or ""
             req.weight = job.weight or 1.0
         except Exception as exc:  # whatever one job's content raises is its own error
-            self.bus.acks.append(entry_id)
-            self.probation.forget(job.rid)
-            answer = failure_reply(job.rid, exc, f"worker {self.worker_id}", checking=True)
-            if answer.status >= 500:
-                logger.exception("worker %s: admitting %s failed", self.worker_id, job.rid)
-                payload = f"{type(exc).__name__}: {exc}"[:1000]
-                self.bus.dead.append(dead_letter_fields(self.bus.stream, entry_id, payload, None))
-            self.bus.outbox.append(reply(self.config, job.reply_to, answer))
+            self._refuse(entry_id, job, exc)
             return
-        window = stop_window_tokens(params.stop, CONTEXT_TOKENS)
+        window = stop_window(params.stop)
         running = RunningJob(req, job.reply_to, entry_id, window, reported=len(generated),
                              created=None if generated else job.created)  # fmt: skip
         self.jobs[job.rid] = running
@@ -293,7 +283,23 @@ class Worker:
         if not self.probation.hold(job.rid, req):
             self.scheduler.add_request(req)
 
+    def _refuse(self, entry_id: bytes, job: TokenizedRequest, exc: Exception) -> None:
+        """Acknowledge a job that will not run, with the error reply for what it raised."""
+        self.bus.acks.append(entry_id)
+        self.probation.forget(job.rid)
+        answer = failure_reply(job.rid, exc, f"worker {self.worker_id}", checking=True)
+        if answer.status >= 500:
+            logger.exception("worker %s: admitting %s failed", self.worker_id, job.rid)
+            payload = f"{type(exc).__name__}: {exc}"[:1000]
+            self.bus.dead.append(dead_letter_fields(self.bus.stream, entry_id, payload, None))
+        self.bus.outbox.append(reply(self.config, job.reply_to, answer))
+
     def _abort(self, rid: str) -> None:
+        waiting = self.grammar_waits.pop(rid)
+        if waiting is not None:  # never reached the engine
+            self.bus.acks.append(waiting.entry_id)
+            self._publish_items([self._aborted_on_arrival(waiting.job, waiting.progress)])
+            return
         held = self.probation.forget(rid)
         if held is not None:  # never reached the engine: end it as the engine would have
             self.scheduler.add_request(held)
@@ -319,6 +325,7 @@ class Worker:
             stepping = self.scheduler.stepping
             self.probation.strike(self.jobs if stepping is None else stepping)
             self.jobs.clear()
+            self.grammar_waits.clear()  # their entries are read again with the others
             self.scheduler.reset()
             self.metrics.step_failures.inc()
             return self.bus.pending_entries()
@@ -344,18 +351,6 @@ class Worker:
             batch = TokenBatch(self.worker_id, self.steps, items)
             self.bus.outbox.append(Outbound(self.config.tokens_stream(), batch))
 
-    def _renewed_ttl(self, job: RunningJob) -> int | None:
-        """The TTL to set on the job's progress key with this write, None to leave it: set
-        at its first tokens, then renewed (with its route key, set once by the router) each
-        quarter of the TTL, so a job running longer keeps them; never a command per token."""
-        now, ttl = time.monotonic(), self.config.reply_ttl_s
-        if job.keys_renewed_at is not None and now - job.keys_renewed_at < ttl / 4:
-            return None
-        if job.keys_renewed_at is not None:
-            self.bus.outbox.append(ExpireKey(self.config.route_key(job.req.rid), ttl))
-        job.keys_renewed_at = now
-        return ttl
-
     def _item(self, job: RunningJob) -> TokenItem:
         req = job.req
         start, end = job.reported, len(req.output_ids)
@@ -363,7 +358,9 @@ class Worker:
         self.metrics.generation_tokens.inc(end - start)
         if end > start and not req.finished:
             # Durable progress, written in the MULTI that publishes these tokens.
-            ttl = self._renewed_ttl(job)
+            ttl, renew_route = job.keys_due(time.monotonic(), self.config.reply_ttl_s)
+            if renew_route:  # set once by the router: it must outlive the job too
+                self.bus.outbox.append(ExpireKey(self.config.route_key(req.rid), ttl))
             key = self.config.progress_key(req.rid)
             self.bus.outbox.append(AppendKey(key, pack_ids(req.output_ids[start:end]), ttl))
         item = token_item(req, job.reply_to, start, job.window)

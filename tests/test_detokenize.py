@@ -11,7 +11,7 @@ import pytest
 from bus.protocol import Finish, TokenItem, token_context
 from bus.stop_strings import stop_window_tokens
 from gpu_worker.text_stream import TextStream
-from gpu_worker.worker import CONTEXT_TOKENS
+from gpu_worker.token_item import CONTEXT_TOKENS
 from stages.detokenizer.incremental import text_deltas
 
 TEXTS = [

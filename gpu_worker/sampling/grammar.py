@@ -65,6 +65,24 @@ class Grammars:
         self.eos_ids = sorted(eos_ids)
         self._tokenizer: LLTokenizer | None = None
         self._templates: OrderedDict[tuple[str, str], LLMatcher] = OrderedDict()
+        # Compiles started by `compile_soon`, by (field, spec), until `matcher` takes them.
+        self._compiling: dict[tuple[str, str], concurrent.futures.Future] = {}
+
+    def compile_soon(self, params: SamplingParams) -> tuple[str, concurrent.futures.Future] | None:
+        """Start compiling the request's grammar in the pool where it is not compiled yet:
+        (its field, the compile's future), for a caller that waits off its engine thread
+        (gpu_worker/grammar_waits.py); None when `matcher` would not wait."""
+        field = grammar_field(vars(params))
+        if field is None or self.hf_tokenizer is None:
+            return None
+        key = (field, getattr(params, field))
+        if key in self._templates:
+            return None
+        future = self._compiling.get(key)
+        if future is None:
+            future = COMPILE_POOL.submit(_template, self._llg_tokenizer(), *key)
+            self._compiling[key] = future
+        return None if future.done() else (field, future)
 
     def matcher(self, params: SamplingParams) -> LLMatcher | None:
         """A fresh matcher for the request's grammar, None when it has none; FieldError when
@@ -79,7 +97,9 @@ class Grammars:
         if template is None:
             tokenizer = self._llg_tokenizer()  # the model's own: built here, once
             deadline = request_bounds().grammar_compile_timeout_s
-            future = COMPILE_POOL.submit(_template, tokenizer, field, spec)
+            future = self._compiling.pop((field, spec), None)
+            if future is None:
+                future = COMPILE_POOL.submit(_template, tokenizer, field, spec)
             try:
                 template = future.result(timeout=deadline)
             except concurrent.futures.TimeoutError:
