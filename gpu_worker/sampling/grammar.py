@@ -15,8 +15,10 @@ A grammar is a client's text (a direct job reaches the worker unchecked), so com
 runs in bus/grammar.py's compile pool, not on the engine thread's stack: whatever it raises
 (RecursionError, MemoryError, llguidance's errors) or a compile past the deadline
 (`STREAMSERVE_GRAMMAR_COMPILE_TIMEOUT_S`) is a FieldError naming the field, which the worker
-answers with a 400 for that request alone. The engine thread waits for the compile, at most
-the deadline; a template already compiled is a cache hit with no wait.
+answers with a 400 for that request alone. The worker never waits for a compile: it starts
+it with `compile_soon` and parks the job (gpu_worker/grammar_waits.py) while the engine
+steps the others; `matcher` then finds the template compiled. Called directly (the offline
+Engine), `matcher` waits for the compile, at most the deadline.
 """
 
 from __future__ import annotations
