@@ -184,8 +184,8 @@ class Worker:
     def _admit(self, entries: list[Entry]) -> None:
         jobs: list[tuple[bytes, TokenizedRequest]] = []
         for entry_id, fields in entries:
-            if fields is None:
-                self.bus.acks.append(entry_id)
+            if fields is None:  # deleted by hand while pending (the bus never trims those)
+                self._set_aside(entry_id, None, "deleted from the stream while pending", None)
                 continue
             payload = fields.get(ENTRY_FIELD)
             try:
