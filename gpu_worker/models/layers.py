@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.config import cpu_has_native_bfloat16
 from gpu_worker.kernels.cpu_kernels import MAX_SMALL_M, CpuKernels
 
 PACKING_ROWS_HINT = 64
@@ -78,7 +79,11 @@ def attach_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
         module.cpu_kernels = kernels
         if isinstance(module, Linear):
             module.packed_weight = None
-            if kernels is not None and module.weight.dtype == torch.bfloat16:
+            if (
+                kernels is not None
+                and module.weight.dtype == torch.bfloat16
+                and cpu_has_native_bfloat16()  # oneDNN refuses to pack bf16 elsewhere
+            ):
                 # The batch-size hint only picks a blocking; any row count works.
                 module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
                     module.weight.detach(), PACKING_ROWS_HINT
