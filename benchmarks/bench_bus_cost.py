@@ -1,0 +1,72 @@
+"""What the bus costs per generated token, counted by the Redis server itself: a workload
+through `streamserve up` and its OpenAI API, with the server's ``INFO commandstats`` and
+``INFO stats`` read between ``CONFIG RESETSTAT`` (after a warm-up) and the workload's end.
+
+    python benchmarks/bench_bus_cost.py [--workload mixed-64] [--dtype auto] [--out f.jsonl]
+
+Prints one JSON line: commands and bytes into Redis per generated token, and the commands
+by name (per token) that make up the total. BENCHMARKS.md's ``bus-burst``. Redis's own
+housekeeping (the stages' trims, heartbeats, metrics publishing) is counted too: it is part
+of what a deployment costs its server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_pipeline import WARM_UP, started_pipeline  # noqa: E402
+
+from benchmarks import jsonl  # noqa: E402
+from benchmarks.jsonl import emit  # noqa: E402
+from stages.cli import bench  # noqa: E402
+from stages.cli.workloads import WORKLOADS, make_workload  # noqa: E402
+
+
+def measure(args: argparse.Namespace) -> dict:
+    with started_pipeline(args, log_level="WARNING") as (url, redis_url):
+        options = bench.build_parser().parse_args(["--url", url])
+        asyncio.run(bench.run_source(options, WARM_UP))
+        server = redis.Redis.from_url(redis_url)
+        server.config_resetstat()
+        (row,) = asyncio.run(bench.run_source(options, make_workload(args.workload)))
+        commands = {
+            name.removeprefix("cmdstat_"): stats["calls"]
+            for name, stats in server.info("commandstats").items()
+        }
+        bytes_in = server.info("stats")["total_net_input_bytes"]
+    tokens = row["output_tokens"]
+    by_command = {name: round(calls / tokens, 4) for name, calls in
+                  sorted(commands.items(), key=lambda item: -item[1])}  # fmt: skip
+    return {
+        "workload": args.workload,
+        "system": "pipeline-http",
+        "output_tok_s": row["output_tok_s"],
+        "output_tokens": tokens,
+        "redis_commands": sum(commands.values()),
+        "commands_per_token": round(sum(commands.values()) / tokens, 3),
+        "bytes_in_per_token": round(bytes_in / tokens, 1),
+        "commands_per_token_by_name": by_command,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--workload", default="mixed-64", choices=WORKLOADS)
+    parser.add_argument("--out", type=Path, help="also append the JSON line to this file")
+    args = parser.parse_args()
+    emit({**measure(args), **jsonl.machine(), "model": args.model, "dtype": args.dtype},
+         args.out)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
