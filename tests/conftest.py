@@ -73,3 +73,18 @@ def openai_client(float32_pipeline):
     import openai
 
     return openai.OpenAI(base_url=float32_pipeline.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def busy_compile_pool():
+    """Every thread of the grammar compile pool held until the test ends (or sets the event
+    it gets): a compile is then certain to wait past any deadline, whatever the machine."""
+    import threading
+
+    from bus.grammar import COMPILE_POOL, COMPILE_THREADS
+
+    release = threading.Event()
+    for _ in range(COMPILE_THREADS):
+        COMPILE_POOL.submit(release.wait, 60)
+    yield release
+    release.set()

@@ -5,12 +5,10 @@ naming its field. The compile pool is held busy by the test, so "slow" is certai
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 
 from bus.config import BusConfig
-from bus.grammar import COMPILE_POOL, COMPILE_THREADS
 from bus.protocol import ENTRY_FIELD, ErrorReply, TokenizedRequest, encode
 from bus.request_bounds import request_bounds
 from gpu_worker import Engine
@@ -34,16 +32,6 @@ def engine():
     return Engine(MODEL, dtype="float32")
 
 
-@pytest.fixture
-def busy_pool():
-    """Every compile thread held until the test lets go."""
-    release = threading.Event()
-    for _ in range(COMPILE_THREADS):
-        COMPILE_POOL.submit(release.wait, 60)
-    yield release
-    release.set()
-
-
 def _send(client, worker: Worker, rid: str, **sampling) -> None:
     job = TokenizedRequest(rid, "t:replies", [1, 2, 3, 4], {**GREEDY, **sampling})
     client.xadd(worker.bus.stream, {ENTRY_FIELD: encode(job)})
@@ -58,7 +46,7 @@ def _turns(worker: Worker, until, limit: int = 2000) -> None:
 
 
 def test_a_job_waits_for_its_grammar_while_the_engine_serves_the_others(
-    redis_client, redis_url, engine, busy_pool
+    redis_client, redis_url, engine, busy_compile_pool
 ):
     worker = Worker(engine, redis_client, BusConfig(redis_url=redis_url, block_ms=5), "g", MODEL)
     worker._inbox = worker.bus.open()
@@ -66,14 +54,14 @@ def test_a_job_waits_for_its_grammar_while_the_engine_serves_the_others(
     _send(redis_client, worker, "plain")
     _turns(worker, lambda: "plain" in _outputs(redis_client) and "plain" not in worker.jobs)
     assert "schema" in worker.grammar_waits and "schema" not in _outputs(redis_client)
-    busy_pool.set()
+    busy_compile_pool.set()
     _turns(worker, lambda: not worker.jobs and not len(worker.grammar_waits))
     outputs = _outputs(redis_client)
     assert not isinstance(outputs["schema"], ErrorReply) and outputs["schema"]
 
 
 def test_a_grammar_past_its_compile_deadline_is_a_400_naming_the_field(
-    redis_client, redis_url, engine, busy_pool, monkeypatch
+    redis_client, redis_url, engine, busy_compile_pool, monkeypatch
 ):
     monkeypatch.setenv("STREAMSERVE_GRAMMAR_COMPILE_TIMEOUT_S", "0.3")
     request_bounds.cache_clear()
