@@ -16,6 +16,9 @@ DTYPES = {
 }
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 SPECULATIVE_METHODS = ("ngram", "draft")
+# When drafts are verified: "when_it_pays" (the step costs measured here say a verify step
+# yields more tokens per second than a decode step), or "always".
+SPECULATIVE_VERIFY = ("when_it_pays", "always")
 
 
 @dataclass
@@ -63,6 +66,7 @@ class EngineConfig:
     speculative: str | None = None
     num_draft_tokens: int = 4
     draft_model: str | None = None
+    speculative_verify: str = "when_it_pays"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -98,6 +102,11 @@ class EngineConfig:
                 f"speculative {self.speculative!r} is not one of {[None, *SPECULATIVE_METHODS]}"
             )
         _require_positive_int("num_draft_tokens", self.num_draft_tokens)
+        if self.speculative_verify not in SPECULATIVE_VERIFY:
+            raise ValueError(
+                f"speculative_verify {self.speculative_verify!r} is not one of "
+                f"{list(SPECULATIVE_VERIFY)}"
+            )
         if (self.speculative == "draft") != (self.draft_model is not None):
             raise ValueError(
                 "draft_model names the draft model of speculative='draft', and only of it"

@@ -17,7 +17,7 @@ import pytest
 from bus.client import AsyncClient, Client
 from gpu_worker.hf_reference import hf_greedy
 from stages.router.stage import live_workers
-from tests.pipeline_harness import Pipeline
+from tests.pipeline_harness import SPECULATIVE_WORKER, Pipeline
 from tests.prometheus_text import total
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ GREEDY = {"temperature": 0}
 @pytest.fixture(scope="module")
 def pipeline():
     # float32: greedy ties then break as in transformers' float32 reference, whatever the batch.
-    with Pipeline(MODEL, worker_arg=["--dtype=float32", "--speculative=ngram"]) as running:
+    with Pipeline(MODEL, worker_arg=SPECULATIVE_WORKER) as running:
         yield running
 
 

@@ -130,7 +130,7 @@ def test_a_schema_that_does_not_compile_is_a_400_before_anything_runs(openai_cli
 
 
 def test_greedy_structured_output_is_the_same_under_ngram_speculation(openai_client):
-    from tests.pipeline_harness import Pipeline
+    from tests.pipeline_harness import SPECULATIVE_WORKER, Pipeline
 
     city = '{"name":"Rome","country":{"code":"IT"},"population_millions":3,"landmarks":[]}'
     weather = {
@@ -153,7 +153,7 @@ def test_greedy_structured_output_is_the_same_under_ngram_speculation(openai_cli
         return [_ask(client, temperature=0, **ask).choices[0] for ask in asks]
 
     plain = answers(openai_client)
-    with Pipeline(MODEL, worker_arg=["--dtype=float32", "--speculative=ngram"]) as spec:
+    with Pipeline(MODEL, worker_arg=SPECULATIVE_WORKER) as spec:
         client = openai.OpenAI(base_url=spec.url + "/v1", api_key="unused", max_retries=0)
         drafted = answers(client)
         usage = _ask(client, temperature=0, **asks[0]).usage

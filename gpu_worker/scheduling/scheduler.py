@@ -58,7 +58,7 @@ class Scheduler:
         self.stepping: list[str] | None = None
         self.drafter: Drafter | None = None
         if config.speculative == "ngram":
-            self.drafter = NgramDrafter(config.num_draft_tokens)
+            self.drafter = NgramDrafter(config.num_draft_tokens, config.speculative_verify)
         elif config.speculative == "draft":
             from gpu_worker.speculative.draft_model import DraftModelDrafter
 

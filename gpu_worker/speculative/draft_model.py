@@ -70,7 +70,7 @@ class DraftModelDrafter(Drafter):
     drafts_under_grammar = True
 
     def __init__(self, target_config: EngineConfig, target_runner: ModelRunner) -> None:
-        super().__init__(target_config.num_draft_tokens)
+        super().__init__(target_config.num_draft_tokens, target_config.speculative_verify)
         if target_config.draft_model is None:
             raise ValueError("draft_model is required with speculative='draft'")
         config = dataclasses.replace(
