@@ -105,12 +105,7 @@ class Scheduler:
         allocated. The worker re-admits the requests from their published progress."""
         for req in self.live_requests():
             self.abort_request(req.rid)
-        self.waiting.clear()
-        self.running.clear()
-        self.chunked = None
-        if self.kv.prefix_cache is not None:
-            self.kv.prefix_cache.reset()
-        self.runner.allocator.clear()
+        self.flush_cache()  # nothing is live now: every page and the prefix cache go back
         self.runner.req_to_token_pool.clear()
 
     def has_work(self) -> bool:
