@@ -56,6 +56,11 @@ COPY README.md ./
 COPY bus ./bus
 COPY stages ./stages
 COPY gpu_worker ./gpu_worker
+COPY jobs ./jobs
+COPY batch_store ./batch_store
+COPY observability ./observability
+COPY runtime ./runtime
+COPY cli ./cli
 # --no-deps: every dependency is in the layers above.
 RUN pip install --no-cache-dir --no-deps . && rm -rf build *.egg-info
 

@@ -26,8 +26,8 @@ from bench_pipeline import WARM_UP, started_pipeline  # noqa: E402
 
 from benchmarks import jsonl  # noqa: E402
 from benchmarks.jsonl import emit  # noqa: E402
-from stages.cli import bench  # noqa: E402
-from stages.cli.workloads import WORKLOADS, make_workload  # noqa: E402
+from cli import bench  # noqa: E402
+from cli.workloads import WORKLOADS, make_workload  # noqa: E402
 
 
 def measure(args: argparse.Namespace) -> dict:

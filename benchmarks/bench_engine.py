@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.jsonl import emit as write_line  # noqa: E402
+from cli.workloads import WORKLOADS, Workload, make_workload  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
 from gpu_worker.config import EngineConfig  # noqa: E402
 from gpu_worker.hf_reference import hf_generate_seconds  # noqa: E402
-from stages.cli.workloads import WORKLOADS, Workload, make_workload  # noqa: E402
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -91,8 +91,8 @@ def run_hf_seq(model, workload: Workload) -> dict:
 def load_hf(model_name: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    from bus.model_files import DEFAULT_MODEL, default_gguf_path
     from gpu_worker.models.gguf_convert import convert_gguf
+    from runtime.model_files import DEFAULT_MODEL, default_gguf_path
 
     # The same weights the engine loads: the GGUF file's converted folder, or an HF folder.
     if model_name.lower() == DEFAULT_MODEL:

@@ -67,7 +67,7 @@ REGEX_DOC = "2026-11-24T13:17:14Z ada@example.org Analytical Engine Notes"
 def load_tokenizer():
     from transformers import AutoTokenizer
 
-    from bus.model_files import default_gguf_path
+    from runtime.model_files import default_gguf_path
 
     path = default_gguf_path()
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

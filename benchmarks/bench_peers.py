@@ -46,11 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_pipeline import wait_healthy  # noqa: E402
 
 from benchmarks.jsonl import emit  # noqa: E402
-from bus.model_files import default_cache_dir, default_gguf_path  # noqa: E402
+from cli import bench  # noqa: E402
+from cli.workloads import Workload, make_workload  # noqa: E402
 from gpu_worker.config import EngineConfig  # noqa: E402
 from gpu_worker.models.gguf_convert import convert_gguf  # noqa: E402
-from stages.cli import bench  # noqa: E402
-from stages.cli.workloads import Workload, make_workload  # noqa: E402
+from runtime.model_files import default_cache_dir, default_gguf_path  # noqa: E402
 
 READY_TIMEOUT_S = 600  # vLLM compiles its model on first start
 WARM_UP = Workload("warm-up", [[40_100 + i for i in range(64)]], [8])
@@ -68,7 +68,7 @@ class System:
 
 def _systems(args: argparse.Namespace, port: int) -> dict[str, System]:
     folder = str(convert_gguf(default_gguf_path()))
-    streamserve = [sys.executable, "-m", "stages.cli", "up", "--port", str(port)]
+    streamserve = [sys.executable, "-m", "cli", "up", "--port", str(port)]
     vllm_python = str(Path(args.vllm_venv) / "bin" / "python")
     vllm = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
             "--dtype", args.dtype, "--max-model-len", "2048", "--port", str(port)]  # fmt: skip

@@ -36,8 +36,8 @@ from bench_pipeline import WARM_UP, started_pipeline  # noqa: E402
 
 from benchmarks import jsonl  # noqa: E402
 from benchmarks.jsonl import emit  # noqa: E402
-from bus.embedded_server import default_data_dir  # noqa: E402
-from stages.cli import bench  # noqa: E402
+from cli import bench  # noqa: E402
+from runtime.embedded_server import default_data_dir  # noqa: E402
 
 FIGURES = ("output_tok_s", "itl_ms_p50", "pipeline_cpu_s")
 

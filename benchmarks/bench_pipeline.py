@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_engine import print_table, run_engine  # noqa: E402
 
 from benchmarks.jsonl import emit  # noqa: E402
-from bus.embedded_server import EmbeddedRedis  # noqa: E402
+from cli import bench  # noqa: E402
+from cli.workloads import Workload, make_workload  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
 from gpu_worker.config import EngineConfig  # noqa: E402
-from stages.cli import bench  # noqa: E402
-from stages.cli.workloads import Workload, make_workload  # noqa: E402
+from runtime.embedded_server import EmbeddedRedis  # noqa: E402
 
 READY_TIMEOUT_S = 300
 WARM_UP = Workload("warm-up", [[40_100 + i for i in range(64)]] * 4, [8] * 4)
@@ -78,7 +78,7 @@ def started_pipeline(
     with EmbeddedRedis(data_dir=redis_data) as server:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-m", "stages.cli", "up", "--model", args.model,
+        command = [sys.executable, "-m", "cli", "up", "--model", args.model,
                    "--redis-url", server.url, "--port", str(port), "--log-level", log_level,
                    f"--worker-arg=--dtype={args.dtype}"]  # fmt: skip
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from resumable_stream import StreamResult, stream_completion  # noqa: E402
 
-from stages.cli.bench import percentile  # noqa: E402
+from cli.bench import percentile  # noqa: E402
 from tests.pipeline_harness import Pipeline  # noqa: E402
 
 KINDS = [

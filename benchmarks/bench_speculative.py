@@ -21,9 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.jsonl import emit  # noqa: E402
+from cli.workloads import COPY_MAX_NEW_TOKENS, copy_messages, make_workload  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
 from gpu_worker.config import EngineConfig  # noqa: E402
-from stages.cli.workloads import COPY_MAX_NEW_TOKENS, copy_messages, make_workload  # noqa: E402
 
 GREEDY = {"temperature": 0.0}
 

@@ -14,7 +14,7 @@ import redis
 import redis.asyncio as aredis
 
 from bus.config import BusConfig
-from bus.protocol import ENTRY_FIELD, Abort, encode
+from jobs.protocol import ENTRY_FIELD, Abort, encode
 
 
 def _flag_and_find(pipe, config: BusConfig, rids: Sequence[str]) -> None:

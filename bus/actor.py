@@ -39,12 +39,12 @@ from bus.effects import (
     write_dead_letters,
     write_outputs,
 )
-from bus.job_failures import failure_reply, malformed_reply, too_many_deliveries
-from bus.metrics import ProcessMetrics
-from bus.protocol import ENTRY_FIELD, Message, ProtocolError, decode, encode
 from bus.reconnect import REDIS_TRANSIENT, ReconnectingLoop, ensure_group
-from bus.stage_metrics import StageMetrics
 from bus.stream_trim import StreamTrimmer
+from jobs.job_failures import failure_reply, malformed_reply, too_many_deliveries
+from jobs.protocol import ENTRY_FIELD, Message, ProtocolError, decode, encode
+from observability.metrics import ProcessMetrics
+from observability.stage_metrics import StageMetrics
 
 logger = logging.getLogger(__name__)
 

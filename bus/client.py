@@ -6,7 +6,7 @@
         for chunk in client.stream(rids[0]):
             ...
 
-On the wire (bus/protocol.py has it all): ``submit`` XADDs one entry ``{m: msgpack map}`` to
+On the wire (jobs/protocol.py has it all): ``submit`` XADDs one entry ``{m: msgpack map}`` to
 ``<p>:requests``, a GenerateRequest ``{kind: "generate", rid, reply_to, prompt | messages |
 input_ids (packed little-endian int32 bytes), sampling: {SamplingParams fields}, created}``.
 The pipeline answers on the client's own ``<p>:reply:client-<uuid>`` stream with TextDelta
@@ -17,7 +17,7 @@ entries ``{kind: "delta", rid, seq, ids, text, finish?}`` (``finish`` on the las
 
 A submitted job's replies are kept for its `stream` until the request ends or is aborted;
 stream (or abort) every job you submit. `Client` also has OpenAI's Batch API
-(bus/batch_client.py: `upload_batch_file`, `create_batch`, `batch`, `batch_results`, ...).
+(batch_store/client_methods.py: `upload_batch_file`, `create_batch`, `batch`, `batch_results`, ...).
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import redis
 import redis.asyncio as aredis
 
+from batch_store.client_methods import BatchMethods
 from bus.aborts import publish_abort, publish_abort_async
 from bus.async_pool import async_redis
-from bus.batch_client import BatchMethods
 from bus.config import REDIS_URL_ENV, BusConfig
-from bus.errors import RequestError
-from bus.protocol import ENTRY_FIELD, MAX_TOKEN_ID, ErrorReply, GenerateRequest, decode, encode
 from bus.replies import AsyncReplyReader, Reply, ReplyReader
-from bus.sampling_params import wire_sampling
+from jobs.errors import RequestError
+from jobs.protocol import ENTRY_FIELD, MAX_TOKEN_ID, ErrorReply, GenerateRequest, decode, encode
+from jobs.sampling_params import wire_sampling
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11+; annotations are never evaluated here
     from typing_extensions import Unpack

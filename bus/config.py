@@ -31,7 +31,7 @@ Environment variables read by ``BusConfig.from_env``:
   its sub-requests before the ingress answers 504 and aborts it.
 - ``STREAMSERVE_NO_WORKER_TIMEOUT_S``: how long the router holds a job while no worker is
   alive before failing it with an error reply.
-- ``STREAMSERVE_METRICS``: ``0`` turns every process's metrics off (bus/metrics.py).
+- ``STREAMSERVE_METRICS``: ``0`` turns every process's metrics off (observability/metrics.py).
 - ``STREAMSERVE_METRICS_INTERVAL_S``: seconds between two publications of a process's
   metrics to Redis, where any ingress's ``/metrics`` and ``streamserve status`` read them.
 - ``STREAMSERVE_BATCH_CONCURRENCY``: lines of one batch an ingress replica runs at once.
@@ -127,7 +127,7 @@ class BusConfig:
     trim_interval_s: float = 5.0
     redis_maxmemory: str = "1gb"
     reply_timeout_s: float = 3_600.0  # as long as a reply stream outlives its last write
-    # Request bounds: see docs/BOUNDS.md and bus/request_bounds.py.
+    # Request bounds: see docs/BOUNDS.md and jobs/request_bounds.py.
     max_stop_strings: int = 16  # OpenAI allows 4; vLLM does not bound them
     max_stop_chars: int = 256
     max_stop_total_chars: int = 1024

@@ -25,7 +25,7 @@ from typing import Any
 import redis
 
 from bus.config import BusConfig
-from bus.protocol import ENTRY_FIELD, Message, encode
+from jobs.protocol import ENTRY_FIELD, Message, encode
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ token is repeated or missing. A worker stopped with SIGTERM finishes its step, p
 and leaves its jobs to the reaper the same way. A worker started again under the same id
 takes back the entries its previous life left pending (`open`); each of those was handed to
 a worker that died holding it, which `previous_deliveries` counts for the job's quarantine
-(bus/job_failures.py).
+(jobs/job_failures.py).
 
 A worker taken for dead while alive (paused, or out of reach of Redis for longer than the
 heartbeat TTL) must not go on publishing for jobs now served elsewhere: two writers would

@@ -5,7 +5,7 @@ from __future__ import annotations
 import redis
 
 from bus.config import BusConfig
-from bus.protocol import Heartbeat, ProtocolError, decode
+from jobs.protocol import Heartbeat, ProtocolError, decode
 
 
 def read_heartbeats(client: redis.Redis, config: BusConfig) -> list[Heartbeat]:

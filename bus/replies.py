@@ -30,8 +30,8 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
-from bus.protocol import ENTRY_FIELD, ErrorReply, Message, ProtocolError, TextDelta, decode
 from bus.reconnect import RECONNECT_BACKOFF_S, REDIS_TRANSIENT
+from jobs.protocol import ENTRY_FIELD, ErrorReply, Message, ProtocolError, TextDelta, decode
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class ReplyRouter:
 
         Entries already routed are dead weight, but those of a request still running are its
         history: if this reader dies, another replays them to resume the request's stream
-        (stages/ingress/resume.py). So the stream is trimmed up to the first entry of the
+        (stages/ingress/streaming/resume.py). So the stream is trimmed up to the first entry of the
         oldest running request, or to the last entry read when none runs.
         """
         now = time.monotonic()

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from bus.model_files import DEFAULT_MODEL
+from runtime.model_files import DEFAULT_MODEL
 
 DTYPES = {
     "float32": torch.float32,

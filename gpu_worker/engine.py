@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
-from bus.field_error import FieldError
-from bus.sampling_params import SamplingParams
 from gpu_worker.config import DEFAULT_MODEL, EngineConfig
 from gpu_worker.model_executor.model_runner import ModelRunner
 from gpu_worker.request_input import (
@@ -30,6 +28,8 @@ from gpu_worker.scheduling.req import Req
 from gpu_worker.scheduling.scheduler import Scheduler
 from gpu_worker.speculative.drafter import speculative_usage
 from gpu_worker.text_stream import TextStream
+from jobs.field_error import FieldError
+from jobs.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing's own from Python 3.11

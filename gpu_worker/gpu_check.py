@@ -44,7 +44,7 @@ HF_BATCH = 16  # transformers' padded batches for gpu-throughput: more would not
 CHECK_POOL_TOKENS = 8192  # KV pool of the greedy checks' tiny engines
 # shared/BENCHMARKS.md's `single` (128 prompt tokens, 256 generated) and `gpu-throughput`
 # (500 requests, prompts 256..4096, outputs 64..1024, lengths drawn first). Drawn here: the
-# worker side cannot import stages/cli/workloads.py.
+# worker side cannot import cli/workloads.py.
 SINGLE = (128, 256)
 GPU_THROUGHPUT_REQUESTS = 500
 

@@ -1,7 +1,7 @@
 """Jobs whose grammar is compiling: the worker's engine thread never waits for a compile.
 
 A job whose grammar is not compiled yet (`Grammars.compile_soon`) waits here while the
-compile runs in bus/grammar.py's pool and the engine goes on stepping the other requests.
+compile runs in jobs/grammar.py's pool and the engine goes on stepping the other requests.
 Once the compile is done (its template cached, or its error kept) the worker admits the
 job as any other; one still compiling at the deadline
 (``STREAMSERVE_GRAMMAR_COMPILE_TIMEOUT_S``) is refused with a 400 naming its field.
@@ -13,10 +13,10 @@ import concurrent.futures
 import time
 from dataclasses import dataclass
 
-from bus.field_error import FieldError
-from bus.grammar import too_slow
-from bus.protocol import TokenizedRequest
-from bus.request_bounds import request_bounds
+from jobs.field_error import FieldError
+from jobs.grammar import too_slow
+from jobs.protocol import TokenizedRequest
+from jobs.request_bounds import request_bounds
 
 
 @dataclass

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import redis
 
 from bus.config import BusConfig
-from bus.protocol import Heartbeat, encode
+from jobs.protocol import Heartbeat, encode
 
 logger = logging.getLogger(__name__)
 

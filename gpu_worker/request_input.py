@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bus.field_error import FieldError
-from bus.sampling_params import SamplingParamError, SamplingParams
+from jobs.field_error import FieldError
+from jobs.sampling_params import SamplingParamError, SamplingParams
 
 
 def normalize_prompts(

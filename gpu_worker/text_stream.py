@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.protocol import PROMPT_CONTEXT_TOKENS
-from bus.stop_strings import find_stop, stop_prefix_len
+from jobs.protocol import PROMPT_CONTEXT_TOKENS
+from jobs.stop_strings import find_stop, stop_prefix_len
 
 REPLACEMENT_CHAR = "\ufffd"
 

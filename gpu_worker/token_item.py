@@ -1,14 +1,14 @@
 """What the worker publishes of a running job: the job's record, and its TokenItem for one
 step (its new ids, the context to detokenize them, the logprobs and finish it asked for;
-bus/protocol.py's TokenItem)."""
+jobs/protocol.py's TokenItem)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bus.protocol import Finish, TokenItem, TokenizedRequest, token_context
-from bus.stop_strings import stop_window_tokens
 from gpu_worker.scheduling.req import Req
+from jobs.protocol import Finish, TokenItem, TokenizedRequest, token_context
+from jobs.stop_strings import stop_window_tokens
 
 # Output tokens of context per item beyond the longest stop string: covers a character
 # split over up to 4 byte tokens, and a window start that decodes differently.

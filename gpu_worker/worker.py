@@ -20,7 +20,7 @@ Nothing is lost when a worker dies, and a worker taken for dead while alive writ
 more about the jobs claimed off it: the rules, and the stream and fence that keep them, are
 in bus/fenced_stream.py.
 
-A job's content never ends the worker (bus/job_failures.py). Whatever admitting one job
+A job's content never ends the worker (jobs/job_failures.py). Whatever admitting one job
 raises is that job's error reply. A step that raises (the job that caused it cannot be told
 apart) leaves no trace: the scheduler drops every request and its KV, every job is admitted
 again from its published progress, those of the failed batch with a strike, and the struck
@@ -44,9 +44,16 @@ import redis
 from bus.config import BusConfig
 from bus.effects import AppendKey, DeleteKey, ExpireKey, Outbound, dead_letter_fields, reply
 from bus.fenced_stream import Entry, Fenced, FencedStream
-from bus.job_failures import failure_reply, malformed_reply, too_many_deliveries
-from bus.metrics import ProcessMetrics, start_publisher
-from bus.protocol import (
+from bus.reconnect import ReconnectingLoop
+from gpu_worker.engine import Engine
+from gpu_worker.grammar_waits import GrammarWaits, Waiting
+from gpu_worker.heartbeat import HeartbeatThread, Load
+from gpu_worker.probation import Probation
+from gpu_worker.scheduling.req import Req
+from gpu_worker.token_item import RunningJob, aborted_item, finish_of, stop_window, token_item
+from gpu_worker.worker_metrics import WorkerMetrics
+from jobs.job_failures import failure_reply, malformed_reply, too_many_deliveries
+from jobs.protocol import (
     ENTRY_FIELD,
     Abort,
     ErrorReply,
@@ -58,16 +65,9 @@ from bus.protocol import (
     pack_ids,
     unpack_ids,
 )
-from bus.reconnect import ReconnectingLoop
-from bus.request_bounds import request_bounds
-from bus.sampling_params import SamplingParams
-from gpu_worker.engine import Engine
-from gpu_worker.grammar_waits import GrammarWaits, Waiting
-from gpu_worker.heartbeat import HeartbeatThread, Load
-from gpu_worker.probation import Probation
-from gpu_worker.scheduling.req import Req
-from gpu_worker.token_item import RunningJob, aborted_item, finish_of, stop_window, token_item
-from gpu_worker.worker_metrics import WorkerMetrics
+from jobs.request_bounds import request_bounds
+from jobs.sampling_params import SamplingParams
+from observability.metrics import ProcessMetrics, start_publisher
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ computed its first token.
 
 from __future__ import annotations
 
-from bus.metrics import ProcessMetrics
-from bus.protocol import Finish
 from gpu_worker.model_executor.forward_batch import ForwardMode
+from jobs.protocol import Finish
+from observability.metrics import ProcessMetrics
 
 QUEUE_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)

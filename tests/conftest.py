@@ -40,7 +40,7 @@ def default_tokenizer():
 @pytest.fixture(scope="session")
 def redis_url():
     """One embedded server for the whole session; tests isolate through `redis_client`."""
-    from bus.embedded_server import EmbeddedRedis
+    from runtime.embedded_server import EmbeddedRedis
 
     with EmbeddedRedis() as server:
         yield server.url
@@ -81,7 +81,7 @@ def busy_compile_pool():
     it gets): a compile is then certain to wait past any deadline, whatever the machine."""
     import threading
 
-    from bus.grammar import COMPILE_POOL, COMPILE_THREADS
+    from jobs.grammar import COMPILE_POOL, COMPILE_THREADS
 
     release = threading.Event()
     for _ in range(COMPILE_THREADS):

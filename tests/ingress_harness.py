@@ -22,10 +22,10 @@ from typing import Any
 import redis
 
 from bus.config import BusConfig
-from bus.protocol import Finish, GenerateRequest, Heartbeat, TextDelta, decode
-from bus.wire import ENTRY_FIELD, Message, ProtocolError, encode
+from jobs.protocol import Finish, GenerateRequest, Heartbeat, TextDelta, decode
+from jobs.wire import ENTRY_FIELD, Message, ProtocolError, encode
 from stages.ingress.server import create_app, serve
-from stages.ingress.tenants import KEY_LIMITS_ENV, tenants_from_env
+from stages.ingress.tenancy.tenants import KEY_LIMITS_ENV, tenants_from_env
 
 MODEL = "test-model"
 START_TIMEOUT_S = 5.0

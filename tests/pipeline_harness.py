@@ -22,7 +22,7 @@ from typing import Any
 import redis
 
 from bus.config import BusConfig
-from bus.embedded_server import EmbeddedRedis
+from runtime.embedded_server import EmbeddedRedis
 from stages.router.stage import live_workers
 
 READY_TIMEOUT_S = 300.0
@@ -76,7 +76,7 @@ class Pipeline:
         if self.server is not None:
             self.server.start()
         command = [
-            sys.executable, "-m", "stages.cli", "up", "--model", self.model,
+            sys.executable, "-m", "cli", "up", "--model", self.model,
             "--redis-url", self.redis_url, "--port", str(self.port),
             "--log-level", "WARNING",
         ]  # fmt: skip

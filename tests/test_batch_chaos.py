@@ -16,8 +16,8 @@ import openai
 import pytest
 import redis
 
-from bus.batches import BatchStore
-from bus.embedded_server import EmbeddedRedis
+from batch_store.batches import BatchStore
+from runtime.embedded_server import EmbeddedRedis
 from tests.pipeline_harness import QUICK_RECOVERY_ENV, Pipeline
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from bus.client import Client
-from bus.errors import RequestError
+from jobs.errors import RequestError
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def jsonl(lines: list[dict]) -> bytes:
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     # No source in the environment: each call names its own.
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "STREAMSERVE_URL")}
-    return subprocess.run([sys.executable, "-m", "stages.cli", "batch", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "cli", "batch", *args], env=env,
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 

@@ -12,7 +12,8 @@ import redis
 from bus.actor import Actor, Inbound, unique_consumer_name
 from bus.config import BusConfig
 from bus.effects import IncrHash, Outbound, Output, SetKey
-from bus.protocol import (
+from bus.reconnect import ensure_group
+from jobs.protocol import (
     ENTRY_FIELD,
     Abort,
     ErrorReply,
@@ -22,7 +23,6 @@ from bus.protocol import (
     decode,
     encode,
 )
-from bus.reconnect import ensure_group
 
 REPLY = "t:reply"
 

@@ -9,9 +9,9 @@ import time
 import pytest
 import redis
 
-from bus import embedded_server
 from bus.config import BusConfig
-from bus.embedded_server import EmbeddedRedis, EmbeddedServerError, find_server_binary
+from runtime import embedded_server
+from runtime.embedded_server import EmbeddedRedis, EmbeddedServerError, find_server_binary
 
 
 def _process_exists(pid: int) -> bool:

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 from bus.actor import Actor
 from bus.config import BusConfig
-from bus.job_failures import malformed_reply, reply_address
-from bus.protocol import (
+from bus.reconnect import ensure_group
+from jobs.job_failures import malformed_reply, reply_address
+from jobs.protocol import (
     ENTRY_FIELD,
     MESSAGE_TYPES,
     ErrorReply,
@@ -30,7 +31,6 @@ from bus.protocol import (
     decode,
     encode,
 )
-from bus.reconnect import ensure_group
 from stages.detokenizer.stage import DetokenizerStage
 from stages.router.stage import RouterStage
 from stages.tokenizer.hf_tokenizer import load_stage_tokenizer

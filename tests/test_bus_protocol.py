@@ -9,7 +9,7 @@ import struct
 import msgpack
 import pytest
 
-from bus.protocol import (
+from jobs.protocol import (
     ENTRY_FIELD,
     MESSAGE_TYPES,
     Abort,

@@ -8,7 +8,7 @@ import pytest
 
 from bus.client import AsyncClient, Client, RequestError
 from bus.config import BusConfig
-from bus.protocol import ENTRY_FIELD, Abort, ErrorReply, GenerateRequest, decode
+from jobs.protocol import ENTRY_FIELD, Abort, ErrorReply, GenerateRequest, decode
 from tests.ingress_harness import Upstream, deltas
 
 PIECES = [("Hel", [10, 11]), ("lo", [12]), ("!", [13])]

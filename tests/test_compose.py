@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from bus.embedded_server import EmbeddedRedis
+from runtime.embedded_server import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -41,8 +41,8 @@ REDIS_VOLUME = "redis-data"
 CACHE_USERS = ("tokenizer", "detokenizer", GPU_WORKER, CPU_WORKER)
 
 # The image's entrypoint, as a local command: `streamserve` is the console script for
-# stages.cli:main (test_entrypoint_is_the_streamserve_console_script holds that).
-LOCAL_ENTRYPOINTS = {"streamserve": [sys.executable, "-m", "stages.cli"]}
+# cli:main (test_entrypoint_is_the_streamserve_console_script holds that).
+LOCAL_ENTRYPOINTS = {"streamserve": [sys.executable, "-m", "cli"]}
 
 READY_TIMEOUT_S = 180.0  # a cold cache converts the GGUF file first (~20 s); warm: seconds
 REQUEST_TIMEOUT_S = 60.0

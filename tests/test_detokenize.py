@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from bus.protocol import Finish, TokenItem, token_context
-from bus.stop_strings import stop_window_tokens
 from gpu_worker.text_stream import TextStream
 from gpu_worker.token_item import CONTEXT_TOKENS
+from jobs.protocol import Finish, TokenItem, token_context
+from jobs.stop_strings import stop_window_tokens
 from stages.detokenizer.incremental import text_deltas
 
 TEXTS = [

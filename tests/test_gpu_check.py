@@ -14,7 +14,7 @@ from gpu_worker import gpu_check
 
 def test_without_cuda_it_says_so_and_exits_2():
     done = subprocess.run(
-        [sys.executable, "-m", "stages.cli", "gpu-check"], capture_output=True, text=True
+        [sys.executable, "-m", "cli", "gpu-check"], capture_output=True, text=True
     )
     assert done.returncode == 2
     assert "needs a CUDA device" in done.stderr

@@ -9,10 +9,10 @@ import json
 import pytest
 
 from bus.config import BusConfig
-from bus.protocol import ENTRY_FIELD, ErrorReply, TokenizedRequest, encode
-from bus.request_bounds import request_bounds
 from gpu_worker import Engine
 from gpu_worker.worker import Worker
+from jobs.protocol import ENTRY_FIELD, ErrorReply, TokenizedRequest, encode
+from jobs.request_bounds import request_bounds
 from tests.test_poison_jobs import _outputs
 
 MODEL = "smollm2-135m-instruct"

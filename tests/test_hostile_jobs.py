@@ -18,7 +18,7 @@ import msgpack
 import pytest
 import redis
 
-from bus.protocol import ENTRY_FIELD, ErrorReply, TextDelta, decode
+from jobs.protocol import ENTRY_FIELD, ErrorReply, TextDelta, decode
 from tests.pipeline_harness import Pipeline
 
 MODEL = "smollm2-135m-instruct"

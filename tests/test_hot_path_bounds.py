@@ -10,11 +10,11 @@ import time
 import torch
 
 import gpu_worker.text_stream as text_stream_module
-from bus.sampling_params import SamplingParams
-from bus.stop_strings import stop_prefix_len
 from gpu_worker.sampling.logit_bias import LogitBias
 from gpu_worker.sampling.penalties import LogitAdjustments, SamplingRows
 from gpu_worker.text_stream import TextStream
+from jobs.sampling_params import SamplingParams
+from jobs.stop_strings import stop_prefix_len
 
 
 class OneCharTokenizer:

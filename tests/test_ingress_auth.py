@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from stages.ingress.auth import api_keys_from_env
+from stages.ingress.tenancy.auth import api_keys_from_env
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
 
 

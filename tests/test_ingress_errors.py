@@ -9,7 +9,7 @@ import time
 import openai
 import pytest
 
-from bus.protocol import ENTRY_FIELD, ErrorReply, GenerateRequest
+from jobs.protocol import ENTRY_FIELD, ErrorReply, GenerateRequest
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
 
 CHAT = "/v1/chat/completions"

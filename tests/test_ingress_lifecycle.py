@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bus.protocol import ENTRY_FIELD, Abort, GenerateRequest, decode
+from jobs.protocol import ENTRY_FIELD, Abort, GenerateRequest, decode
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
 from tests.prometheus_text import samples, total
 

@@ -8,7 +8,7 @@ import json
 import openai
 import pytest
 
-from bus.protocol import TextDelta
+from jobs.protocol import TextDelta
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
 
 HELLO = [("Hel", [10, 11]), ("lo", [12]), (" world", [13, 14])]
@@ -82,7 +82,7 @@ def test_stream_is_sse_with_done_and_no_usage_unless_asked(ingress):
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     events = data.decode().split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""]
-    # Each event: its id (to resume from, stages/ingress/resume.py), then its data.
+    # Each event: its id (to resume from, stages/ingress/streaming/resume.py), then its data.
     ids, datas = zip(*(e.split("\n") for e in events[:-2]), strict=True)
     assert all(i.startswith("id: chatcmpl-") for i in ids)
     assert ids[-1].endswith("/-")  # the one choice has finished

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from bus.protocol import ENTRY_FIELD, encode
+from jobs.protocol import ENTRY_FIELD, encode
 from tests.ingress_harness import MODEL, RunningIngress, add_worker, deltas, post_raw
 
 DEAD = "ingress-deadhost-1-abcdef"

@@ -7,9 +7,9 @@ import threading
 import time
 
 from bus.config import BusConfig
-from bus.protocol import ENTRY_FIELD, TokenizedRequest, encode, unpack_ids
 from gpu_worker import Engine
 from gpu_worker.worker import Worker
+from jobs.protocol import ENTRY_FIELD, TokenizedRequest, encode, unpack_ids
 
 MODEL = "random:tiny-llama"
 SLOW = {

@@ -37,7 +37,7 @@ class _Up:
     def __init__(self, redis_data: Path) -> None:
         env = {key: value for key, value in os.environ.items() if key != "REDIS_URL"}
         self.port = _free_port()
-        command = [sys.executable, "-m", "stages.cli", "up", "--model", "random:tiny-llama",
+        command = [sys.executable, "-m", "cli", "up", "--model", "random:tiny-llama",
                    "--port", str(self.port), "--redis-data", str(redis_data)]  # fmt: skip
         self.process = subprocess.Popen(
             command, env=env, start_new_session=True, text=True,

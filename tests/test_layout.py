@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("bus", "stages", "gpu_worker")
+PACKAGES = ("bus", "jobs", "batch_store", "observability", "runtime", "stages", "gpu_worker", "cli")
 
 
 def _modules() -> dict[str, Path]:

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from bus.protocol import ENTRY_FIELD
+from jobs.protocol import ENTRY_FIELD
 from tests.pipeline_harness import QUICK_RECOVERY_ENV, Pipeline
 from tests.prometheus_text import samples, total
 
@@ -96,7 +96,7 @@ def test_one_target_shows_every_process_and_counts_what_was_sent(pipeline):
     for name, labels, _ in samples(text):
         by_name.setdefault(name, []).append(labels)
     # Every family, from every replica of the roles that export it.
-    from bus.deployment_metrics import parse_families
+    from observability.deployment_metrics import parse_families
 
     families = parse_families(text)
     for family, roles in FAMILIES.items():

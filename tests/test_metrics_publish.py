@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from bus.config import BusConfig
-from bus.deployment_metrics import deployment_registry, render
-from bus.metrics import (
+from observability.deployment_metrics import deployment_registry, render
+from observability.metrics import (
     NOOP,
     MetricsPublisher,
     ProcessMetrics,

@@ -10,12 +10,12 @@ import pytest
 import torch
 import transformers
 
-from bus.model_files import default_gguf_path
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.gguf_convert import convert_gguf
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.models.loader import LoadedModel, load_model
 from gpu_worker.models.random_shapes import RANDOM_SHAPES, random_shape_config
+from runtime.model_files import default_gguf_path
 from tests.tiny_configs import llama3_rope, tiny_shape
 
 

@@ -11,7 +11,7 @@ import time
 from bus.actor import Actor
 from bus.config import BusConfig
 from bus.effects import Outbound, write_outputs
-from bus.protocol import ENTRY_FIELD, TokenizedRequest, decode
+from jobs.protocol import ENTRY_FIELD, TokenizedRequest, decode
 from stages.router.stage import RouterStage
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from stages.ingress.openapi import openapi_document
+from stages.ingress.api.openapi import openapi_document
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
 
 DOCUMENT = openapi_document(MODEL)

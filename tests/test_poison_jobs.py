@@ -14,7 +14,10 @@ import pytest
 import redis
 
 from bus.config import BusConfig
-from bus.protocol import (
+from bus.reconnect import ensure_group
+from gpu_worker import Engine
+from gpu_worker.worker import Worker
+from jobs.protocol import (
     ENTRY_FIELD,
     ErrorReply,
     TextDelta,
@@ -23,9 +26,6 @@ from bus.protocol import (
     decode,
     encode,
 )
-from bus.reconnect import ensure_group
-from gpu_worker import Engine
-from gpu_worker.worker import Worker
 from stages.router.worker_reaper import WorkerReaper
 
 MODEL = "random:tiny-llama"

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from bus.sampling_params import SamplingParams
 from gpu_worker import Engine
 from gpu_worker.hf_reference import hf_greedy
 from gpu_worker.scheduling.policy import order_waiting
+from jobs.sampling_params import SamplingParams
 
 MAX_NEW = 24
 PROMPTS = ["Write a haiku about the sea.", "List three prime numbers.", "What is 17 times 23?"]
@@ -127,9 +127,9 @@ def test_a_flooding_tenant_does_not_keep_another_tenants_request_waiting(prompts
 
 
 def test_a_tenants_weight_is_its_share_of_the_admissions():
-    from bus.sampling_params import SamplingParams as Params
     from gpu_worker.scheduling.fair_share import FairShare
     from gpu_worker.scheduling.req import Req
+    from jobs.sampling_params import SamplingParams as Params
 
     share = FairShare()
     waiting = []

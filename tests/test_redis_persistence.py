@@ -26,7 +26,7 @@ import pytest
 import redis
 import yaml
 
-from bus.embedded_server import LOCK_NAME, DataDirLockedError, EmbeddedRedis, find_server_binary
+from runtime.embedded_server import LOCK_NAME, DataDirLockedError, EmbeddedRedis, find_server_binary
 from tests.test_compose import COMPOSE_FILE, interpolate, read_env_file
 from tests.test_launcher_stop import STOP_TIMEOUT_S, _Up
 
@@ -87,7 +87,7 @@ def test_revive_after_a_crash_loads_the_file_on_the_same_socket(tmp_path):
 
 def test_a_second_server_on_a_taken_data_dir_gets_a_private_one(tmp_path, caplog):
     data = tmp_path / "redis"
-    with caplog.at_level(logging.WARNING, logger="bus.embedded_server"):
+    with caplog.at_level(logging.WARNING, logger="runtime.embedded_server"):
         with EmbeddedRedis(data_dir=data) as first, EmbeddedRedis(data_dir=data) as second:
             assert first.data_dir == data
             private = second.data_dir
@@ -119,7 +119,7 @@ def test_the_lock_is_held_until_the_server_of_a_killed_owner_is_gone_too(tmp_pat
     data = tmp_path / "redis"
     owner = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\n"
-         "from bus.embedded_server import EmbeddedRedis\n"
+         "from runtime.embedded_server import EmbeddedRedis\n"
          f"server = EmbeddedRedis(data_dir={str(data)!r}); server.start()\n"
          "print(server.pid, flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent,

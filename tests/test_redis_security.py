@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from bus.client import Client
-from bus.embedded_server import EmbeddedRedis
+from runtime.embedded_server import EmbeddedRedis
 from tests.pipeline_harness import Pipeline
 from tests.tls_proxy import TlsProxy
 
@@ -20,10 +20,10 @@ PREFIX_ONLY = ("~streamserve:*", "resetchannels", "+@all", "-@dangerous")
 
 # Every kind of process a user starts against an external Redis.
 COMMANDS = {
-    "tokenizer": ["-m", "stages.cli", "stage", "tokenizer"],
-    "ingress": ["-m", "stages.cli", "stage", "ingress", "--port", "0"],
-    "worker": ["-m", "stages.cli", "worker", "--model", "random:tiny-llama"],
-    "up": ["-m", "stages.cli", "up", "--model", "random:tiny-llama"],
+    "tokenizer": ["-m", "cli", "stage", "tokenizer"],
+    "ingress": ["-m", "cli", "stage", "ingress", "--port", "0"],
+    "worker": ["-m", "cli", "worker", "--model", "random:tiny-llama"],
+    "up": ["-m", "cli", "up", "--model", "random:tiny-llama"],
 }
 
 

@@ -9,8 +9,8 @@ import threading
 import pytest
 import redis.asyncio as aredis
 
-from bus.protocol import ENTRY_FIELD, ErrorReply, Finish, TextDelta, encode
 from bus.replies import AsyncReplyReader, ReplyOrderer, ReplyReader, ReplyRouter
+from jobs.protocol import ENTRY_FIELD, ErrorReply, Finish, TextDelta, encode
 
 FINISH = Finish("stop", None, 3, 4).to_wire()
 

@@ -12,12 +12,12 @@ import redis
 
 from bus.actor import Actor, Inbound
 from bus.config import BusConfig
-from bus.field_error import FieldError
-from bus.protocol import ErrorReply, GenerateRequest, TokenBatch, TokenizedRequest, decode
 from bus.reconnect import ensure_group
-from bus.request_bounds import request_bounds
-from bus.sampling_params import wire_sampling
-from bus.wire import ENTRY_FIELD, encode
+from jobs.field_error import FieldError
+from jobs.protocol import ErrorReply, GenerateRequest, TokenBatch, TokenizedRequest, decode
+from jobs.request_bounds import request_bounds
+from jobs.sampling_params import wire_sampling
+from jobs.wire import ENTRY_FIELD, encode
 from stages.router.stage import RouterStage
 from stages.tokenizer.context_length import model_context_length
 from stages.tokenizer.stage import TokenizerStage
@@ -173,16 +173,16 @@ def test_a_grammar_compiling_past_the_deadline_is_a_400(ingress, bounds_env, bus
 
 
 def test_the_ingress_compiles_grammars_off_its_event_loop(ingress, monkeypatch):
-    import bus.grammar
+    import jobs.grammar
 
     threads = []
-    compiled = bus.grammar._compiled
+    compiled = jobs.grammar._compiled
 
     def recording(name, spec):
         threads.append(threading.current_thread().name)
         return compiled(name, spec)
 
-    monkeypatch.setattr(bus.grammar, "_compiled", recording)
+    monkeypatch.setattr(jobs.grammar, "_compiled", recording)
     regex = f"[ab]+{uuid.uuid4().hex}"
     # The scripted upstream is absent: a compiled grammar gets as far as "no live worker".
     status, _ = ingress.post("/generate", {"text": "a", "sampling_params": {"regex": regex}})
@@ -241,8 +241,8 @@ def test_the_deep_schema_onto_tokenized_is_a_400_and_the_worker_serves_the_next(
 def test_the_workers_grammar_compile_has_a_deadline_and_catches_everything(
     default_tokenizer, bounds_env, request
 ):
-    from bus.sampling_params import SamplingParams
     from gpu_worker.sampling.grammar import Grammars
+    from jobs.sampling_params import SamplingParams
 
     grammars = Grammars(default_tokenizer, len(default_tokenizer), [0])
     with pytest.raises(FieldError) as bad:

@@ -14,7 +14,8 @@ import redis
 
 from bus.actor import Actor
 from bus.config import BusConfig
-from bus.protocol import (
+from bus.reconnect import ensure_group
+from jobs.protocol import (
     ENTRY_FIELD,
     ErrorReply,
     GenerateRequest,
@@ -23,7 +24,6 @@ from bus.protocol import (
     decode,
     encode,
 )
-from bus.reconnect import ensure_group
 from stages.router.stage import RouterStage, live_workers
 from stages.tokenizer.stage import TokenizerStage
 

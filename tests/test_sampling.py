@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from bus.sampling_params import SamplingParamError, SamplingParams, wire_sampling
 from gpu_worker.sampling.penalties import LogitAdjustments, SamplingRows
 from gpu_worker.sampling.sampler import SamplingBatch, sample
+from jobs.sampling_params import SamplingParamError, SamplingParams, wire_sampling
 
 VOCAB = 50
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.model_files import default_gguf_path
+from runtime.model_files import default_gguf_path
 from stages.tokenizer.hf_tokenizer import (
     StageTokenizer,
     cached_tokenizer_folder,

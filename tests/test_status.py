@@ -27,7 +27,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from bus.deployment_status import read_status
+from observability.deployment_status import read_status
 from tests.ingress_harness import RunningIngress
 from tests.pipeline_harness import QUICK_RECOVERY_ENV, Pipeline, free_port
 
@@ -53,7 +53,7 @@ def pipeline() -> Iterator[Pipeline]:
 
 
 def status_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "stages.cli", "status", *args]
+    return [sys.executable, "-m", "cli", "status", *args]
 
 
 def clean_env() -> dict[str, str]:

@@ -10,11 +10,11 @@ import time
 import openai
 import pytest
 
-from bus.batch_files import FileStore
-from bus.batch_input import parse_input
-from bus.batches import BatchStore, error_line
+from batch_store.batches import BatchStore, error_line
+from batch_store.files import FileStore
+from batch_store.input_file import parse_input
 from bus.config import BusConfig
-from bus.errors import RequestError
+from jobs.errors import RequestError
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
 
 CHAT = "/v1/chat/completions"

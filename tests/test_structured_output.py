@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 
-from bus.field_error import FieldError
-from bus.sampling_params import SamplingParams
 from gpu_worker import Engine
+from jobs.field_error import FieldError
+from jobs.sampling_params import SamplingParams
 
 GREEDY = {"temperature": 0, "max_new_tokens": 48}
 KINDS = ["cat", "dog", "parrot"]

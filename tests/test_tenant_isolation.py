@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from bus.client import Client
-from bus.protocol import ENTRY_FIELD, encode
-from stages.ingress.ownership import key_owner, request_record
-from stages.ingress.tenants import Tenant, Tenants
+from jobs.protocol import ENTRY_FIELD, encode
+from stages.ingress.tenancy.ownership import key_owner, request_record
+from stages.ingress.tenancy.tenants import Tenant, Tenants
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas, post_raw
 
 KEYS = ("sk-a", "sk-b", "sk-team")

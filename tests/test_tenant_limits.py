@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from stages.ingress.tenants import KEY_LIMITS_ENV, Tenants, tenants_from_env
+from stages.ingress.tenancy.tenants import KEY_LIMITS_ENV, Tenants, tenants_from_env
 from tests.ingress_harness import MODEL, deltas, keyed_ingress
 
 LIMITS = {

@@ -10,7 +10,7 @@ import openai
 import redis
 
 from bus.config import BusConfig
-from bus.embedded_server import EmbeddedRedis
+from runtime.embedded_server import EmbeddedRedis
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
 
 MAXMEMORY = 64 * 2**20

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from bus.protocol import Finish, TextDelta
-from bus.wire import ENTRY_FIELD, encode
-from stages.ingress.tenants import KEY_LIMITS_ENV, tenants_from_env
+from jobs.protocol import Finish, TextDelta
+from jobs.wire import ENTRY_FIELD, encode
+from stages.ingress.tenancy.tenants import KEY_LIMITS_ENV, tenants_from_env
 from tests.ingress_harness import MODEL, deltas, keyed_ingress
 
 LIMITS = {

@@ -11,7 +11,7 @@ import time
 import pytest
 import redis
 
-from stages.ingress.tenants import KEY_LIMITS_ENV
+from stages.ingress.tenancy.tenants import KEY_LIMITS_ENV
 from tests.pipeline_harness import QUICK_RECOVERY_ENV, Pipeline
 
 pytestmark = pytest.mark.slow

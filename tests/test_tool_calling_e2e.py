@@ -4,7 +4,7 @@ always calls that parse and match the tools' schemas; the streamed calls are the
 answer's; a tool's result goes back through the chat template; bad tool requests are 4xx.
 
 SmolLM2's chat template knows nothing of tools, so these also hold the system prompt that
-stands in for it (stages/tool_format.py)."""
+stands in for it (jobs/tool_format.py)."""
 
 from __future__ import annotations
 

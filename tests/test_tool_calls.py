@@ -1,4 +1,4 @@
-"""Tool calls in the model's text (stages/tool_format.py, stages/ingress/tool_call_parser.py)
+"""Tool calls in the model's text (jobs/tool_format.py, stages/ingress/api/tool_call_parser.py)
 and in the prompt (the tokenizer stage): the parser gives the same content and calls however
 the text is cut into stream pieces; a template that renders tools gets them as transformers
 gives them, and one that does not gets the stand-in system prompt and the Hermes text."""
@@ -10,12 +10,12 @@ import shutil
 
 import pytest
 
-from bus.grammar import grammar_problem
-from bus.model_files import default_gguf_path
-from stages.ingress.tool_call_parser import ToolCallParser
-from stages.ingress.tool_request import tool_calling
+from jobs.grammar import grammar_problem
+from jobs.tool_format import call_text
+from runtime.model_files import default_gguf_path
+from stages.ingress.api.tool_call_parser import ToolCallParser
+from stages.ingress.api.tool_request import tool_calling
 from stages.tokenizer.hf_tokenizer import cached_tokenizer_folder, load_stage_tokenizer
-from stages.tool_format import call_text
 
 NAMES = {"get_weather", "get_time"}
 PARIS = call_text("get_weather", {"city": "Paris"})

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from bus.config import BusConfig
-from bus.protocol import Heartbeat, decode
 from gpu_worker.heartbeat import HeartbeatThread, Load
+from jobs.protocol import Heartbeat, decode
 
 
 @pytest.fixture

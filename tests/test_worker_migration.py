@@ -12,10 +12,10 @@ import redis
 
 from bus.actor import Actor
 from bus.config import BusConfig
-from bus.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, encode, unpack_ids
 from bus.reconnect import ensure_group
 from gpu_worker import Engine
 from gpu_worker.worker import Worker
+from jobs.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, encode, unpack_ids
 from stages.router.stage import RouterStage
 from stages.router.worker_reaper import WorkerReaper
 

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from bus.config import BusConfig
-from bus.protocol import ENTRY_FIELD, Abort, TokenizedRequest, decode, encode
+from jobs.protocol import ENTRY_FIELD, Abort, TokenizedRequest, decode, encode
 from stages.router.worker_reaper import WORKER_GROUP, WorkerReaper, dead_worker_ids
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bus.model_files import default_cache_dir
+from runtime.model_files import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bus.model_files import build_once, cached_folder, default_cache_dir
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.rotary import compute_inv_freq
+from runtime.model_files import build_once, cached_folder, default_cache_dir
 
 logger = logging.getLogger(__name__)
 

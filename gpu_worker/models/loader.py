@@ -1,6 +1,6 @@
 """Build the model a model argument names on its device, and load its weights.
 
-bus/model_files.py resolves the argument; here a random shape gets seeded random weights
+runtime/model_files.py resolves the argument; here a random shape gets seeded random weights
 (random_shapes.py), a GGUF file is converted once into a cached Hugging Face folder
 (gguf_convert.py), and a folder needs config.json and *.safetensors (tokenizer files optional).
 """
@@ -18,11 +18,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from bus.model_files import resolve_model
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.gguf_convert import convert_gguf
 from gpu_worker.models.llama import MODEL_REGISTRY, LlamaForCausalLM
 from gpu_worker.models.random_shapes import fill_random_weights, random_shape_config
+from runtime.model_files import resolve_model
 
 if TYPE_CHECKING:  # transformers is imported lazily: it is slow to import
     from transformers import PreTrainedTokenizerBase

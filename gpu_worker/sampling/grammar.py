@@ -1,6 +1,6 @@
 """Grammar-constrained decoding: each request's llguidance matcher, and its token mask.
 
-A request with a grammar (bus/grammar.py) carries an `LLMatcher` that has consumed every
+A request with a grammar (jobs/grammar.py) carries an `LLMatcher` that has consumed every
 token of its output. Before each sampling step the matcher fills one row of a packed
 bitmask (bit t of word t // 32 set: token t allowed); the sampler turns the rows into
 -inf cells (`GrammarMask`: a C kernel on CPU, tensor ops elsewhere). EOS is allowed only
@@ -12,7 +12,7 @@ grammar string and gives each request a deep copy. llguidance's tokenizer is bui
 at the first grammar request, from the model's Hugging Face tokenizer.
 
 A grammar is a client's text (a direct job reaches the worker unchecked), so compiling one
-runs in bus/grammar.py's compile pool, not on the engine thread's stack: whatever it raises
+runs in jobs/grammar.py's compile pool, not on the engine thread's stack: whatever it raises
 (RecursionError, MemoryError, llguidance's errors) or a compile past the deadline
 (`STREAMSERVE_GRAMMAR_COMPILE_TIMEOUT_S`) is a FieldError naming the field, which the worker
 answers with a 400 for that request alone. The worker never waits for a compile: it starts
@@ -38,16 +38,16 @@ from llguidance.numpy import (
     fill_next_token_bitmask_par,
 )
 
-from bus.field_error import FieldError
-from bus.grammar import (
+from jobs.field_error import FieldError
+from jobs.grammar import (
     CACHED_GRAMMARS,
     COMPILE_POOL,
     compile_grammar,
     grammar_field,
     too_slow,
 )
-from bus.request_bounds import request_bounds
-from bus.sampling_params import SamplingParams
+from jobs.request_bounds import request_bounds
+from jobs.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from gpu_worker.kernels.cpu_kernels import CpuKernels

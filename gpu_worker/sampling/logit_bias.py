@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bus.sampling_params import SamplingParams
+from jobs.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

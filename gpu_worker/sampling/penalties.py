@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bus.sampling_params import SamplingParams
 from gpu_worker.sampling.grammar import GrammarMask
 from gpu_worker.sampling.logit_bias import LogitBias, batch_bias
+from jobs.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher

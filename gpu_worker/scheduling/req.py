@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bus.sampling_params import SamplingParams
 from gpu_worker.sampling.logit_bias import LogitBias
+from jobs.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher

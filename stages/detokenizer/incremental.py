@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.protocol import TokenItem
-from bus.stop_strings import find_stop, stop_prefix_len
+from jobs.protocol import TokenItem
+from jobs.stop_strings import find_stop, stop_prefix_len
 
 REPLACEMENT_CHAR = "\ufffd"
 

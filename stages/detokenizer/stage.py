@@ -12,7 +12,7 @@ from typing import Any
 from bus.actor import Inbound
 from bus.config import BusConfig
 from bus.effects import Outbound, Output
-from bus.protocol import TextDelta, TokenBatch, TokenItem
+from jobs.protocol import TextDelta, TokenBatch, TokenItem
 from stages.detokenizer.incremental import text_deltas
 
 

@@ -1,6 +1,6 @@
 """Every failure is an OpenAI-style error body: ``{"error": {message, type, param, code}}``.
 
-Handlers raise `ApiError`, bus/errors.py's `RequestError` with response headers; the
+Handlers raise `ApiError`, jobs/errors.py's `RequestError` with response headers; the
 middleware also turns aiohttp's own HTTP exceptions (unknown path, wrong method, body over
 ``client_max_size``), an unreachable Redis (503) and a full one (503 with Retry-After: it
 runs with ``maxmemory`` and ``noeviction``, so it refuses writes rather than evict) into that
@@ -18,8 +18,8 @@ from typing import Any
 import redis
 from aiohttp import web
 
-from bus.errors import RequestError
-from bus.protocol import ErrorReply
+from jobs.errors import RequestError
+from jobs.protocol import ErrorReply
 
 logger = logging.getLogger(__name__)
 

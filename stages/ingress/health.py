@@ -14,7 +14,7 @@ import time
 import redis.asyncio as aredis
 
 from bus.config import BusConfig
-from bus.protocol import Heartbeat, ProtocolError, decode
+from jobs.protocol import Heartbeat, ProtocolError, decode
 
 WORKERS_CHECK_INTERVAL_S = 1.0
 

@@ -1,13 +1,13 @@
 """What an ingress replica measures: HTTP requests and the latencies its clients see.
 
 Token totals, queue time and KV use are the workers' (gpu_worker/worker_metrics.py), the
-stages' loops their own (bus/stage_metrics.py); `/metrics` serves them all, read from Redis
-(bus/deployment_metrics.py).
+stages' loops their own (observability/); `/metrics` serves them all, read from Redis
+(observability/deployment_metrics.py).
 """
 
 from __future__ import annotations
 
-from bus.metrics import ProcessMetrics
+from observability.metrics import ProcessMetrics
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

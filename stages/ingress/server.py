@@ -9,7 +9,7 @@ request's head and ``ingress_body_timeout_s`` its body, and a replica serves at 
 ``ingress_max_connections`` connections at once (stages/ingress/connections.py). SIGTERM
 stops accepting and gives in-flight requests ``SHUTDOWN_TIMEOUT_S``; a stream cut then is
 handed over, not aborted: it runs on, its history stays on this replica's reply stream, and
-its client resumes it on another replica with ``Last-Event-ID`` (stages/ingress/resume.py).
+its client resumes it on another replica with ``Last-Event-ID`` (streaming/resume.py).
 """
 
 from __future__ import annotations
@@ -25,22 +25,23 @@ from aiohttp import web
 from bus.actor import unique_consumer_name
 from bus.async_pool import async_redis
 from bus.config import BusConfig
-from bus.metrics import start_publisher
 from bus.reconnect import REDIS_TRANSIENT
 from bus.replies import AsyncReplyReader
-from stages.ingress import batch_api, handlers
-from stages.ingress.auth import KEYS_CHECKED, api_keys_from_env, auth_middleware
-from stages.ingress.batch_runner import BatchRunner
+from observability.metrics import start_publisher
+from stages.ingress.api import handlers
+from stages.ingress.api.openapi import openapi_document
+from stages.ingress.batches import routes as batch_api
+from stages.ingress.batches.runner import BatchRunner
 from stages.ingress.connections import BODY_TIMEOUT_S, CappedSite, body_deadline
 from stages.ingress.errors import Handler, error_middleware
 from stages.ingress.health import WorkerHealth
 from stages.ingress.metrics import IngressMetrics
-from stages.ingress.openapi import openapi_document
-from stages.ingress.resume import announce_alive
 from stages.ingress.state import RENEWALS_PER_TTL, STATE, IngressState
 from stages.ingress.status_page import status_json, status_page
-from stages.ingress.tenant_limits import CHARGE_INTERVAL_S, LEASE_S, TenantLimits
-from stages.ingress.tenants import Tenants, tenants_from_env
+from stages.ingress.streaming.resume import announce_alive
+from stages.ingress.tenancy.auth import KEYS_CHECKED, api_keys_from_env, auth_middleware
+from stages.ingress.tenancy.limits import CHARGE_INTERVAL_S, LEASE_S, TenantLimits
+from stages.ingress.tenancy.tenants import Tenants, tenants_from_env
 
 logger = logging.getLogger(__name__)
 

@@ -21,15 +21,15 @@ from aiohttp import web
 from bus.aborts import publish_aborts_async
 from bus.client import add_requests
 from bus.config import BusConfig
-from bus.protocol import GenerateRequest
 from bus.reconnect import REDIS_TRANSIENT
 from bus.replies import AsyncReplyReader
+from jobs.protocol import GenerateRequest
 from stages.ingress.errors import ApiError
 from stages.ingress.health import WorkerHealth, queue_depth
 from stages.ingress.metrics import IngressMetrics
-from stages.ingress.ownership import read_request_record, request_record, sees
-from stages.ingress.tenant_limits import TenantLimits
-from stages.ingress.tenants import Tenant, Tenants
+from stages.ingress.tenancy.limits import TenantLimits
+from stages.ingress.tenancy.ownership import read_request_record, request_record, sees
+from stages.ingress.tenancy.tenants import Tenant, Tenants
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class IngressState:
     tenant_limits: TenantLimits
     sync_redis: redis.Redis | None = None  # for the metrics' threads; set at start-up
     deployment_metrics: Any = None  # the registry /metrics renders, made at its first scrape
-    metrics_publisher: Any = None  # bus.metrics.MetricsPublisher, None with metrics off
+    metrics_publisher: Any = None  # observability.metrics.MetricsPublisher, None with metrics off
     started: int = field(default_factory=lambda: int(time.time()))
     background: set[asyncio.Task[None]] = field(default_factory=set)
     # Dropped requests' last replies being awaited to charge them (cancelled at shutdown).
@@ -95,7 +95,7 @@ class IngressState:
     async def submit(
         self, request_id: str, requests: Sequence[GenerateRequest], owner: str | None = None
     ) -> None:
-        """Queue the request's jobs, recorded with their `owner` (stages/ingress/ownership.py),
+        """Queue the request's jobs, recorded with their `owner` (tenancy/ownership.py),
         all or none: a MULTI, so a Redis that fills up midway (OOM) leaves no choice running
         that its 503 said was refused."""
         pipe = self.redis.pipeline(transaction=True)

@@ -1,6 +1,6 @@
 """The operators' live view at the ingress: `/status`, a page that draws the pipeline, and
 `/status.json`, the deployment's status it refreshes from every second (the dict of
-bus/deployment_status.py, which `streamserve status --url` reads too).
+observability/deployment_status.py, which `streamserve status --url` reads too).
 
 The page is one static file shipped in the package (static/status.html: plain HTML, CSS and
 JS, no build step, nothing fetched from elsewhere). Both routes stay open with API keys
@@ -15,7 +15,7 @@ from pathlib import Path
 import redis
 from aiohttp import web
 
-from bus.deployment_status import read_status
+from observability.deployment_status import read_status
 from stages.ingress.errors import redis_unavailable
 from stages.ingress.state import STATE
 

@@ -22,7 +22,7 @@ import redis
 from bus.actor import HoldBatch, Inbound
 from bus.config import BusConfig
 from bus.effects import IncrHash, Outbound, Output, SetKey, reply
-from bus.protocol import ErrorReply, Heartbeat, ProtocolError, TokenizedRequest, decode
+from jobs.protocol import ErrorReply, Heartbeat, ProtocolError, TokenizedRequest, decode
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ repeated or missing. Once the stream is empty, and the heartbeat still absent, t
 the id and its routing count go in one MULTI guarded by WATCH.
 
 Each job handed to the dead worker counts one more attempt (the job's ``attempts`` field,
-bus/job_failures.py): a job that killed its workers ``max_deliveries`` times is not handed
+jobs/job_failures.py): a job that killed its workers ``max_deliveries`` times is not handed
 to another, but dead-lettered with an error reply to its requester.
 
 A worker taken for dead may be alive (paused, or cut off from Redis for longer than the
@@ -44,10 +44,10 @@ from bus.effects import (
     write_dead_letters,
 )
 from bus.fenced_stream import WORKER_GROUP, fence_off
-from bus.job_failures import malformed_reply, too_many_deliveries
-from bus.metrics import ProcessMetrics
-from bus.protocol import ENTRY_FIELD, Abort, ProtocolError, TokenizedRequest, decode
 from bus.reconnect import REDIS_TRANSIENT
+from jobs.job_failures import malformed_reply, too_many_deliveries
+from jobs.protocol import ENTRY_FIELD, Abort, ProtocolError, TokenizedRequest, decode
+from observability.metrics import ProcessMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
-from bus.model_files import resolve_model
+from runtime.model_files import resolve_model
 
 logger = logging.getLogger(__name__)
 

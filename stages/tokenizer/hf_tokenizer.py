@@ -5,7 +5,7 @@
 and renders chat templates with jinja2 the way transformers does. Outputs equal those of
 transformers' fast tokenizer loaded from the same folder (tests/test_stage_tokenizer.py).
 
-The model argument is resolved as the GPU worker's loader resolves it (bus/model_files.py):
+The model argument is resolved as the GPU worker's loader resolves it (runtime/model_files.py):
 a random:<shape> model has no tokenizer (None) and takes token ids only, a GGUF file's
 tokenizer is converted once in a child process and cached, and a folder needs tokenizer.json.
 """
@@ -27,9 +27,9 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from bus.field_error import FieldError
-from bus.model_files import build_once, cached_folder, default_cache_dir, resolve_model
-from stages.tool_format import messages_with_tools, template_knows_tools
+from jobs.field_error import FieldError
+from jobs.tool_format import messages_with_tools, template_knows_tools
+from runtime.model_files import build_once, cached_folder, default_cache_dir, resolve_model
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from typing import Any
 from bus.actor import Inbound
 from bus.config import BusConfig
 from bus.effects import Outbound, Output, reply
-from bus.field_error import FieldError
-from bus.protocol import ErrorReply, GenerateRequest, TokenizedRequest
+from jobs.field_error import FieldError
+from jobs.protocol import ErrorReply, GenerateRequest, TokenizedRequest
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,73 @@
+"""Start one replica of a CPU stage against a Redis URL (what `streamserve stage` runs)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+from bus.access import check_access
+from bus.actor import Actor, stop_on_signals
+from bus.config import BusConfig
+from observability.metrics import start_publisher
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("ingress", "tokenizer", "router", "detokenizer")
+
+
+def run_stage(
+    name: str,
+    config: BusConfig,
+    *,
+    model: str,
+    host: str,
+    port: int,
+    max_body_bytes: int,
+    max_queue: int,
+) -> None:
+    """Block until SIGTERM or SIGINT."""
+    if name not in STAGES:
+        raise ValueError(f"unknown stage {name!r}; the stages are {', '.join(STAGES)}")
+    if config.redis_url is None:
+        raise ValueError("a stage needs a Redis URL: give --redis-url or set REDIS_URL")
+    check_access(redis.Redis.from_url(config.redis_url), config)
+    if name == "ingress":
+        from stages.ingress.server import run
+
+        run(config, host=host, port=port, model=model, max_body_bytes=max_body_bytes,
+            max_queue=max_queue)  # fmt: skip
+        return
+    client = redis.Redis.from_url(config.redis_url)
+    stop = threading.Event()
+    stop_on_signals(stop)
+    if name == "router":
+        from stages.router.stage import RouterStage
+        from stages.router.worker_reaper import start_reaper_thread
+
+        stage = RouterStage(config, client, stop)
+    else:
+        from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
+
+        tokenizer = load_stage_tokenizer(model)
+        if name == "tokenizer":
+            from stages.tokenizer.context_length import model_context_length
+            from stages.tokenizer.stage import TokenizerStage
+
+            stage = TokenizerStage(config, tokenizer, model_context_length(model))
+        else:
+            from stages.detokenizer.stage import DetokenizerStage
+
+            stage = DetokenizerStage(config, tokenizer)
+    actor = Actor(client, config, stage, stop)
+    if name == "router":
+        # Dead workers' jobs move on; the jobs it moves count in the router's metrics.
+        start_reaper_thread(config, actor.consumer, stop, actor.metrics.process)
+    publisher = start_publisher(client, config, actor.metrics.process)
+    try:
+        actor.run()
+    finally:
+        if publisher is not None:
+            publisher.close()
+    logger.info("%s stopped after %d entries", name, actor.processed)

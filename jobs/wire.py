@@ -1,0 +1,106 @@
+"""The wire codec under every message: one msgpack map per stream entry, checked field by field.
+
+Every entry on every stream has a single field, ``m`` (`ENTRY_FIELD`), holding a msgpack map
+whose ``kind`` names the message type. A `Message` subclass lists its fields' wire kinds;
+`Message.from_wire` checks each (`check_field`) and `to_wire` packs them. Token ids travel as
+packed little-endian int32 bytes (`pack_ids`), never as lists of Python ints. Every mistake is
+a `ProtocolError` with the reason, which the stages write to the dead-letter stream. The
+message kinds themselves are in jobs/protocol.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+ENTRY_FIELD = b"m"
+_ID_DTYPE = np.dtype("<i4")
+# A token id is an int32 on the wire; vocabularies are far below this.
+MAX_TOKEN_ID = 2**31 - 1
+
+
+class ProtocolError(ValueError):
+    """An entry that is not a well-formed message of the kind expected."""
+
+
+def pack_ids(ids: list[int] | tuple[int, ...]) -> bytes:
+    return np.asarray(ids, dtype=_ID_DTYPE).tobytes()
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    if len(data) % _ID_DTYPE.itemsize:
+        raise ProtocolError(f"packed token ids: {len(data)} bytes is not a multiple of 4")
+    return np.frombuffer(data, dtype=_ID_DTYPE).tolist()
+
+
+# ---- field checks ----------------------------------------------------------------------------
+# Each message class lists its fields' wire kinds; `decode` checks them, `encode` packs them.
+
+STR, INT, FLOAT, BOOL, MAP, LIST, IDS = "str", "int", "float", "bool", "map", "list", "ids"
+
+
+def check_field(kind: str, name: str, value: Any, optional: bool) -> Any:
+    if value is None:
+        if optional:
+            return None
+        raise ProtocolError(f"field {name!r} is missing")
+    ok = {
+        STR: lambda v: isinstance(v, str),
+        INT: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        FLOAT: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        BOOL: lambda v: isinstance(v, bool),
+        MAP: lambda v: isinstance(v, dict),
+        LIST: lambda v: isinstance(v, list),
+        IDS: lambda v: isinstance(v, bytes),
+    }[kind](value)
+    if not ok:
+        raise ProtocolError(f"field {name!r} must be {kind}, got {type(value).__name__}")
+    if kind == FLOAT:
+        value = float(value)
+        if not math.isfinite(value):
+            raise ProtocolError(f"field {name!r} must be finite")
+    if kind == IDS:
+        value = unpack_ids(value)
+    return value
+
+
+class Message:
+    """Base of the message dataclasses: ``KIND`` on the wire, ``FIELDS`` name -> wire kind."""
+
+    KIND: ClassVar[str]
+    FIELDS: ClassVar[dict[str, str]]
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset()
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.KIND}
+        for name, kind in self.FIELDS.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if kind == IDS:
+                value = pack_ids(value)
+            elif kind == LIST and value and isinstance(value[0], Message):
+                value = [item.to_wire() for item in value]
+            out[name] = value
+        return out
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Message:
+        values = {
+            name: check_field(kind, name, data.get(name), name in cls.OPTIONAL)
+            for name, kind in cls.FIELDS.items()
+        }
+        return cls(**values)
+
+
+def encode(message: Message) -> bytes:
+    return msgpack.packb(message.to_wire(), use_bin_type=True)
+
+
+def fields_of(message: Message) -> dict[str, Any]:
+    """The message's fields as a plain dict (for logs and tests)."""
+    return dataclasses.asdict(message)

@@ -1,0 +1,99 @@
+"""The whole deployment's metrics as one Prometheus target, served by any ingress.
+
+At each scrape the collector publishes this process's own snapshot, reads every live
+process's from Redis (metrics.py), labels each series with its process's `role` and
+`replica`, and adds the streams' length, lag and pending per group (stream_stats.py) and
+the count of workers with a live heartbeat as gauges. Series of one family from several
+processes are merged under one family, as the exposition format requires.
+
+Every figure comes from Redis, this replica's too: behind a load balancer, consecutive
+scrapes land on different ingress replicas, and a replica that served its own counters live
+and the others' as last published would show some counters going back, which Prometheus
+takes for resets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from bus.config import BusConfig
+from bus.heartbeats import read_heartbeats
+from observability.metrics import PREFIX, MetricsPublisher, read_snapshots
+from observability.stream_stats import pipeline_streams, read_stream_stats
+
+
+class DeploymentCollector(Collector):
+    def __init__(
+        self, client: redis.Redis, config: BusConfig, publisher: MetricsPublisher | None
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.publisher = publisher  # this process's; None with metrics off
+
+    def collect(self) -> Iterable[Metric]:
+        if self.publisher is not None:
+            self.publisher.publish()  # this replica's figures as they are now
+        merged: dict[str, Metric] = {}
+        for process in read_snapshots(self.client, self.config):
+            extra = {"role": process["role"], "replica": process["replica"]}
+            for name, kind, documentation, samples in process["families"]:
+                family = merged.get(name)
+                if family is None:
+                    family = merged[name] = Metric(name, documentation, kind)
+                for sample_name, labels, value in samples:
+                    family.add_sample(sample_name, {**labels, **extra}, value)
+        yield from merged.values()
+        yield from self._stream_families()
+
+    def _stream_families(self) -> Iterable[Metric]:
+        live = Metric(PREFIX + "live_workers", "Workers with a live heartbeat.", "gauge")
+        live.add_sample(PREFIX + "live_workers", {}, len(read_heartbeats(self.client, self.config)))
+        yield live
+        streams = pipeline_streams(self.client, self.config)
+        stats = read_stream_stats(self.client, list(streams))
+        gauges = {
+            name: Metric(PREFIX + name, documentation, "gauge")
+            for name, documentation in (
+                ("stream_length", "Entries in the stream (kept until every group acked them)."),
+                ("stream_group_lag", "Entries of the stream the group has not read yet."),
+                ("stream_group_pending", "Entries the group read and has not acknowledged."),
+                ("stream_group_consumers", "Consumers the group has known (live or not)."),
+            )
+        }
+        for entry in stats:
+            gauges["stream_length"].add_sample(
+                PREFIX + "stream_length", {"stream": entry.stream}, entry.length
+            )
+            for group in entry.groups:
+                labels = {"stream": entry.stream, "group": group.group}
+                for name, value in (("stream_group_lag", group.lag),
+                                    ("stream_group_pending", group.pending),
+                                    ("stream_group_consumers", len(group.consumers))):  # fmt: skip
+                    gauges[name].add_sample(PREFIX + name, labels, value)
+        yield from gauges.values()
+
+
+def deployment_registry(
+    client: redis.Redis, config: BusConfig, publisher: MetricsPublisher | None
+) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DeploymentCollector(client, config, publisher))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The exposition text (Prometheus' text format 0.0.4)."""
+    return generate_latest(registry)
+
+
+def parse_families(text: str) -> dict[str, Any]:
+    """Family name -> prometheus_client's parsed family: what tests and tools read back."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {family.name: family for family in text_string_to_metric_families(text)}

@@ -1,0 +1,125 @@
+"""One deployment's live picture, read from Redis: what `streamserve status` shows and the
+ingress's `/status` page draws (from `/status.json`).
+
+Stages in pipeline order with their live replicas (processes whose metrics snapshot has not
+expired, metrics.py), their input stream's length, lag and pending entries; each worker
+with its heartbeat's load, its KV use and its tokens per second; throughput over the last
+minute, from the rates each process publishes; and totals since the live processes started.
+A JSON-ready dict, so scripts read it with ``streamserve status --once --json``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import redis
+
+from bus.config import BusConfig
+from bus.fenced_stream import WORKER_GROUP
+from bus.heartbeats import read_heartbeats
+from observability.metrics import PREFIX, RATE_WINDOW_S, read_snapshots
+from observability.stream_stats import STAGE_STREAMS, read_stream_stats
+
+PIPELINE = ("ingress", "tokenizer", "router", "worker", "detokenizer")
+
+
+def read_status(client: redis.Redis, config: BusConfig) -> dict[str, Any]:
+    snapshots = read_snapshots(client, config)
+    by_role: dict[str, list[dict]] = defaultdict(list)
+    for snapshot in snapshots:
+        by_role[snapshot["role"]].append(snapshot)
+    beats = read_heartbeats(client, config)
+    stage_streams = {stage: getattr(config, method)() for stage, method in STAGE_STREAMS}
+    worker_streams = {beat.worker_id: beat.stream for beat in beats}
+    stats = {
+        s.stream: s
+        for s in read_stream_stats(
+            client, [*stage_streams.values(), *worker_streams.values(),
+                     config.dead_letter_stream()],
+        )
+    }  # fmt: skip
+    stages = []
+    for name in PIPELINE:
+        if name == "worker":
+            continue  # workers have a section of their own
+        stream = stage_streams.get(name)
+        entry: dict[str, Any] = {"name": name, "stream": stream}
+        group = _group(stats.get(stream), name) if stream else None
+        entry.update(
+            length=stats[stream].length if stream else None,
+            lag=group.lag if group else 0,
+            pending=group.pending if group else 0,
+        )
+        entry["replicas"] = [
+            {"id": s["replica"], "pending": group.consumers.get(s["replica"], 0) if group else 0,
+             "entries_per_s": _rate(s, "stage_entries_total"),
+             "requests_in_flight": _value(s, "requests_in_flight")}
+            for s in sorted(by_role.get(name, []), key=lambda s: s["replica"])
+        ]  # fmt: skip
+        entry["entries_per_s"] = sum(r["entries_per_s"] for r in entry["replicas"])
+        stages.append(entry)
+    workers = []
+    worker_snapshots = {s["replica"]: s for s in by_role.get("worker", [])}
+    for beat in beats:
+        snapshot = worker_snapshots.get(beat.worker_id)
+        group = _group(stats.get(beat.stream), WORKER_GROUP)
+        used = beat.total_kv_tokens - beat.free_kv_tokens
+        workers.append({
+            "id": beat.worker_id, "model": beat.model, "stream": beat.stream,
+            "running": beat.running, "waiting": beat.waiting,
+            "kv_usage": used / beat.total_kv_tokens if beat.total_kv_tokens else 0.0,
+            "tokens_per_s": _rate(snapshot, "generation_tokens_total") if snapshot else 0.0,
+            "lag": group.lag if group else 0, "pending": group.pending if group else 0,
+            "attention": beat.attention, "heartbeat_age_s": max(0.0, time.time() - beat.time),
+        })  # fmt: skip
+    all_workers = by_role.get("worker", [])
+    ingresses = by_role.get("ingress", [])
+    return {
+        "time": time.time(),
+        "stream_prefix": config.stream_prefix,
+        "stages": stages,
+        "workers": workers,
+        "throughput": {
+            "window_s": RATE_WINDOW_S,
+            "requests_per_s": sum(_rate(s, "request_success_total") for s in all_workers),
+            "prompt_tokens_per_s": sum(_rate(s, "prompt_tokens_total") for s in all_workers),
+            "generation_tokens_per_s": sum(
+                _rate(s, "generation_tokens_total") for s in all_workers
+            ),
+        },
+        "totals": {
+            "requests": int(sum(_value(s, "request_success_total") for s in all_workers)),
+            "generation_tokens": int(
+                sum(_value(s, "generation_tokens_total") for s in all_workers)
+            ),
+            # The API's, not the monitoring's (/metrics, /status.json, /health).
+            "http_requests": int(sum(_value(s, "requests_total", _api_route) for s in ingresses)),
+        },
+        "dead_letters": stats[config.dead_letter_stream()].length,
+    }
+
+
+def _group(stats, name: str):
+    if stats is None:
+        return None
+    return next((g for g in stats.groups if g.group == name), None)
+
+
+def _value(snapshot: dict[str, Any], sample: str, where=lambda labels: True) -> float:
+    """The sum of a sample's values over its labels (those `where` keeps) in one process's
+    snapshot."""
+    name = PREFIX + sample
+    return sum(value for family in snapshot["families"] for sample_name, labels, value in family[3]
+               if sample_name == name and where(labels))  # fmt: skip
+
+
+def _api_route(labels: dict[str, str]) -> bool:
+    return labels.get("endpoint", "").startswith(("/v1/", "/generate"))
+
+
+def _rate(snapshot: dict[str, Any], sample: str) -> float:
+    """Per second over the last minute, summed over the sample's labels."""
+    name = PREFIX + sample
+    return sum(rate for sample_name, _, rate in snapshot.get("rates", []) if sample_name == name)

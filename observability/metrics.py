@@ -1,0 +1,203 @@
+"""Each process's Prometheus metrics, and their publication to Redis.
+
+Every process (each ingress, tokenizer, router and detokenizer replica, each worker) keeps
+its metrics in a prometheus-client registry of its own, and a thread publishes that
+registry to Redis every ``metrics_interval_s``: one key per process with a TTL, indexed in
+a sorted set. Any ingress serves the whole deployment at its ``/metrics``
+(observability/deployment_metrics.py), so Prometheus needs one scrape target, behind a load balancer
+too, and ``streamserve up``'s processes, which share no port, are all seen.
+
+The published snapshot also carries each counter's rate over the last minute, computed by
+the publisher from its own history, so ``streamserve status`` and ``/status`` show
+throughput without keeping history of their own.
+
+Names follow vLLM's where the same thing is measured, under a ``streamserve:`` prefix.
+``STREAMSERVE_METRICS=0`` replaces every metric with a no-op (what the pipeline benchmark
+compares against).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import prometheus_client
+import redis
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from bus.config import BusConfig
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "streamserve:"
+RATE_WINDOW_S = 60.0
+# A snapshot outlives this many publication intervals, so one late beat does not drop it.
+TTL_INTERVALS = 3
+
+# `_created` series double every counter and histogram, and no dashboard reads them.
+prometheus_client.disable_created_metrics()
+
+
+class _Noop:
+    """What every metric is with metrics off: each call does nothing."""
+
+    def labels(self, *_args: Any, **_kwargs: Any) -> _Noop:
+        return self
+
+    def inc(self, *_args: Any) -> None:
+        pass
+
+    dec = set = observe = inc
+
+
+NOOP = _Noop()
+
+
+class ProcessMetrics:
+    """One process's registry; `role` and `replica` label its series in the deployment."""
+
+    def __init__(self, role: str, replica: str, enabled: bool = True) -> None:
+        self.role = role
+        self.replica = replica
+        self.enabled = enabled
+        self.registry = CollectorRegistry(auto_describe=False)
+
+    def counter(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Counter:
+        if not self.enabled:
+            return NOOP  # type: ignore[return-value]
+        return Counter(PREFIX + name, documentation, labels, registry=self.registry)
+
+    def gauge(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Gauge:
+        if not self.enabled:
+            return NOOP  # type: ignore[return-value]
+        return Gauge(PREFIX + name, documentation, labels, registry=self.registry)
+
+    def histogram(
+        self, name: str, documentation: str, buckets: Sequence[float], labels: Sequence[str] = ()
+    ) -> Histogram:
+        if not self.enabled:
+            return NOOP  # type: ignore[return-value]
+        return Histogram(
+            PREFIX + name, documentation, labels, registry=self.registry, buckets=buckets
+        )
+
+    def families(self) -> list[list[Any]]:
+        """[name, type, documentation, [[sample name, labels, value], ...]] per family."""
+        return [
+            [family.name, family.type, family.documentation,
+             [[s.name, s.labels, s.value] for s in family.samples]]
+            for family in self.registry.collect()
+        ]  # fmt: skip
+
+
+class RateHistory:
+    """Counter totals over the last minute, to give each one's rate."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._history: collections.deque[tuple[float, dict[tuple, float]]] = collections.deque()
+
+    def rates(self, families: list[list[Any]], now: float) -> list[list[Any]]:
+        """[[sample name, labels, per second], ...] of every counter sample."""
+        totals = {
+            (sample_name, tuple(sorted(labels.items()))): value
+            for _name, kind, _doc, samples in families
+            if kind == "counter"
+            for sample_name, labels, value in samples
+        }
+        self._history.append((now, totals))
+        while len(self._history) > 2 and now - self._history[1][0] >= self.window_s:
+            self._history.popleft()
+        then, old = self._history[0]
+        elapsed = now - then
+        if not elapsed:
+            return [[name, dict(labels), 0.0] for name, labels in totals]
+        return [
+            [name, dict(labels), (value - old.get((name, labels), 0.0)) / elapsed]
+            for (name, labels), value in totals.items()
+        ]
+
+
+def snapshot_key(config: BusConfig, role: str, replica: str) -> str:
+    return f"{config.stream_prefix}:metrics:{role}:{replica}"
+
+
+def index_key(config: BusConfig) -> str:
+    """Sorted set of the snapshot keys, scored by when each expires (unix seconds)."""
+    return f"{config.stream_prefix}:metrics"
+
+
+class MetricsPublisher(threading.Thread):
+    """Publishes `metrics` to Redis every interval until stopped, and once more at the end."""
+
+    def __init__(self, client: redis.Redis, config: BusConfig, metrics: ProcessMetrics) -> None:
+        super().__init__(name=f"metrics-{metrics.replica}", daemon=True)
+        self.client = client
+        self.config = config
+        self.metrics = metrics
+        self.key = snapshot_key(config, metrics.role, metrics.replica)
+        self.stop = threading.Event()
+        self._rates = RateHistory()
+        self._lock = threading.Lock()  # the thread and a scrape (an ingress's) both publish
+
+    def publish(self) -> None:
+        with self._lock:
+            now = time.time()
+            families = self.metrics.families()
+            rates = self._rates.rates(families, now)
+        snapshot = {
+            "role": self.metrics.role,
+            "replica": self.metrics.replica,
+            "time": now,
+            "families": families,
+            "rates": rates,
+        }
+        ttl_s = TTL_INTERVALS * self.config.metrics_interval_s
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self.key, msgpack.packb(snapshot), px=int(ttl_s * 1000))
+        pipe.zadd(index_key(self.config), {self.key: now + ttl_s})
+        pipe.zremrangebyscore(index_key(self.config), "-inf", now - ttl_s)
+        pipe.execute()
+
+    def run(self) -> None:
+        while not self.stop.wait(self.config.metrics_interval_s):
+            try:
+                self.publish()
+            except redis.RedisError as exc:
+                logger.debug("metrics of %s not published: %s", self.metrics.replica, exc)
+
+    def close(self) -> None:
+        """Stop, and publish the last figures (a short-lived process's counts still show)."""
+        self.stop.set()
+        try:
+            self.publish()
+        except redis.RedisError:
+            pass
+
+
+def start_publisher(
+    client: redis.Redis, config: BusConfig, metrics: ProcessMetrics
+) -> MetricsPublisher | None:
+    """A running publisher of `metrics`; None with metrics off."""
+    if not metrics.enabled:
+        return None
+    publisher = MetricsPublisher(client, config, metrics)
+    publisher.start()
+    return publisher
+
+
+def read_snapshots(client: redis.Redis, config: BusConfig) -> list[dict[str, Any]]:
+    """Every live process's last snapshot."""
+    keys = client.zrangebyscore(index_key(config), time.time(), "+inf")
+    if not keys:
+        return []
+    snapshots = []
+    for raw in client.mget(keys):
+        if raw is not None:  # expired since the index was read
+            snapshots.append(msgpack.unpackb(raw))
+    return snapshots

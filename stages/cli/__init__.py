@@ -1,6 +1,0 @@
-"""The `streamserve` command: its parser (main.py), the one-machine launcher (`up`), one
-stage replica (`stage`), and the load generator (`bench`) with its workloads."""
-
-from stages.cli.main import main
-
-__all__ = ["main"]

@@ -1,0 +1,11 @@
+"""The ingress's HTTP API: OpenAI's endpoints and the native /generate.
+
+handlers.py          the endpoints
+params.py            request bodies checked and turned into GenerateRequests
+openai_format.py     OpenAI response bodies, stream chunks and logprobs
+native_format.py     the native /generate bodies
+response_format.py   `response_format` into a grammar
+tool_request.py      `tools` and `tool_choice` into the prompt and a grammar
+tool_call_parser.py  tool calls parsed back out of the model's text
+openapi.py           the OpenAPI document of the API
+"""

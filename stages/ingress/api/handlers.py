@@ -1,0 +1,417 @@
+"""The HTTP endpoints.
+
+A generation request is checked (params.py), admitted (a live worker, room in the queue),
+submitted, and answered only once every sub-request has replied once: a rejection found
+downstream (a prompt past the context, a token id outside the vocabulary) is then still a
+4xx. Once a stream has begun, a later error is sent as an SSE ``data: {"error": ...}`` event,
+which the OpenAI clients raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import redis
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
+
+from bus.aborts import publish_aborts_async
+from bus.replies import AsyncReplyReader
+from jobs.protocol import ErrorReply, TextDelta
+from observability.deployment_metrics import deployment_registry, render
+from stages.ingress.api.native_format import meta_info, native_logprobs, native_prompt_logprobs
+from stages.ingress.api.openai_format import (
+    ChatFormat,
+    Choice,
+    CompletionFormat,
+    OpenAIFormat,
+    timing_headers,
+    usage,
+)
+from stages.ingress.api.params import (
+    ApiRequest,
+    check_model,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+)
+from stages.ingress.api.tool_call_parser import ToolCallParser
+from stages.ingress.body import read_object
+from stages.ingress.errors import ApiError, error_body, redis_full, redis_unavailable
+from stages.ingress.health import serving_paths
+from stages.ingress.state import STATE, IngressState
+from stages.ingress.streaming import resume
+from stages.ingress.streaming.submission import Submission
+from stages.ingress.tenancy.auth import bearer_key
+from stages.ingress.tenancy.ownership import owner_of
+from stages.ingress.tenancy.tenants import Tenant
+
+logger = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+
+def _json(data: Any) -> bytes:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+async def _start_sse(
+    request: web.Request, extra_headers: dict[str, str] | None = None
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",  # proxies must not hold events back
+            **(extra_headers or {}),
+        }
+    )
+    await response.prepare(request)
+    return response
+
+
+async def _send(response: web.StreamResponse, data: Any, event_id: str | None = None) -> None:
+    head = b"id: " + event_id.encode() + b"\n" if event_id is not None else b""
+    await response.write(head + b"data: " + _json(data) + b"\n\n")
+
+
+async def _resume_point(
+    request: web.Request, state: IngressState, job: ApiRequest, choices: int
+) -> resume.ResumePoint | None:
+    """A streamed request with Last-Event-ID resumes another replica's stream."""
+    last_event_id = request.headers.get(resume.HEADER) if job.stream else None
+    return await resume.resume_point(state.redis, state.config, last_event_id, choices,
+                                     owner_of(request, state.tenants))  # fmt: skip
+
+
+def _resumed(state: IngressState, job: ApiRequest, point: resume.ResumePoint) -> Submission:
+    """The submission of a request another (dead) replica began, read from its stream."""
+    state.metrics.resumes.inc()
+    reader = AsyncReplyReader(state.redis, state.config.reply_stream(point.frontend_id),
+                              trim=False)  # fmt: skip
+    return Submission(state, point.request_id, job.requests(point.request_id, reader.stream),
+                      resumed=reader, resumable=True)  # fmt: skip
+
+
+async def _submit(
+    state: IngressState, job: ApiRequest, request_id: str, tenant: Tenant, owner: str | None
+) -> Submission:
+    priority = tenant.priority_of(job.sampling.get("priority"))  # a 403 below the key's range
+    if priority is not None:
+        job.sampling["priority"] = priority
+    await state.admit(len(job.prompts) * job.n)
+    requests = job.requests(request_id, state.reply_stream, tenant.id, tenant.weight)
+    return Submission(state, request_id, requests, resumable=job.stream, tenant=tenant,
+                      owner=owner)  # fmt: skip
+
+
+def _tenant(request: web.Request, state: IngressState) -> Tenant:
+    return state.tenants.for_key(bearer_key(request))
+
+
+# ---- OpenAI endpoints --------------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    job = parse_chat(await read_object(request), state.model)
+    await job.compile_grammar()
+    return await _openai(request, state, job, ChatFormat())
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    job = parse_completion(await read_object(request), state.model)
+    await job.compile_grammar()
+    return await _openai(request, state, job, CompletionFormat())
+
+
+async def _openai(
+    request: web.Request, state: IngressState, job: ApiRequest, fmt: OpenAIFormat
+) -> web.StreamResponse:
+    request_id = fmt.id_prefix + uuid.uuid4().hex
+    head = _head(state, fmt, request_id)
+    point = await _resume_point(request, state, job, len(job.prompts) * job.n)
+    head["id"] = request_id if point is None else point.request_id
+    choices = _choices(job, head["id"])
+    if point is not None:
+        async with _resumed(state, job, point) as sub:
+            return await _stream_openai(request, sub, job, fmt, head, choices, point)
+    owner = owner_of(request, state.tenants)
+    async with await _submit(state, job, request_id, _tenant(request, state), owner) as sub:
+        await sub.first_replies()
+        if job.stream:
+            return await _stream_openai(request, sub, job, fmt, head, choices)
+        body = await _whole_openai(sub, job, fmt, head, choices)
+    return web.json_response(
+        body,
+        dumps=lambda d: _json(d).decode(),
+        headers=timing_headers(sub.timing([c.finish for c in choices])),
+    )
+
+
+async def answer_whole(
+    state: IngressState, job: ApiRequest, fmt: OpenAIFormat, request_id: str, tenant: Tenant,
+    owner: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The body of an OpenAI request answered whole, as `_openai` would answer it; what a
+    batch line gets (stages/ingress/batches/runner.py), as its batch's `owner`. Raises
+    ApiError as `_openai` does."""
+    head = _head(state, fmt, request_id)
+    choices = _choices(job, request_id)
+    async with await _submit(state, job, request_id, tenant, owner) as sub:
+        await sub.first_replies()
+        return await _whole_openai(sub, job, fmt, head, choices)
+
+
+def _head(state: IngressState, fmt: OpenAIFormat, request_id: str) -> dict[str, Any]:
+    """The fields an OpenAI answer begins with."""
+    return {"id": request_id, "object": fmt.whole_object, "created": int(time.time()),
+            "model": state.model}  # fmt: skip
+
+
+async def _whole_openai(
+    sub: Submission, job: ApiRequest, fmt: OpenAIFormat, head: dict[str, Any],
+    choices: list[Choice],
+) -> dict[str, Any]:  # fmt: skip
+    async for reply in sub.replies():
+        if isinstance(reply, ErrorReply):
+            raise ApiError.from_reply(reply)
+        choice = choices[sub.index[reply.rid]]
+        _echoed(job, fmt, choice, reply)
+        choice.add(reply)
+        if job.logprobs:
+            fmt.logprobs(choice, reply)
+    return {**head, "choices": [fmt.whole_choice(c) for c in choices],
+            "usage": usage(choices, job.n)}  # fmt: skip
+
+
+def _echoed(
+    job: ApiRequest, fmt: OpenAIFormat, choice: Choice, reply: TextDelta
+) -> tuple[str, dict[str, Any] | None]:
+    """The prompt a completions choice echoes (and its logprobs), on the reply carrying it;
+    ("", None) on any other."""
+    if not job.echo or reply.prompt_ids is None or not isinstance(fmt, CompletionFormat):
+        return "", None
+    return fmt.echo(choice, reply, job.echo_text(choice.index), job.logprobs)
+
+
+def _choices(job: ApiRequest, request_id: str) -> list[Choice]:
+    choices = [Choice(i) for i in range(len(job.prompts) * job.n)]
+    if job.tools is not None:
+        for c in choices:  # call ids from the request's: a resumed stream repeats them
+            c.tool_parser = ToolCallParser(job.tools.names, f"{request_id[-12:]}{c.index}")
+    return choices
+
+
+async def _stream_openai(
+    request: web.Request,
+    sub: Submission,
+    job: ApiRequest,
+    fmt: OpenAIFormat,
+    head: dict[str, Any],
+    choices: list[Choice],
+    resumed: resume.ResumePoint | None = None,
+) -> web.StreamResponse:
+    # Headers go out after every choice's first reply: time to first token is known, queue
+    # and decode time are not yet (they come in no header of a stream).
+    ttft = {} if resumed else {k: v for k, v in sub.timing([]).items() if k == "ttft"}
+    response = await _start_sse(request, timing_headers(ttft))
+    head = {**head, "object": fmt.chunk_object}
+    extra = {"usage": None} if job.include_usage else {}  # as OpenAI: null until the last
+    frontend_id = resumed.frontend_id if resumed else sub.state.frontend_id
+
+    def event_id() -> str:
+        return resume.event_id(head["id"], frontend_id, choices)
+
+    for first in [] if resumed else fmt.first_chunk_choices(choices):
+        await _send(response, {**head, "choices": [first], **extra}, event_id())
+    try:
+        async for reply in sub.replies():
+            if isinstance(reply, ErrorReply):
+                await _send(response, error_body(reply))
+                break
+            index = sub.index[reply.rid]
+            choice = choices[index]
+            echoed, logprobs = _echoed(job, fmt, choice, reply)
+            choice.add(reply)
+            delta = fmt.delta(choice, echoed + (reply.text or ""), final=reply.finish is not None)
+            if job.logprobs and reply.ids:
+                part = fmt.logprobs(choice, reply)
+                logprobs = part if logprobs is None else {k: logprobs[k] + part[k] for k in part}
+            finish = choice.finish_reason if reply.finish is not None else None
+            if resumed and resumed.already_sent(index, reply):
+                continue  # the client had this one before it lost the stream
+            if not delta and finish is None and logprobs is None:
+                continue  # text held back (a partial character, a stop prefix, a tool call)
+            chunk_choice = fmt.chunk_choice(choice, delta, logprobs, finish)
+            await _send(response, {**head, "choices": [chunk_choice], **extra}, event_id())
+        else:
+            if job.include_usage:
+                await _send(response, {**head, "choices": [], "usage": usage(choices, job.n)})
+    except (ConnectionError, OSError):
+        raise  # the client left: nothing more to send (the submission aborts the rest)
+    except Exception as exc:
+        logger.exception("stream %s failed", head["id"])
+        await _send(response, error_body(_internal(exc)))
+    await response.write(DONE)
+    await response.write_eof()
+    return response
+
+
+def _internal(exc: Exception) -> ApiError:
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return redis_unavailable(exc)
+    if isinstance(exc, redis.OutOfMemoryError):
+        return redis_full(exc)
+    return ApiError(500, "internal error", "internal_error", None, "internal_error")
+
+
+# ---- native /generate --------------------------------------------------------------------------
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    job = parse_generate(await read_object(request), state.model)
+    await job.compile_grammar()
+    request_id = uuid.uuid4().hex
+    point = await _resume_point(request, state, job, 1)
+    if point is not None:
+        async with _resumed(state, job, point) as sub:
+            return await _stream_generate(request, sub, job, sub.requests[0].rid, point)
+    owner = owner_of(request, state.tenants)
+    async with await _submit(state, job, request_id, _tenant(request, state), owner) as sub:
+        rid = sub.requests[0].rid
+        await sub.first_replies()
+        if job.stream:
+            return await _stream_generate(request, sub, job, rid)
+        text, ids, last = [], [], None
+        logprobs: dict[str, list] = {"output_token_logprobs": [], "output_top_logprobs": []}
+        prompt_logprobs: dict[str, list] = {}
+        async for reply in sub.replies():
+            if isinstance(reply, ErrorReply):
+                raise ApiError.from_reply(reply)
+            text.append(reply.text or "")
+            ids.extend(reply.ids)
+            last = reply
+            if job.logprobs:
+                for key, values in native_logprobs(reply).items():
+                    logprobs[key].extend(values)
+            prompt_logprobs.update(native_prompt_logprobs(reply))
+    meta = meta_info(last, rid)
+    meta.update(sub.timing([None if last is None else last.finish_info()]))
+    if job.logprobs:
+        meta.update(logprobs)
+    meta.update(prompt_logprobs)
+    return web.json_response({"text": "".join(text), "output_ids": ids, "meta_info": meta})
+
+
+async def _stream_generate(
+    request: web.Request,
+    sub: Submission,
+    job: ApiRequest,
+    rid: str,
+    resumed: resume.ResumePoint | None = None,
+) -> web.StreamResponse:
+    response = await _start_sse(request)
+    frontend_id = resumed.frontend_id if resumed else sub.state.frontend_id
+    choice = Choice(0)  # for the event ids' progress
+    try:
+        async for reply in sub.replies():
+            if isinstance(reply, ErrorReply):
+                await _send(response, error_body(reply))
+                break
+            choice.add(reply)
+            if resumed and resumed.already_sent(0, reply):
+                continue  # the client had this one before it lost the stream
+            meta = meta_info(reply, rid)
+            if reply.finish is not None:
+                meta.update(sub.timing([reply.finish_info()]))
+            if job.logprobs:
+                meta.update(native_logprobs(reply))
+            meta.update(native_prompt_logprobs(reply))
+            await _send(
+                response,
+                {"text": reply.text or "", "output_ids": reply.ids, "meta_info": meta},
+                resume.event_id(sub.request_id, frontend_id, [choice]),
+            )
+    except (ConnectionError, OSError):
+        raise
+    except Exception as exc:
+        logger.exception("stream %s failed", rid)
+        await _send(response, error_body(_internal(exc)))
+    await response.write(DONE)
+    await response.write_eof()
+    return response
+
+
+# ---- the rest ----------------------------------------------------------------------------------
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"object": "list", "data": [state.model_card()]})
+
+
+async def model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    check_model({"model": request.match_info["model"]}, state.model)
+    return web.json_response(state.model_card())
+
+
+async def abort(request: web.Request) -> web.Response:
+    """Stop a request some ingress replica is serving (its response ``id``, or a native
+    ``meta_info.id``): its workers free its KV within a step, and its stream ends with
+    finish_reason "abort". Another owner's request is as unknown as a finished one."""
+    state = request.app[STATE]
+    request_id = request.match_info["id"]
+    rids = await state.sub_requests(request_id, owner_of(request, state.tenants))
+    if not rids:
+        raise ApiError(
+            404, f"no request {request_id!r} is running", param="id", code="request_not_found"
+        )
+    await publish_aborts_async(state.redis, state.config, rids)
+    state.metrics.aborts.inc(len(rids))
+    return web.json_response({"id": request_id, "object": "abort", "aborted": len(rids)})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STATE].openapi)
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    await state.redis.ping()  # an unreachable Redis is a 503 from the middleware
+    live = await state.health.live_workers(fresh=True)
+    if not live:
+        raise ApiError(
+            503,
+            "no live worker (no worker heartbeat in Redis)",
+            "service_unavailable",
+            None,
+            "no_worker",
+        )
+    paths = await serving_paths(state.redis, state.config)
+    return web.json_response({"status": "ok", "workers": live, "serving": paths})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """The whole deployment's metrics (observability/deployment_metrics.py); this replica's alone
+    while Redis cannot be read."""
+    state = request.app[STATE]
+    if state.deployment_metrics is None:
+        state.deployment_metrics = deployment_registry(
+            state.sync_redis, state.config, state.metrics_publisher
+        )
+    loop = asyncio.get_running_loop()
+    try:  # the collector's Redis calls are blocking: off the event loop
+        body = await loop.run_in_executor(None, render, state.deployment_metrics)
+    except redis.RedisError:
+        body = await loop.run_in_executor(None, render, state.metrics.process.registry)
+    return web.Response(body=body, headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})

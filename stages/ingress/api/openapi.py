@@ -1,0 +1,369 @@
+"""The OpenAPI 3.1 description of the HTTP API, served at ``GET /openapi.json``.
+
+The request schemas are built from the tables the parsers check bodies against (params.py,
+and the sampling parameters' table in jobs/sampling_params.py), so a field the server accepts
+is a field the description names, with the same JSON types; `tests/test_openapi.py` holds
+the two together and checks every route is described.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batch_store.files import EXPIRES_AFTER_S
+from jobs.protocol import MAX_TOKEN_ID
+from jobs.request_bounds import request_bounds
+from jobs.sampling_params import SAMPLING_FIELDS, Param
+from stages.ingress.api import response_format, tool_request
+from stages.ingress.api.params import (
+    CHAT_FIELDS,
+    CHAT_ROLES,
+    COMPLETION_FIELDS,
+    GENERATE_FIELDS,
+    OPENAI_SAMPLING,
+)
+
+TOKEN_IDS = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
+    "minItems": 1,
+}
+SSE = "each event `data: <chunk JSON>`; the last one `data: [DONE]`"
+
+
+def _sampling_property(param: Param) -> dict[str, Any]:
+    """A sampling parameter's schema, read off its row in the table (null: not given)."""
+    return {"type": [*param.kind.json, "null"], **param.kind.schema, "description": param.doc}
+
+
+def _sampling_properties() -> dict[str, Any]:
+    return {param.name: _sampling_property(param) for param in SAMPLING_FIELDS}
+
+
+def _openai_properties() -> dict[str, Any]:
+    properties = {}
+    for name, param in OPENAI_SAMPLING.items():
+        properties[name] = _sampling_property(param)
+        if param.openai_off is not None:
+            properties[name]["description"] += f"; {param.openai_off} too means null"
+    properties.update(
+        model={"type": "string", "description": "the served model (GET /v1/models)"},
+        n={"type": ["integer", "null"], "minimum": 1, "maximum": request_bounds().max_choices},
+        stream={"type": ["boolean", "null"]},
+        stream_options={
+            "type": ["object", "null"],
+            "properties": {"include_usage": {"type": ["boolean", "null"]}},
+            "description": "only with stream: true",
+        },
+        user={"type": ["string", "null"]},
+        response_format=response_format.openapi_property(),
+    )
+    return properties
+
+
+def _chat_request() -> dict[str, Any]:
+    part = {
+        "type": "object",
+        "required": ["type"],
+        "properties": {"type": {"const": "text"}, "text": {"type": ["string", "null"]}},
+    }
+    message = {
+        "type": "object",
+        "required": ["role"],
+        "properties": {
+            "role": {"enum": sorted(CHAT_ROLES)},
+            "content": {
+                "anyOf": [{"type": "string"}, {"type": "array", "items": part}, {"type": "null"}]
+            },  # fmt: skip
+            **tool_request.openapi_message_properties(),
+        },
+    }
+    properties = _openai_properties()
+    properties.update(
+        messages={"type": "array", "items": message, "minItems": 1},
+        logprobs={"type": ["boolean", "null"]},
+        top_logprobs={"type": ["integer", "null"], "minimum": 0},
+        **tool_request.openapi_properties(),
+    )
+    return _object(properties, CHAT_FIELDS, ["model", "messages"])
+
+
+def _completion_request() -> dict[str, Any]:
+    properties = _openai_properties()
+    properties.update(
+        prompt={
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                TOKEN_IDS,
+                {"type": "array", "items": TOKEN_IDS, "minItems": 1},
+            ]
+        },
+        logprobs={
+            "type": ["integer", "null"],
+            "minimum": 0,
+            "description": "how many top logprobs each token gets",
+        },  # fmt: skip
+        echo={
+            "type": ["boolean", "null"],
+            "description": "the prompt before the completion, with its tokens' logprobs when "
+            "logprobs is given (max_tokens may then be 0)",
+        },
+    )
+    return _object(properties, COMPLETION_FIELDS, ["model", "prompt"])
+
+
+def _generate_request() -> dict[str, Any]:
+    sampling = {
+        "type": ["object", "null"],
+        "properties": _sampling_properties(),
+        "additionalProperties": False,
+    }
+    properties = {
+        "text": {"type": "string"},
+        "input_ids": TOKEN_IDS,
+        "sampling_params": sampling,
+        "stream": {"type": ["boolean", "null"]},
+        "model": {"type": ["string", "null"]},
+        "return_prompt_logprobs": {
+            "type": ["boolean", "null"],
+            "description": "meta_info.input_token_logprobs: each prompt token's logprob",
+        },
+    }
+    schema = _object(properties, GENERATE_FIELDS, [])
+    schema["oneOf"] = [{"required": ["text"]}, {"required": ["input_ids"]}]
+    return schema
+
+
+def _object(properties: dict[str, Any], fields: set[str], required: list[str]) -> dict[str, Any]:
+    assert set(properties) == set(fields), set(properties) ^ set(fields)
+    return {
+        "type": "object",
+        "required": required,
+        "properties": dict(sorted(properties.items())),
+        "additionalProperties": False,
+    }
+
+
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def _ref(schema: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{schema}"}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    meaning = {
+        400: "a bad value, an unknown field, a prompt beyond the context",
+        401: "a missing or wrong API key",
+        403: "a priority below the lowest the API key may ask for (its min_priority)",
+        408: "a body slower than the ingress's body deadline",
+        404: "an unknown model, path, request, file or batch",
+        409: "a resume of a stream its ingress still serves",
+        413: "a body over the limit",
+        422: "JSON of the wrong shape or type",
+        429: "too many jobs waiting, or the API key past its limits (see Retry-After)",
+        503: "Redis unreachable, no live worker, or too many connections open",
+    }
+    error = {"application/json": {"schema": _ref("Error")}}
+    return {str(status): {"description": meaning[status], "content": error} for status in statuses}
+
+
+def _generation(summary: str, schema: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "parameters": [
+                {
+                    "name": "Last-Event-ID",
+                    "in": "header",
+                    "required": False,
+                    "schema": {"type": "string"},
+                    "description": "resume a stream whose ingress died: the same body, and "
+                    "the id of the last event received",
+                }
+            ],
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(schema)}},
+            },
+            "responses": {
+                "200": {
+                    "description": "the whole answer as JSON, or with stream: true SSE chunks "
+                    "ending with `data: [DONE]`",
+                    "content": {
+                        "application/json": {"schema": {"type": "object"}},
+                        "text/event-stream": {"schema": {"description": SSE}},
+                    },
+                },  # fmt: skip
+                **_errors(400, 401, 403, 404, 408, 409, 413, 422, 429, 503),
+            },
+        }
+    }
+
+
+def _get(summary: str, content_type: str = "application/json", *errors: int) -> dict[str, Any]:
+    schema = {"type": "string"} if content_type.startswith("text/") else {"type": "object"}
+    return {
+        "get": {
+            "summary": summary,
+            "responses": {
+                "200": {"description": "OK", "content": {content_type: {"schema": schema}}},
+                **_errors(*errors),
+            },
+        }
+    }
+
+
+def _operation(method: str, summary: str, errors: tuple[int, ...], path_param: str | None = None,
+               body: dict[str, Any] | None = None, query: tuple[str, ...] = (),
+               content_type: str = "application/json") -> dict[str, Any]:  # fmt: skip
+    """One operation of the files and batches API (OpenAI's objects, not described here)."""
+    parameters = [{"name": path_param, "in": "path", "required": True,
+                   "schema": {"type": "string"}}] if path_param else []  # fmt: skip
+    parameters += [{"name": name, "in": "query", "required": False,
+                    "schema": {"type": "integer" if name == "limit" else "string"}}
+                   for name in query]  # fmt: skip
+    schema = {"type": "string"} if content_type != "application/json" else {"type": "object"}
+    operation: dict[str, Any] = {
+        "summary": summary,
+        "responses": {"200": {"description": "OK", "content": {content_type: {"schema": schema}}},
+                      **_errors(*errors)},
+    }  # fmt: skip
+    if parameters:
+        operation["parameters"] = parameters
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": body}
+    return {method: operation}
+
+
+def _batch_paths() -> dict[str, Any]:
+    least, most = EXPIRES_AFTER_S
+    seconds = {"type": "integer", "minimum": least, "maximum": most}
+    expires_after = {"type": "object", "required": ["anchor", "seconds"], "properties": {
+        "anchor": {"type": "string", "enum": ["created_at"]}, "seconds": seconds}}  # fmt: skip
+    upload = {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["file", "purpose"],
+        "properties": {"file": {"type": "string", "format": "binary"},
+                       "purpose": {"type": "string", "enum": ["batch"]},
+                       "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+                       "expires_after[seconds]": seconds}}}}  # fmt: skip
+    create = {"application/json": {"schema": {
+        "type": "object", "required": ["input_file_id", "endpoint"],
+        "properties": {"input_file_id": {"type": "string"},
+                       "endpoint": {"type": "string",
+                                    "enum": ["/v1/chat/completions", "/v1/completions"]},
+                       "completion_window": {"type": "string", "enum": ["24h"]},
+                       "metadata": {"type": "object",
+                                    "additionalProperties": {"type": "string"}},
+                       "output_expires_after": expires_after}}}}  # fmt: skip
+    return {
+        "/v1/files": {
+            **_operation(
+                "post", "Upload a JSONL file (purpose batch)", (400, 401, 413), body=upload
+            ),
+            **_operation(
+                "get",
+                "List files, newest first",
+                (400, 401),
+                query=("purpose", "after", "limit", "order"),
+            ),
+        },  # fmt: skip
+        "/v1/files/{file_id}": {
+            **_operation("get", "A file's object", (401, 404), "file_id"),
+            **_operation("delete", "Delete a file", (401, 404), "file_id"),
+        },
+        "/v1/files/{file_id}/content": _operation(
+            "get", "A file's bytes", (401, 404), "file_id", content_type="application/octet-stream"
+        ),
+        "/v1/batches": {
+            **_operation(
+                "post", "Create a batch from an uploaded file", (400, 401, 404, 422), body=create
+            ),
+            **_operation("get", "List batches, newest first", (400, 401), query=("after", "limit")),
+        },  # fmt: skip
+        "/v1/batches/{batch_id}": _operation("get", "A batch's object", (401, 404), "batch_id"),
+        "/v1/batches/{batch_id}/cancel": _operation(
+            "post",
+            "Cancel a batch: its running lines stop, what finished is kept",
+            (400, 401, 404),
+            "batch_id",
+        ),  # fmt: skip
+    }
+
+
+def openapi_document(model: str) -> dict[str, Any]:
+    abort = {
+        "post": {
+            "summary": "Stop a running request by its response id (or native meta_info.id)",
+            "parameters": [
+                {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+            ],
+            "responses": {
+                "200": {
+                    "description": "aborted: its stream ends with finish_reason abort",
+                    "content": {"application/json": {"schema": {"type": "object"}}},
+                },
+                **_errors(401, 404, 503),
+            },  # fmt: skip
+        }
+    }
+    model_path = _get("The served model", "application/json", 401, 404)
+    model_path["get"]["parameters"] = [
+        {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+    ]
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "streamserve",
+            "version": "1",
+            "description": f"OpenAI-compatible API serving `{model}`.",
+        },
+        "paths": {
+            "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest"),
+            "/v1/completions": _generation("Text completion", "CompletionRequest"),
+            "/generate": _generation("Native generation (text or token ids)", "GenerateRequest"),
+            "/v1/abort/{id}": abort,
+            "/v1/models": _get("The served model, as a list", "application/json", 401),
+            "/v1/models/{model}": model_path,
+            "/health": _get(
+                "200 when Redis answers and a worker is alive: the live workers' count, and "
+                "what serves attention on each (`serving`)",
+                "application/json",
+                503,
+            ),  # fmt: skip
+            "/metrics": _get("Prometheus metrics", "text/plain"),
+            "/openapi.json": _get("This description"),
+            "/status": _get("A live page of the pipeline, drawn from /status.json", "text/html"),
+            "/status.json": _get(
+                "The deployment's stages, streams, workers and throughput, as "
+                "`streamserve status --once --json` prints them",
+                "application/json",
+                503,
+            ),  # fmt: skip
+            **_batch_paths(),
+        },
+        "components": {
+            "schemas": {
+                "ChatCompletionRequest": _chat_request(),
+                "CompletionRequest": _completion_request(),
+                "GenerateRequest": _generate_request(),
+                "Error": ERROR,
+            }
+        },
+    }

@@ -1,0 +1,243 @@
+"""One HTTP request's sub-requests, from their XADD to their last reply.
+
+    async with Submission(state, request_id, requests) as sub:
+        await sub.first_replies()      # an ErrorReply here becomes the HTTP status
+        async for reply in sub.replies():
+            ...
+
+Every sub-request's replies go to one queue, each rid's in order (the reply reader orders
+them). On exit, however it happens (done, an error, the client gone and the handler
+cancelled), the sub-requests without a final reply are aborted, so a worker never keeps
+generating for nobody.
+
+Tokens are charged to the request's tenant as the ingress learns of them (its limits,
+stages/ingress/tenancy/limits.py): a prompt of token ids on submission, each reply's new
+tokens as it is handled, and at a sub-request's end the rest of what its Finish counts
+(a text prompt's tokens, ids the replies held back). A sub-request whose client went away
+is still charged in full: its replies are read on, for up to ``SETTLE_S``, until the
+worker's last one (its Finish, reason "abort") says what it used.
+
+No handler waits for ever: when none of its sub-requests has replied for
+``reply_timeout_s`` (a job dropped somewhere, a queue that never moves), the wait ends with
+a 504 ``reply_timeout`` error (an HTTP error before the first reply, an SSE error event
+after it) and the unfinished sub-requests are aborted like any others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterable
+
+from bus.replies import AsyncReplyReader, Reply, is_terminal
+from jobs.protocol import ErrorReply, Finish, GenerateRequest, TextDelta
+from stages.ingress.errors import ApiError
+from stages.ingress.state import IngressState
+from stages.ingress.tenancy.tenants import Tenant
+
+SETTLE_S = 10.0  # how long a dropped request's last replies are awaited, to charge them
+
+
+class Submission:
+    """With `resumed` (a reader of another replica's reply stream, streaming/resume.py)
+    nothing is submitted: the requests run already, and their replies are read from there."""
+
+    def __init__(
+        self,
+        state: IngressState,
+        request_id: str,
+        requests: list[GenerateRequest],
+        resumed: AsyncReplyReader | None = None,
+        resumable: bool = False,
+        tenant: Tenant | None = None,
+        owner: str | None = None,
+    ) -> None:
+        self.state = state
+        self.resumable = resumable  # streamed: its client can resume it elsewhere
+        self.request_id = request_id
+        self.reader = resumed if resumed is not None else state.replies
+        self.resumed = resumed is not None
+        self.requests = requests
+        self.index = {request.rid: i for i, request in enumerate(requests)}
+        self.queue: asyncio.Queue[Reply] = asyncio.Queue()
+        self.finished: set[str] = set()
+        self._early: collections.deque[Reply] = collections.deque()
+        self._arrived = time.monotonic()
+        self._last_token_at: dict[str, float] = {}
+        self.first_token_at: dict[str, float] = {}  # monotonic, per sub-request
+        self.tenant = tenant  # whose limits it counts against; None: resumed, not admitted
+        self.owner = owner  # who may abort or resume it (stages/ingress/tenancy/ownership.py)
+        self._charged: collections.Counter[str] = collections.Counter()  # rid -> tokens
+
+    async def __aenter__(self) -> Submission:
+        for request in self.requests:
+            self.reader.register(request.rid, self.queue)
+        if self.resumed:
+            self.reader.start()
+            return self
+        try:
+            if self.tenant is not None:
+                await self.state.tenant_limits.admit(self.tenant, list(self.index))
+                for rid in self.index:
+                    self.state.running_tenants[rid] = self.tenant
+            await self.state.submit(self.request_id, self.requests, self.owner)
+            for request in self.requests:
+                if request.input_ids is not None:  # a prompt the ingress can count
+                    self._charge(request.rid, len(request.input_ids))
+            self.state.live_requests.add(self.request_id)
+        except BaseException as exc:
+            self._release()
+            self._unregister()
+            if isinstance(exc, asyncio.CancelledError):  # the jobs may be queued already
+                self.state.finish_soon(self.request_id, list(self.index))
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        unfinished = [r.rid for r in self.requests if r.rid not in self.finished]
+        handed_over = (unfinished and self.resumable and self.state.draining
+                       and exc_type is not None)  # fmt: skip
+        settling = bool(unfinished) and not handed_over and self._charges_tokens
+        if not self.resumed:
+            self.state.live_requests.discard(self.request_id)
+        self._unregister(keep=unfinished if settling else ())
+        self._release()
+        if self.resumed:
+            await self.reader.close(delete_stream=False)  # another resume may need it
+        if handed_over:
+            # Cut by a shutdown, not by its client: it runs on, and its client resumes it
+            # on another replica with Last-Event-ID.
+            self.state.handed_over += 1
+            return
+        if unfinished:
+            self.state.metrics.aborts.inc(len(unfinished))
+        self.state.finish_soon(self.request_id, unfinished)
+        if settling:
+            self.state.settle_soon(self._settle(set(unfinished)))
+
+    @property
+    def _charges_tokens(self) -> bool:
+        return self.tenant is not None and self.tenant.tokens_per_minute is not None
+
+    def _release(self) -> None:
+        """Give back the tenant's running slots and send the tokens charged (from a task of
+        its own, as aborts are: the handler may be being cancelled)."""
+        rids = [rid for rid in self.index if self.state.running_tenants.pop(rid, None)]
+        if rids:
+            assert self.tenant is not None
+            self.state.release_soon(self.tenant, rids)
+
+    def _unregister(self, keep: Iterable[str] = ()) -> None:
+        for rid in set(self.index) - set(keep):
+            self.reader.unregister(rid)
+
+    async def _settle(self, unfinished: set[str]) -> None:
+        """Charge the sub-requests aborted as their client went away for what their last
+        replies say they used; those not ended within SETTLE_S keep what was charged."""
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SETTLE_S):
+                    while unfinished:
+                        reply = self._early.popleft() if self._early else await self.queue.get()
+                        self._charge_reply(reply)
+                        if is_terminal(reply):
+                            unfinished.discard(reply.rid)
+        finally:
+            self._unregister()
+
+    async def first_replies(self) -> None:
+        """Wait until every sub-request has replied once; raise an ErrorReply as an ApiError."""
+        waiting = set(self.index)
+        while waiting:
+            reply = await self._next_reply()
+            if reply is None:
+                raise ApiError.from_reply(self._timed_out())
+            self._early.append(reply)
+            waiting.discard(reply.rid)
+            if isinstance(reply, TextDelta) and reply.ids:
+                # When it came, not when it is handled: a stream's headers report it.
+                self.first_token_at.setdefault(reply.rid, time.monotonic())
+            if isinstance(reply, ErrorReply):
+                self._note(reply)
+                raise ApiError.from_reply(reply)
+
+    async def replies(self) -> AsyncIterator[Reply]:
+        """Every reply (the early ones first) until each sub-request has its last one."""
+        while self._early or len(self.finished) < len(self.requests):
+            reply = self._early.popleft() if self._early else await self._next_reply()
+            if reply is None:
+                # Not noted as finished: the exit aborts the sub-requests that timed out.
+                yield self._timed_out()
+                return
+            self._note(reply)
+            yield reply
+
+    async def _next_reply(self) -> Reply | None:
+        """The next reply; None after reply_timeout_s without one."""
+        try:
+            return await asyncio.wait_for(self.queue.get(), self.state.config.reply_timeout_s)
+        except asyncio.TimeoutError:
+            return None
+
+    def _timed_out(self) -> ErrorReply:
+        rid = next(r.rid for r in self.requests if r.rid not in self.finished)
+        timeout = self.state.config.reply_timeout_s
+        return ErrorReply(rid, 504, f"no reply for {timeout:g} s: the request was aborted",
+                          "timeout", None, "reply_timeout")  # fmt: skip
+
+    def _note(self, reply: Reply) -> None:
+        if is_terminal(reply):
+            self.finished.add(reply.rid)
+        self._charge_reply(reply)
+        if isinstance(reply, TextDelta) and not self.resumed:  # a replay would count twice
+            self._time_tokens(reply)
+
+    def _charge_reply(self, reply: Reply) -> None:
+        """Charge a reply's new tokens; on a sub-request's last, what its Finish counts
+        beyond what was charged already (the prompt, unless it came as token ids)."""
+        if not isinstance(reply, TextDelta):
+            return
+        finish = reply.finish_info()
+        if finish is None:
+            self._charge(reply.rid, len(reply.ids))
+        else:
+            used = finish.prompt_tokens + finish.completion_tokens
+            self._charge(reply.rid, used - self._charged[reply.rid])
+
+    def _charge(self, rid: str, tokens: int) -> None:
+        if self._charges_tokens and tokens > 0:
+            assert self.tenant is not None
+            self._charged[rid] += tokens
+            self.state.tenant_limits.charge(self.tenant, tokens)
+
+    def _time_tokens(self, delta: TextDelta) -> None:
+        metrics = self.state.metrics
+        now = time.monotonic()
+        if delta.ids:
+            last = self._last_token_at.get(delta.rid)
+            if last is None:
+                now = self.first_token_at.setdefault(delta.rid, now)
+                metrics.token_times(True, now - self._arrived, len(delta.ids))
+            else:
+                metrics.token_times(False, now - last, len(delta.ids))
+            self._last_token_at[delta.rid] = now
+        if delta.finish is not None:
+            metrics.e2e.observe(now - self._arrived)
+
+    def timing(self, finishes: list[Finish | None]) -> dict[str, float]:
+        """The request's figures so far, in seconds, over its sub-requests: queue time (the
+        workers', from the Finishes: the shortest), time to its first token, and decode time
+        (from there to its last token so far)."""
+        figures = {}
+        queued = [
+            f.queue_seconds for f in finishes if f is not None and f.queue_seconds is not None
+        ]
+        if queued:
+            figures["queue_time"] = min(queued)
+        if self.first_token_at:
+            first = min(self.first_token_at.values())
+            figures["ttft"] = first - self._arrived
+            figures["decode_time"] = max(self._last_token_at.values(), default=first) - first
+        return figures
