@@ -33,10 +33,10 @@ import redis
 
 from bus.access import BusAccessError, check_access, redacted
 from bus.config import BusConfig
+from bus.liveness import read_liveness
 from cli.main import worker_command
 from runtime.child_process import owned_child
 from runtime.embedded_server import EmbeddedRedis, EmbeddedServerError, default_data_dir
-from stages.router.stage import live_workers
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class Launcher:
             while not self.stop.is_set():
                 if self._first_dead() is not None:
                     return False
-                if len(live_workers(client, self.config)) >= self.args.workers:
+                if len(read_liveness(client, self.config).beats) >= self.args.workers:
                     return True
                 if time.monotonic() > deadline:
                     logger.error("fewer than %d workers live after %g s; stopping",

@@ -3,8 +3,8 @@
 At each scrape the collector publishes this process's own snapshot, reads every live
 process's from Redis (metrics.py), labels each series with its process's `role` and
 `replica`, and adds the streams' length, lag and pending per group (stream_stats.py) and
-the count of workers with a live heartbeat as gauges. Series of one family from several
-processes are merged under one family, as the exposition format requires.
+the count of workers with a live heartbeat (bus/liveness.py) as gauges. Series of one family
+from several processes are merged under one family, as the exposition format requires.
 
 Every figure comes from Redis, this replica's too: behind a load balancer, consecutive
 scrapes land on different ingress replicas, and a replica that served its own counters live
@@ -23,7 +23,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from bus.config import BusConfig
-from bus.heartbeats import read_heartbeats
+from bus.liveness import read_liveness
 from observability.metrics import PREFIX, MetricsPublisher, read_snapshots
 from observability.stream_stats import pipeline_streams, read_stream_stats
 
@@ -52,10 +52,11 @@ class DeploymentCollector(Collector):
         yield from self._stream_families()
 
     def _stream_families(self) -> Iterable[Metric]:
+        liveness = read_liveness(self.client, self.config)
         live = Metric(PREFIX + "live_workers", "Workers with a live heartbeat.", "gauge")
-        live.add_sample(PREFIX + "live_workers", {}, len(read_heartbeats(self.client, self.config)))
+        live.add_sample(PREFIX + "live_workers", {}, len(liveness.beats))
         yield live
-        streams = pipeline_streams(self.client, self.config)
+        streams = pipeline_streams(self.config, liveness.registered)
         stats = read_stream_stats(self.client, list(streams))
         gauges = {
             name: Metric(PREFIX + name, documentation, "gauge")

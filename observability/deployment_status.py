@@ -18,7 +18,7 @@ import redis
 
 from bus.config import BusConfig
 from bus.fenced_stream import WORKER_GROUP
-from bus.heartbeats import read_heartbeats
+from bus.liveness import read_liveness
 from observability.metrics import PREFIX, RATE_WINDOW_S, read_snapshots
 from observability.stream_stats import STAGE_STREAMS, read_stream_stats
 
@@ -30,7 +30,7 @@ def read_status(client: redis.Redis, config: BusConfig) -> dict[str, Any]:
     by_role: dict[str, list[dict]] = defaultdict(list)
     for snapshot in snapshots:
         by_role[snapshot["role"]].append(snapshot)
-    beats = read_heartbeats(client, config)
+    beats = list(read_liveness(client, config).beats.values())
     stage_streams = {stage: getattr(config, method)() for stage, method in STAGE_STREAMS}
     worker_streams = {beat.worker_id: beat.stream for beat in beats}
     stats = {

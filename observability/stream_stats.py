@@ -7,6 +7,7 @@ stage keeping up shows both near 0; lag that grows says the stage needs replicas
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import redis
@@ -33,12 +34,11 @@ class StreamStats:
     groups: list[GroupStats] = field(default_factory=list)
 
 
-def pipeline_streams(client: redis.Redis, config: BusConfig) -> dict[str, str]:
-    """Stream name -> what reads it: each stage's input, each registered worker's stream, and
-    the dead-letter stream."""
+def pipeline_streams(config: BusConfig, worker_ids: Iterable[str]) -> dict[str, str]:
+    """Stream name -> what reads it: each stage's input, the stream of each registered worker
+    (`worker_ids`, alive or lapsed: bus/liveness.py), and the dead-letter stream."""
     streams = {getattr(config, method)(): stage for stage, method in STAGE_STREAMS}
-    for worker_id in sorted(client.smembers(config.workers_key())):
-        worker_id = worker_id.decode() if isinstance(worker_id, bytes) else worker_id
+    for worker_id in worker_ids:
         streams[config.worker_stream(worker_id)] = f"worker {worker_id}"
     streams[config.dead_letter_stream()] = "dead letters"
     return streams

@@ -2,8 +2,9 @@
 each), how long the queue is.
 
 A worker is alive while its heartbeat key exists (it expires ``heartbeat_ttl_s`` after the
-last beat). Admission reads the count at most once per ``ttl_s``: every request asking
-would cost a round trip for a figure that changes once a second.
+last beat), as bus/liveness.py reads it. Admission reads the workers at most once per
+``interval_s``: every request asking would cost a round trip for a figure that changes once
+a second. /health reads them fresh, once, for both its count and its attention paths.
 """
 
 from __future__ import annotations
@@ -14,36 +15,18 @@ import time
 import redis.asyncio as aredis
 
 from bus.config import BusConfig
-from jobs.protocol import Heartbeat, ProtocolError, decode
+from bus.liveness import Liveness, read_liveness_async
 
 WORKERS_CHECK_INTERVAL_S = 1.0
 
 
-async def count_live_workers(client: aredis.Redis, config: BusConfig) -> int:
-    ids = [member.decode() for member in await client.smembers(config.workers_key())]
-    if not ids:
-        return 0
-    pipe = client.pipeline(transaction=False)
-    for worker_id in ids:
-        pipe.exists(config.heartbeat_key(worker_id))
-    return sum(await pipe.execute())
-
-
-async def serving_paths(client: aredis.Redis, config: BusConfig) -> dict[str, str | None]:
-    """Each live worker's attention path, from its heartbeat (None: it does not say)."""
-    ids = sorted(member.decode() for member in await client.smembers(config.workers_key()))
-    if not ids:
-        return {}
-    values = await client.mget([config.heartbeat_key(worker_id) for worker_id in ids])
-    paths = {}
-    for worker_id, value in zip(ids, values, strict=True):
-        if value is None:
-            continue  # lapsed: not live
-        try:
-            paths[worker_id] = decode(value, Heartbeat).attention
-        except ProtocolError:
-            paths[worker_id] = None
-    return paths
+def serving_paths(liveness: Liveness) -> dict[str, str | None]:
+    """Each live worker's attention path, from its heartbeat (None: it does not say, or its
+    heartbeat is malformed)."""
+    return {
+        worker_id: beat.attention if (beat := liveness.beats.get(worker_id)) else None
+        for worker_id in liveness.alive
+    }
 
 
 async def queue_depth(client: aredis.Redis, config: BusConfig) -> int:
@@ -71,7 +54,8 @@ async def queue_depth(client: aredis.Redis, config: BusConfig) -> int:
 
 
 class WorkerHealth:
-    """The live-worker count, refreshed at most once per `interval_s` (shared by callers)."""
+    """The live workers (bus/liveness.py), read at most once per `interval_s` (shared by
+    callers)."""
 
     def __init__(
         self,
@@ -82,19 +66,25 @@ class WorkerHealth:
         self.client = client
         self.config = config
         self.interval_s = interval_s
-        self.live = 0
+        self._liveness = Liveness()
         self._checked_at = -float("inf")
         self._live_at = -float("inf")  # when a check last found a live worker
         self._lock = asyncio.Lock()
 
-    async def live_workers(self, fresh: bool = False) -> int:
-        async with self._lock:  # one check at a time; the others get its answer
+    async def liveness(self, fresh: bool = False) -> Liveness:
+        """The workers as the last read saw them, read again if `fresh` or older than
+        `interval_s`."""
+        async with self._lock:  # one read at a time; the others get its answer
             if fresh or time.monotonic() - self._checked_at >= self.interval_s:
-                self.live = await count_live_workers(self.client, self.config)
+                self._liveness = await read_liveness_async(self.client, self.config)
                 self._checked_at = time.monotonic()
-                if self.live:
+                if self._liveness.alive:
                     self._live_at = self._checked_at
-            return self.live
+            return self._liveness
+
+    async def live_workers(self, fresh: bool = False) -> int:
+        """How many workers have a heartbeat key (`liveness`' caching)."""
+        return len((await self.liveness(fresh)).alive)
 
     async def may_serve(self) -> bool:
         """A live worker now, or one seen within a heartbeat TTL. A gap shorter than that

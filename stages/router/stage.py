@@ -1,12 +1,12 @@
 """The router stage: each token-id job goes to the least-loaded live worker.
 
 Stateless across replicas: the live workers and their load come from Redis on every batch
-(one pipelined read), and so do the jobs every router replica has routed to each worker
-(``<p>:routed``), so jobs routed since a worker's last heartbeat count against it and a
-burst is spread instead of piling onto the worker that looked idlest a second ago. A job's
-worker is recorded under its route key, for aborts. With no live worker the batch is held
-(unacknowledged) until one appears, and failed with a 503 reply after
-``no_worker_timeout_s``.
+(bus/liveness.py: the workers set, then their heartbeats and the jobs every router replica
+has routed to each worker, ``<p>:routed``, in one pipelined read), so jobs routed since a
+worker's last heartbeat count against it and a burst is spread instead of piling onto the
+worker that looked idlest a second ago. A job's worker is recorded under its route key, for
+aborts. With no live worker the batch is held (unacknowledged) until one appears, and failed
+with a 503 reply after ``no_worker_timeout_s``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import redis
 from bus.actor import HoldBatch, Inbound
 from bus.config import BusConfig
 from bus.effects import IncrHash, Outbound, Output, SetKey, reply
-from jobs.protocol import ErrorReply, Heartbeat, ProtocolError, TokenizedRequest, decode
+from bus.liveness import read_liveness
+from jobs.protocol import ErrorReply, TokenizedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -38,25 +39,14 @@ class WorkerLoad:
 
 
 def live_workers(client: redis.Redis, config: BusConfig) -> list[WorkerLoad]:
-    """Workers whose heartbeat key is alive (the reaper, stages/router/worker_reaper.py, moves the
-    jobs of the others and removes their ids)."""
-    ids = sorted(member.decode() for member in client.smembers(config.workers_key()))
-    if not ids:
-        return []
-    pipe = client.pipeline(transaction=False)
-    pipe.mget([config.heartbeat_key(worker_id) for worker_id in ids])
-    pipe.hgetall(config.routed_key())
-    beats, routed = pipe.execute()
+    """Workers whose heartbeat key is alive and readable (the reaper,
+    stages/router/worker_reaper.py, moves the jobs of the lapsed ones and removes their ids)."""
+    liveness = read_liveness(client, config, routed=True)
+    for worker_id, why in liveness.malformed.items():
+        logger.warning("ignoring worker %s: malformed heartbeat (%s)", worker_id, why)
     loads = []
-    for worker_id, raw in zip(ids, beats, strict=True):
-        if raw is None:
-            continue
-        try:
-            beat = decode(raw, Heartbeat)
-        except ProtocolError as exc:
-            logger.warning("ignoring worker %s: malformed heartbeat (%s)", worker_id, exc)
-            continue
-        in_transit = max(0, int(routed.get(worker_id.encode(), 0)) - beat.admitted)
+    for worker_id, beat in liveness.beats.items():
+        in_transit = max(0, liveness.routed.get(worker_id, 0) - beat.admitted)
         queued = beat.running + beat.waiting + in_transit
         loads.append(WorkerLoad(worker_id, beat.stream, queued, beat.free_kv_tokens))
     return loads

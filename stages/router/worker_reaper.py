@@ -6,8 +6,9 @@ MULTI that publishes them (bus/fenced_stream.py). So when its heartbeat lapses â
 killed, it crashed, or SIGTERM stopped it â€” its stream holds exactly the jobs it had not
 finished, and their progress keys hold exactly what their clients were sent.
 
-Each router replica runs a reaper thread. For a worker whose heartbeat is gone on two
-looks a heartbeat interval apart (a router that read the heartbeat just before it
+Each router replica runs a reaper thread. For a worker whose heartbeat is gone
+(bus/liveness.py: its id still in the workers set, its heartbeat key expired) on two looks a
+heartbeat interval apart (a router that read the heartbeat just before it
 expired has routed its job by then), the replica that wins the worker's ``reaping`` lock
 takes every entry of its stream (pending ones with ``XAUTOCLAIM``, unread ones with
 ``XREADGROUP``) and puts each job back on the tokenized stream, acknowledging it in the same
@@ -44,6 +45,7 @@ from bus.effects import (
     write_dead_letters,
 )
 from bus.fenced_stream import WORKER_GROUP, fence_off
+from bus.liveness import read_liveness
 from bus.reconnect import REDIS_TRANSIENT
 from jobs.job_failures import malformed_reply, too_many_deliveries
 from jobs.protocol import ENTRY_FIELD, Abort, ProtocolError, TokenizedRequest, decode
@@ -56,12 +58,8 @@ LOCK_TTL_S = 30
 
 
 def dead_worker_ids(client: redis.Redis, config: BusConfig) -> set[str]:
-    """Ids in the workers set whose heartbeat key is gone."""
-    ids = sorted(member.decode() for member in client.smembers(config.workers_key()))
-    if not ids:
-        return set()
-    beats = client.mget([config.heartbeat_key(worker_id) for worker_id in ids])
-    return {worker_id for worker_id, beat in zip(ids, beats, strict=True) if beat is None}
+    """Ids in the workers set whose heartbeat key is gone (a malformed one is not gone)."""
+    return set(read_liveness(client, config).lapsed)
 
 
 class WorkerReaper:

@@ -388,8 +388,8 @@ async def openapi(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     await state.redis.ping()  # an unreachable Redis is a 503 from the middleware
-    live = await state.health.live_workers(fresh=True)
-    if not live:
+    liveness = await state.health.liveness(fresh=True)
+    if not liveness.alive:
         raise ApiError(
             503,
             "no live worker (no worker heartbeat in Redis)",
@@ -397,8 +397,9 @@ async def health(request: web.Request) -> web.Response:
             None,
             "no_worker",
         )
-    paths = await serving_paths(state.redis, state.config)
-    return web.json_response({"status": "ok", "workers": live, "serving": paths})
+    return web.json_response(
+        {"status": "ok", "workers": len(liveness.alive), "serving": serving_paths(liveness)}
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:
