@@ -38,20 +38,23 @@ from jobs.wire import (
     INT,
     LIST,
     MAX_TOKEN_ID,
+    RECORD,
     STR,
+    WIRE_VERSION,
     Message,
     ProtocolError,
+    check_version,
     encode,
     fields_of,
     pack_ids,
     unpack_ids,
-)  # fmt: skip
+)
 
 __all__ = [
     "ENTRY_FIELD", "MAX_TOKEN_ID", "PROMPT_CONTEXT_TOKENS", "MESSAGE_TYPES", "Message",
     "ProtocolError", "GenerateRequest", "TokenizedRequest", "Abort", "Finish", "TokenItem",
     "TokenBatch", "TextDelta", "ErrorReply", "Heartbeat", "decode", "encode", "fields_of",
-    "pack_ids", "token_context", "unpack_ids",
+    "pack_ids", "token_context", "unpack_ids", "WIRE_VERSION",
 ]  # fmt: skip
 
 
@@ -60,21 +63,22 @@ class TokenBatch(Message):
     """Everything one engine step produced, for every request that got a token."""
 
     KIND = "tokens"
-    FIELDS = {"worker_id": STR, "step": INT, "items": LIST}
+    FIELDS = {"worker_id": STR, "step": INT, "items": LIST, "v": INT}
+    OPTIONAL = frozenset({"v"})
 
     worker_id: str
     step: int
     items: list[TokenItem]
+    # Its items' wire version: maps by name (2); absent, the lists of older workers (1).
+    v: int = WIRE_VERSION
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> TokenBatch:
+        version = check_version("a tokens batch", data.get("v"))
         batch = super().from_wire(data)
+        batch.v = version
         batch.items = [TokenItem.from_wire(item) for item in batch.items]
         return batch
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"kind": self.KIND, "worker_id": self.worker_id, "step": self.step,
-                "items": [item.to_wire() for item in self.items]}  # fmt: skip
 
 
 @dataclass
@@ -83,12 +87,14 @@ class TextDelta(Message):
 
     Deltas of one request may arrive out of order (detokenizer replicas race); a reader
     orders them by ``seq``. ``text`` is None when the model has no tokenizer. The last delta
-    carries ``finish`` (as `Finish.to_wire`).
+    carries ``finish`` in the wire version of the job's requester: a map by name
+    (`Finish.to_wire`) for version 2, the positional list of jobs/legacy_records.py for a
+    job written without a version.
     """
 
     KIND = "delta"
     FIELDS = {
-        "rid": STR, "seq": INT, "ids": IDS, "text": STR, "finish": LIST,
+        "rid": STR, "seq": INT, "ids": IDS, "text": STR, "finish": RECORD,
         "logprobs": LIST, "top_logprobs": LIST, "token_texts": LIST,
         "top_token_texts": LIST, "prompt_ids": IDS, "prompt_text": STR,
         "prompt_logprobs": LIST, "prompt_top_logprobs": LIST, "prompt_token_texts": LIST,
@@ -100,7 +106,7 @@ class TextDelta(Message):
     seq: int
     ids: list[int]
     text: str | None = None
-    finish: list[Any] | None = None
+    finish: dict[str, Any] | list[Any] | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[list[list[float]]] | None = None
     token_texts: list[str] | None = None  # each token's own text, when logprobs are asked

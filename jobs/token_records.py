@@ -1,20 +1,49 @@
 """What a worker says of one request in one step: `TokenItem` (its new tokens, with the
-context a detokenizer needs) and, on the last, `Finish` (how it ended, with its counts)."""
+context a detokenizer needs) and, on the last, `Finish` (how it ended, with its counts).
+
+Both are records by name (maps; wire version 2, jobs/wire.py): a field is found by its name,
+an optional one left out when it holds its default, so a later version adds fields without
+moving any. The positional lists of version 1, which older workers send and older clients
+read, are jobs/legacy_records.py's.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from jobs.wire import BOOL, IDS, INT, STR, ProtocolError, check_field, pack_ids
+from jobs.legacy_records import finish_fields_from_list, token_item_fields_from_list
+from jobs.wire import (
+    BOOL,
+    FLOAT,
+    IDS,
+    INT,
+    LIST,
+    RECORD,
+    STR,
+    WIRE_VERSION,
+    ProtocolError,
+    Record,
+    check_field,
+)
 
 # Prompt tokens decoded as context for the first output tokens (vLLM and SGLang use 5).
 PROMPT_CONTEXT_TOKENS = 5
 
 
 @dataclass
-class Finish:
-    """How a request ended: ``reason`` is stop, length, abort or error."""
+class Finish(Record):
+    """How a request ended: ``reason`` is stop, length, abort or error; ``matched`` the stop
+    string or token id that ended it."""
+
+    FIELDS: ClassVar[dict[str, str]] = {
+        "reason": STR, "matched": "str or int", "prompt_tokens": INT, "completion_tokens": INT,
+        "cached_tokens": INT, "draft_tokens": INT, "accepted_draft_tokens": INT,
+        "queue_seconds": FLOAT,
+    }  # fmt: skip
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset(FIELDS) - {
+        "reason", "prompt_tokens", "completion_tokens"
+    }  # fmt: skip
 
     reason: str
     matched: str | int | None
@@ -28,34 +57,30 @@ class Finish:
     # token (None: not measured, e.g. a job that finished before it ran).
     queue_seconds: float | None = None
 
-    def to_wire(self) -> list[Any]:
-        wire = [
-            self.reason, self.matched, self.prompt_tokens, self.completion_tokens,
-            self.cached_tokens,
-        ]  # fmt: skip
-        # Without speculation or timing, the 5 fields older readers expect.
-        if self.draft_tokens or self.queue_seconds is not None:
-            wire += [self.draft_tokens, self.accepted_draft_tokens]
-        if self.queue_seconds is not None:
-            wire.append(self.queue_seconds)
+    def to_wire(self) -> dict[str, Any]:
+        wire = super().to_wire()
+        if not (self.draft_tokens or self.queue_seconds is not None):
+            del wire["draft_tokens"], wire["accepted_draft_tokens"]  # no speculation
         return wire
 
     @classmethod
     def from_wire(cls, data: Any) -> Finish:
-        if not isinstance(data, list) or len(data) not in (5, 7, 8):
-            raise ProtocolError("field 'finish' must be a list of 5, 7 or 8")
-        reason, matched, *counts = data
-        check_field(STR, "finish.reason", reason, optional=False)
-        if matched is not None and not isinstance(matched, (str, int)):
-            raise ProtocolError("field 'finish.matched' must be str, int or nil")
-        names = ("prompt", "completion", "cached", "draft", "accepted_draft")
-        for name, value in zip(names, counts, strict=False):
-            check_field(INT, f"finish.{name}_tokens", value, optional=False)
-        if len(counts) == 6 and (
-            isinstance(counts[5], bool) or not isinstance(counts[5], (int, float))
+        if isinstance(data, list):
+            return cls(**finish_fields_from_list(data))
+        if not isinstance(data, dict):
+            raise ProtocolError("field 'finish' must be a map")
+        matched = data.get("matched")
+        if matched is not None and (
+            isinstance(matched, bool) or not isinstance(matched, (str, int))
         ):
-            raise ProtocolError("field 'finish.queue_seconds' must be a number")
-        return cls(reason, matched, *counts)
+            raise ProtocolError("field 'finish.matched' must be str, int or nil")
+        values = {"matched": matched}
+        for name, kind in cls.FIELDS.items():
+            if name != "matched":
+                value = check_field(kind, f"finish.{name}", data.get(name), name in cls.OPTIONAL)
+                if value is not None:
+                    values[name] = value
+        return cls(**values)
 
     def usage(self) -> dict[str, int]:
         usage = {
@@ -71,15 +96,26 @@ class Finish:
 
 
 @dataclass
-class TokenItem:
+class TokenItem(Record):
     """One request's new tokens in one engine step.
 
     ``start`` is the output index of ``ids[0]``. ``context`` is the token ids just before
     ``ids`` (the last prompt tokens, then earlier output), of which the first
     ``prompt_context`` are prompt tokens: with them a detokenizer replica that has never seen
     this request turns ``ids`` into exactly the text they add (see
-    stages/detokenizer/incremental.py).
+    stages/detokenizer/incremental.py). ``reply_version`` is the wire version the job's
+    requester reads (its job's; jobs/requests.py): its deltas' ``finish`` is written in it.
     """
+
+    FIELDS: ClassVar[dict[str, str]] = {
+        "rid": STR, "reply_to": STR, "start": INT, "ids": IDS, "context": IDS,
+        "prompt_context": INT, "stop": LIST, "skip_special_tokens": BOOL, "finish": RECORD,
+        "logprobs": LIST, "top_logprobs": LIST, "prompt_ids": IDS, "prompt_logprobs": LIST,
+        "prompt_top_logprobs": LIST, "reply_version": INT,
+    }  # fmt: skip
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset(FIELDS) - {
+        "rid", "reply_to", "start", "ids", "context", "prompt_context"
+    }  # fmt: skip
 
     rid: str
     reply_to: str
@@ -97,54 +133,40 @@ class TokenItem:
     prompt_ids: list[int] | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[list[float]] | None] | None = None
+    reply_version: int = WIRE_VERSION
 
-    def to_wire(self) -> list[Any]:
-        prompt = None
-        if self.prompt_ids is not None:
-            prompt = [pack_ids(self.prompt_ids), self.prompt_logprobs, self.prompt_top_logprobs]
-        return [
-            self.rid, self.reply_to, self.start, pack_ids(self.ids), pack_ids(self.context),
-            self.prompt_context, self.stop, self.skip_special_tokens,
-            None if self.finish is None else self.finish.to_wire(),
-            self.logprobs, self.top_logprobs, prompt,
-        ]  # fmt: skip
+    def to_wire(self) -> dict[str, Any]:
+        wire = super().to_wire()
+        # The defaults stay off the wire: most items stop on nothing and skip specials.
+        for name, default in (("stop", []), ("skip_special_tokens", True),
+                              ("reply_version", WIRE_VERSION)):  # fmt: skip
+            if wire.get(name) == default:
+                del wire[name]
+        if self.finish is not None:
+            wire["finish"] = self.finish.to_wire()
+        return wire
 
     @classmethod
     def from_wire(cls, data: Any) -> TokenItem:
-        # 11 fields from a worker that predates prompt logprobs (a rolling upgrade).
-        if not isinstance(data, list) or len(data) not in (11, 12):
-            raise ProtocolError("a token item must be a list of 12")
-        prompt = data[11] if len(data) == 12 else None
-        rid, reply_to, start, ids, context, prompt_context, stop, skip, finish, lps, tops = data[
-            :11
-        ]
-        check_field(STR, "rid", rid, False)
-        check_field(STR, "reply_to", reply_to, False)
-        check_field(INT, "start", start, False)
-        check_field(INT, "prompt_context", prompt_context, False)
-        check_field(BOOL, "skip_special_tokens", skip, False)
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise ProtocolError("field 'stop' must be a list of strings")
-        if lps is not None and not isinstance(lps, list):
-            raise ProtocolError("field 'logprobs' must be a list")
-        if tops is not None and not isinstance(tops, list):
-            raise ProtocolError("field 'top_logprobs' must be a list")
-        item = cls(
-            rid, reply_to, start, check_field(IDS, "ids", ids, False),
-            check_field(IDS, "context", context, False), prompt_context, stop, skip,
-            None if finish is None else Finish.from_wire(finish), lps, tops,
-        )  # fmt: skip
-        if not 0 <= item.prompt_context <= len(item.context):
-            raise ProtocolError("field 'prompt_context' exceeds the context")
-        if prompt is not None:
-            if not isinstance(prompt, list) or len(prompt) != 3:
-                raise ProtocolError("field 'prompt' must be [ids, logprobs, top_logprobs]")
-            item.prompt_ids = check_field(IDS, "prompt_ids", prompt[0], False)
-            for name, value in (("prompt_logprobs", prompt[1]), ("prompt_top_logprobs", prompt[2])):
-                if value is not None and not isinstance(value, list):
-                    raise ProtocolError(f"field {name!r} must be a list")
-            item.prompt_logprobs, item.prompt_top_logprobs = prompt[1], prompt[2]
+        if isinstance(data, list):
+            item = cls(**token_item_fields_from_list(data))
+        elif isinstance(data, dict):
+            item = super().from_wire(data)
+        else:
+            raise ProtocolError("a token item must be a map")
+        if item.finish is not None:
+            item.finish = Finish.from_wire(item.finish)
+        item.check()
         return item
+
+    def check(self) -> None:
+        """What the field kinds alone do not say."""
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ProtocolError("field 'stop' must be a list of strings")
+        if not 0 <= self.prompt_context <= len(self.context):
+            raise ProtocolError("field 'prompt_context' exceeds the context")
+        if not 1 <= self.reply_version <= WIRE_VERSION:
+            raise ProtocolError(f"field 'reply_version' must be 1 to {WIRE_VERSION}")
 
 
 def token_context(

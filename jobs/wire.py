@@ -41,6 +41,8 @@ def unpack_ids(data: bytes) -> list[int]:
 # Each message class lists its fields' wire kinds; `decode` checks them, `encode` packs them.
 
 STR, INT, FLOAT, BOOL, MAP, LIST, IDS = "str", "int", "float", "bool", "map", "list", "ids"
+# A record written by name (a map, version 2) or by position (a list, version 1).
+RECORD = "map or list"
 
 
 def check_field(kind: str, name: str, value: Any, optional: bool) -> Any:
@@ -56,6 +58,7 @@ def check_field(kind: str, name: str, value: Any, optional: bool) -> Any:
         MAP: lambda v: isinstance(v, dict),
         LIST: lambda v: isinstance(v, list),
         IDS: lambda v: isinstance(v, bytes),
+        RECORD: lambda v: isinstance(v, (dict, list)),
     }[kind](value)
     if not ok:
         raise ProtocolError(f"field {name!r} must be {kind}, got {type(value).__name__}")
@@ -68,33 +71,64 @@ def check_field(kind: str, name: str, value: Any, optional: bool) -> Any:
     return value
 
 
-class Message:
-    """Base of the message dataclasses: ``KIND`` on the wire, ``FIELDS`` name -> wire kind."""
+# What this code writes: records by name (maps), version 2. Version 1 (no "v" field) is the
+# positional lists of older workers, still read; a version above this one is refused.
+WIRE_VERSION = 2
 
-    KIND: ClassVar[str]
+
+def check_version(what: str, version: Any) -> int:
+    """The wire version a message or record says it is written in (absent: 1)."""
+    if version is None:
+        return 1
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ProtocolError(f"field 'v' of {what} must be a version >= 1; got {version!r}")
+    if version > WIRE_VERSION:
+        raise ProtocolError(
+            f"{what} is wire version {version}, newer than this reader's {WIRE_VERSION}: "
+            "upgrade the reader first"
+        )
+    return version
+
+
+class Record:
+    """Fields by name: ``FIELDS`` name -> wire kind, ``OPTIONAL`` those that may be absent.
+
+    An absent optional field takes the dataclass's default; unknown names are ignored, so a
+    later writer may add optional fields without breaking this reader."""
+
     FIELDS: ClassVar[dict[str, str]]
     OPTIONAL: ClassVar[frozenset[str]] = frozenset()
 
     def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": self.KIND}
+        out: dict[str, Any] = {}
         for name, kind in self.FIELDS.items():
             value = getattr(self, name)
             if value is None:
                 continue
             if kind == IDS:
                 value = pack_ids(value)
-            elif kind == LIST and value and isinstance(value[0], Message):
+            elif kind == LIST and value and isinstance(value[0], Record):
                 value = [item.to_wire() for item in value]
             out[name] = value
         return out
 
     @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> Message:
-        values = {
-            name: check_field(kind, name, data.get(name), name in cls.OPTIONAL)
-            for name, kind in cls.FIELDS.items()
-        }
+    def from_wire(cls, data: dict[str, Any]) -> Record:
+        values = {}
+        for name, kind in cls.FIELDS.items():
+            value = check_field(kind, name, data.get(name), name in cls.OPTIONAL)
+            if value is not None:
+                values[name] = value
         return cls(**values)
+
+
+class Message(Record):
+    """A stream entry: a record whose ``KIND`` names its type on the wire."""
+
+    KIND: ClassVar[str]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.KIND, **super().to_wire()}
 
 
 def encode(message: Message) -> bytes:

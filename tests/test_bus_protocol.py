@@ -9,6 +9,7 @@ import struct
 import msgpack
 import pytest
 
+from jobs.legacy_records import finish_as_list
 from jobs.protocol import (
     ENTRY_FIELD,
     MESSAGE_TYPES,
@@ -187,8 +188,21 @@ _BEAT = SAMPLES[-1]
 _GEN_BASE = {"kind": "generate", "rid": "g", "reply_to": "reply", "sampling": {}}
 
 
+def _legacy_item(item: TokenItem) -> list:
+    """The item as a worker before wire version 2 sent it: a positional list of 12."""
+    finish = None if item.finish is None else finish_as_list(item.finish)
+    prompt = None
+    if item.prompt_ids is not None:
+        prompt = [pack_ids(item.prompt_ids), item.prompt_logprobs, item.prompt_top_logprobs]
+    return [
+        item.rid, item.reply_to, item.start, pack_ids(item.ids), pack_ids(item.context),
+        item.prompt_context, item.stop, item.skip_special_tokens, finish, item.logprobs,
+        item.top_logprobs, prompt,
+    ]  # fmt: skip
+
+
 def _item_wire(**changes: object) -> list:
-    item = _token_batch().items[0].to_wire()
+    item = _legacy_item(_token_batch().items[0])
     order = [
         "rid", "reply_to", "start", "ids", "context", "prompt_context", "stop",
         "skip_special_tokens", "finish", "logprobs", "top_logprobs",
@@ -387,6 +401,6 @@ def test_a_finish_carries_the_queue_time_when_measured():
 
 
 def test_a_token_item_of_a_worker_before_prompt_logprobs_still_decodes():
-    item = TokenItem("r", "q", 0, [5], [1], 1)
-    old = item.to_wire()[:11]  # what such a worker sends: no prompt element
+    item = TokenItem("r", "q", 0, [5], [1], 1, reply_version=1)
+    old = _legacy_item(item)[:11]  # what such a worker sends: no prompt element
     assert TokenItem.from_wire(old) == item

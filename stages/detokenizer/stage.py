@@ -12,6 +12,7 @@ from typing import Any
 from bus.actor import Inbound
 from bus.config import BusConfig
 from bus.effects import Outbound, Output
+from jobs.legacy_records import finish_as_list
 from jobs.protocol import TextDelta, TokenBatch, TokenItem
 from stages.detokenizer.incremental import text_deltas
 
@@ -38,7 +39,10 @@ class DetokenizerStage:
     def _delta(self, item: TokenItem, text: str | None) -> TextDelta:
         delta = TextDelta(item.rid, item.start, item.ids, text)
         if item.finish is not None:
-            delta.finish = item.finish.to_wire()
+            # In the version its requester reads: a job written without one gets the list.
+            delta.finish = (
+                item.finish.to_wire() if item.reply_version >= 2 else finish_as_list(item.finish)
+            )
         if item.logprobs is not None:
             delta.logprobs = item.logprobs
             delta.top_logprobs = item.top_logprobs
