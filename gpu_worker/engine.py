@@ -6,6 +6,11 @@
 
 The engine is synchronous: a call steps the shared scheduler until its own requests are
 done, so requests from interleaved calls batch together. Use it from one thread.
+
+A request is read by jobs/request_normaliser.py, as the pipeline reads it (its tokenizer
+stage, and the worker stage through `sampling_params` and `build_request`): the same
+defaults (a missing ``max_new_tokens`` is all that fit the context and the KV pool) and the
+same checks, each mistake a FieldError naming its field.
 """
 
 from __future__ import annotations
