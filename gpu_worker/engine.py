@@ -6,6 +6,11 @@
 
 The engine is synchronous: a call steps the shared scheduler until its own requests are
 done, so requests from interleaved calls batch together. Use it from one thread.
+
+A request is read by jobs/request_normaliser.py, as the pipeline reads it (its tokenizer
+stage, and the worker stage through `sampling_params` and `build_request`): the same
+defaults (a missing ``max_new_tokens`` is all that fit the context and the KV pool) and the
+same checks, each mistake a FieldError naming its field.
 """
 
 from __future__ import annotations
@@ -18,17 +23,22 @@ import torch
 
 from gpu_worker.config import DEFAULT_MODEL, EngineConfig
 from gpu_worker.model_executor.model_runner import ModelRunner
-from gpu_worker.request_input import (
-    checked_ids,
-    normalize_prompts,
-    normalize_sampling_params,
-)
+from gpu_worker.request_input import EngineTokenizer
 from gpu_worker.sampling.grammar import Grammars
 from gpu_worker.scheduling.req import Req
 from gpu_worker.scheduling.scheduler import Scheduler
 from gpu_worker.speculative.drafter import speculative_usage
 from gpu_worker.text_stream import TextStream
 from jobs.field_error import FieldError
+from jobs.request_normaliser import (
+    ModelLimits,
+    check_request,
+    check_token_ids,
+    encode_prompts,
+    sampling_maps,
+    split_prompts,
+)
+from jobs.request_normaliser import sampling_params as params_with_defaults
 from jobs.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -44,6 +54,7 @@ class Inputs(TypedDict, total=False):
 
     input_ids: TokenPrompts
     messages: Sequence[Any]  # a conversation of {role, content} dicts, or a list of them
+    tools: Sequence[Mapping[str, Any]]  # with messages: the functions it may call (OpenAI's)
 
 
 class Engine:
@@ -58,6 +69,11 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        # What the request normaliser checks against (jobs/request_normaliser.py).
+        self.limits = ModelLimits(
+            self.vocab_size, self.runner.context_length, self.runner.max_total_tokens
+        )
+        self._prompt_tokenizer = None if self.tokenizer is None else EngineTokenizer(self.tokenizer)
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -106,8 +122,10 @@ class Engine:
         params: SamplingParams,
         detokenize: bool = True,
         output_ids: list[int] | None = None,
+        field: str = "input_ids",
     ) -> Req:
-        """A checked request, ready for `scheduler.add_request`; a FieldError names the field.
+        """A checked request, ready for `scheduler.add_request`; a FieldError names the field
+        (`field`: what the prompt came as). The checks are the request normaliser's.
 
         With `detokenize` False the request gets a text stream only if it has stop strings
         (the worker stage leaves text to the detokenizer and only needs to find stops).
@@ -115,13 +133,13 @@ class Engine:
         already generated (as after a retraction), and generation continues after them; a
         grammar's matcher consumes them, so the output goes on matching it.
         """
-        checked_ids([input_ids], self.vocab_size, "input_ids")
-        params.validate(self.vocab_size)
-        self._check_fits(input_ids, params)
+        check_request(input_ids, params, field, self.limits)
+        if params.stop and self.tokenizer is None:
+            raise FieldError("stop", "stop: stop strings need a tokenizer; this model has none")
         req = self._make_req(input_ids, params, rid, detokenize or bool(params.stop))
         req.matcher = self.grammars.matcher(params)
         if output_ids:
-            checked_ids([output_ids], self.vocab_size, "output_ids")
+            check_token_ids(output_ids, "output_ids", self.vocab_size)
             if req.matcher is not None and not req.matcher.consume_tokens(list(output_ids)):
                 raise FieldError(
                     "output_ids", f"output_ids do not match the grammar: {req.matcher.get_error()}"
@@ -135,10 +153,12 @@ class Engine:
                 req.text_stream.push(req.output_ids)  # a stop string may span the resume
         return req
 
-    def token_budget(self, num_prompt_tokens: int) -> int:
-        """The most new tokens a prompt of this length can get (context and KV pool bound)."""
-        limit = min(self.runner.context_length, self.runner.max_total_tokens)
-        return limit - num_prompt_tokens
+    def sampling_params(
+        self, sampling: Mapping[str, Any] | None, prompt_tokens: int, field: str = "input_ids"
+    ) -> SamplingParams:
+        """A prompt's parameters from a sampling map, with the normaliser's defaults: a
+        missing ``max_new_tokens`` is all that fit the context and the KV pool."""
+        return params_with_defaults(sampling, prompt_tokens, field, self.limits)
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache and free its KV; refused (False) while requests are live."""
@@ -168,40 +188,21 @@ class Engine:
         sampling_params: Sampling,
         input_ids: TokenPrompts | None = None,
         messages: Sequence[Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[list[Req], bool]:
-        prompts, single = normalize_prompts(
-            self.tokenizer, self.vocab_size, prompt, input_ids, messages
-        )
-        params = normalize_sampling_params(sampling_params, len(prompts))
+        prompts, single = split_prompts(prompt, messages, input_ids, tools, many=True)
+        encoded = encode_prompts(prompts, self._prompt_tokenizer)
+        maps = sampling_maps(sampling_params, len(prompts))
         # Every request is checked before any is queued.
-        reqs = [
-            self.build_request(uuid.uuid4().hex, ids, one)
-            for ids, one in zip(prompts, params, strict=True)
-        ]
+        reqs = []
+        for one, ids, sampling in zip(prompts, encoded, maps, strict=True):
+            if isinstance(ids, ValueError):
+                raise ids
+            params = self.sampling_params(sampling, len(ids), one.field)
+            reqs.append(self.build_request(uuid.uuid4().hex, ids, params, field=one.field))
         for req in reqs:
             self.scheduler.add_request(req)
         return reqs, single
-
-    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
-        total = len(ids) + params.max_new_tokens
-        limit = self.runner.context_length
-        asked = (
-            f"max_new_tokens: the prompt ({len(ids)} tokens) plus max_new_tokens "
-            f"({params.max_new_tokens})"
-        )
-        if total > limit:
-            raise FieldError(
-                "max_new_tokens",
-                f"{asked} is {total}, beyond the context length {limit}",
-                code="context_length_exceeded",
-            )
-        if total > self.runner.max_total_tokens:
-            raise FieldError(
-                "max_new_tokens",
-                f"{asked} needs {total} KV slots; the pool has {self.runner.max_total_tokens}",
-            )
-        if params.stop and self.tokenizer is None:
-            raise FieldError("stop", "stop: stop strings need a tokenizer; this model has none")
 
     def _make_req(
         self, ids: list[int], params: SamplingParams, rid: str, detokenize: bool = True

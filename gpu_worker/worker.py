@@ -66,7 +66,6 @@ from jobs.protocol import (
     unpack_ids,
 )
 from jobs.request_bounds import request_bounds
-from jobs.sampling_params import SamplingParams
 from observability.metrics import ProcessMetrics, start_publisher
 
 logger = logging.getLogger(__name__)
@@ -256,9 +255,8 @@ class Worker:
             return
         try:
             generated = unpack_ids(progress) if progress else []
-            # OpenAI's missing max_tokens: as many as the context allows.
-            budget = max(1, self.engine.token_budget(len(job.input_ids)))
-            params = SamplingParams.from_wire(job.sampling, default_max_new_tokens=budget)
+            # The request normaliser's defaults (OpenAI's missing max_tokens: all that fit).
+            params = self.engine.sampling_params(job.sampling, len(job.input_ids))
             compiling = None if compiled else self.engine.grammars.compile_soon(params)
             if compiling is not None:  # admitted once compiled, by `_turn`
                 deadline = time.monotonic() + request_bounds().grammar_compile_timeout_s

@@ -27,8 +27,7 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from jobs.field_error import FieldError
-from jobs.tool_format import messages_with_tools, template_knows_tools
+from jobs.chat_messages import template_error, template_input
 from runtime.model_files import build_once, cached_folder, default_cache_dir, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -83,31 +82,15 @@ class StageTokenizer:
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The chat template's text for `messages` (and the `tools` the model may call, in
         OpenAI's form), before tokenization."""
-        if self.chat_template is None:
-            raise FieldError(
-                "messages", "messages: this model has no chat template; send a prompt instead"
-            )
-        chat = _checked_messages(messages)
+        chat, extra = template_input(self.chat_template, messages, tools)
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        extra = {}
-        if template_knows_tools(self.chat_template):
-            extra = {"tools": tools} if tools else {}
-        elif tools or any(m["role"] == "tool" or m.get("tool_calls") for m in chat):
-            try:
-                chat = messages_with_tools(chat, tools or [])
-            except (KeyError, TypeError, AttributeError) as exc:  # a direct job's own shape
-                message = "tools, messages: a tool call needs {function: {name, arguments}}"
-                raise FieldError("messages", f"{message} ({exc!r})") from exc
         try:
             return self._template.render(
                 messages=chat, add_generation_prompt=True, **extra, **self.special_tokens
             )
-        except Exception as exc:
-            # The template is code shipped with the model and fed by the client: whatever it
-            # raises is this request's error, and must not stop the stage.
-            message = f"messages: the chat template rejected them: {exc}"
-            raise FieldError("messages", message) from exc
+        except Exception as exc:  # must not stop the stage
+            raise template_error(exc) from exc
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._clean_up(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
@@ -231,23 +214,6 @@ def _default_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
         named = {entry.get("name"): entry.get("template") for entry in template}
         template = named.get("default")
     return template if isinstance(template, str) else None
-
-
-def _checked_messages(messages: Any) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        message = "messages: expected a non-empty list of {role, content} objects"
-        raise FieldError("messages", message)
-    chat = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise FieldError(where, f"{where}: each message needs a 'role' and a 'content'")
-        for key in ("role", "content"):
-            if not isinstance(message[key], str):
-                raise FieldError(f"{where}.{key}", f"{where}.{key}: must be a string")
-        # As transformers does: templates handle a missing key better than a None value.
-        chat.append({key: value for key, value in message.items() if value is not None})
-    return chat
 
 
 def _compile_template(source: str) -> jinja2.Template:

@@ -2,16 +2,17 @@
 
 Reads GenerateRequest from ``<p>:requests``, applies the chat template or encodes the
 prompt (a batch of prompts in one call into the Rust tokenizer), and writes a
-TokenizedRequest to ``<p>:tokenized``. Token-id jobs pass through; their ids are checked
-against the model's vocabulary by the worker, which knows it. A job this stage cannot
-tokenize gets an error reply and is acknowledged: it is the client's mistake, not a reason
-to retry.
+TokenizedRequest to ``<p>:tokenized``. A job this stage cannot tokenize gets an error reply
+and is acknowledged: it is the client's mistake, not a reason to retry.
 
-Every prompt, token-id jobs' too, is checked against the model's context length
-(stages/tokenizer/context_length.py) here, before it reaches a worker stream: a prompt that
-leaves no room for a token, or that with the job's ``max_new_tokens`` exceeds the context,
-gets a 400 ErrorReply (``context_length_exceeded``, OpenAI's wording) and never costs a
-worker anything.
+The prompt is read, tokenized and checked by jobs/request_normaliser.py, the functions
+`Engine.generate` uses too, so both doors refuse the same prompts with the same errors.
+This stage knows the model's context length (stages/tokenizer/context_length.py), not the
+vocabulary the worker loaded: token ids are checked here to be ids (not negative), and
+against the vocabulary by the worker, which also checks everything else again. A prompt
+that leaves no room for a token, or that with the job's ``max_new_tokens`` exceeds the
+context, gets a 400 ErrorReply (``context_length_exceeded``, OpenAI's wording) here, before
+it reaches a worker stream, and never costs a worker anything.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from bus.config import BusConfig
 from bus.effects import Outbound, Output, reply
 from jobs.field_error import FieldError
 from jobs.protocol import ErrorReply, GenerateRequest, TokenizedRequest
+from jobs.request_normaliser import ModelLimits, check_prompt, encode_prompts, split_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -38,18 +40,25 @@ class TokenizerStage:
         self.config = config
         self.tokenizer = tokenizer  # None: a random: model, which takes token ids only
         self.context_length = context_length  # None: unknown here, the worker checks
+        # The vocabulary and the KV pool are the worker's: it checks them (and all else again).
+        self.limits = ModelLimits(context_length=context_length)
 
     def input_stream(self, config: BusConfig) -> str:
         return config.requests_stream()
 
     def handle(self, batch: list[Inbound]) -> list[Output]:
         jobs = [inbound.message for inbound in batch]
-        texts = [job.prompt for job in jobs if job.prompt is not None and self.tokenizer]
-        encoded = iter(self.tokenizer.encode_batch(texts) if texts else [])
+        # Each job is one prompt (a GenerateRequest holds exactly one, checked when it was
+        # decoded, so splitting cannot fail); the batch's texts are tokenized in one call.
+        prompts = [split_prompts(job.prompt, job.messages, job.input_ids, job.tools)[0][0]
+                   for job in jobs]  # fmt: skip
         outputs: list[Output] = []
-        for job in jobs:
+        for job, prompt, ids in zip(jobs, prompts, encode_prompts(prompts, self.tokenizer),
+                                    strict=True):  # fmt: skip
             try:
-                ids = self._token_ids(job, encoded)
+                if isinstance(ids, ValueError):  # it could not be tokenized
+                    raise ids
+                check_prompt(ids, prompt.field, self.limits, _asked(job.sampling))
             except ValueError as exc:
                 outputs.append(reply(self.config, job.reply_to, _bad_request(job, exc)))
                 continue
@@ -58,50 +67,10 @@ class TokenizerStage:
             outputs.append(Outbound(self.config.tokenized_stream(), tokenized))
         return outputs
 
-    def _token_ids(self, job: GenerateRequest, encoded) -> list[int]:
-        if job.input_ids is not None:
-            ids = job.input_ids
-            field = "input_ids"
-        elif self.tokenizer is None:
-            field = "prompt" if job.prompt is not None else "messages"
-            raise FieldError(field, f"{field}: this model has no tokenizer (a random model); "
-                             "send input_ids")  # fmt: skip
-        elif job.prompt is not None:
-            ids = next(encoded)
-            field = "prompt"
-        else:
-            ids = self.tokenizer.apply_chat_template(job.messages, job.tools)
-            field = "messages"
-        if not ids:
-            raise FieldError(field, f"{field}: the prompt is empty")
-        if min(ids) < 0:
-            raise FieldError(field, f"{field}: token ids must be >= 0")
-        self._check_fits(job, len(ids), field)
-        return ids
 
-    def _check_fits(self, job: GenerateRequest, prompt_tokens: int, field: str) -> None:
-        """The prompt, and the tokens the job asks for, within the model's context."""
-        limit = self.context_length
-        if limit is None:
-            return
-        asked = job.sampling.get("max_new_tokens") if isinstance(job.sampling, dict) else None
-        new = asked if isinstance(asked, int) and not isinstance(asked, bool) else None
-        if prompt_tokens + (1 if new is None else max(new, 0)) <= limit:
-            return
-        # OpenAI: "This model's maximum context length is N tokens. However, you requested…"
-        if new is None or prompt_tokens >= limit:
-            message = (
-                f"This model's maximum context length is {limit} tokens. However, your "
-                f"{field} resulted in {prompt_tokens} tokens, which leaves no room for "
-                f"output. Please reduce the length of the {field}."
-            )
-            raise FieldError(field, message, code="context_length_exceeded")
-        message = (
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_tokens + new} tokens ({prompt_tokens} in the {field}, {new} in the "
-            f"completion). Please reduce the length of the {field} or completion."
-        )
-        raise FieldError("max_new_tokens", message, code="context_length_exceeded")
+def _asked(sampling: Any) -> Any:
+    """The job's ``max_new_tokens``, if it gave one (its type is the worker's to check)."""
+    return sampling.get("max_new_tokens") if isinstance(sampling, dict) else None
 
 
 def _bad_request(job: GenerateRequest, exc: ValueError) -> ErrorReply:
