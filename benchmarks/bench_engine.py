@@ -11,7 +11,6 @@ output length (end-of-sequence ignored), greedy. Run on an otherwise idle machin
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -21,10 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.engine_args import engine_parser, parse_engine_args  # noqa: E402
 from benchmarks.jsonl import emit as write_line  # noqa: E402
 from cli.workloads import WORKLOADS, Workload, make_workload  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
-from gpu_worker.config import EngineConfig  # noqa: E402
 from gpu_worker.hf_reference import hf_generate_seconds  # noqa: E402
 
 
@@ -105,15 +104,10 @@ def load_hf(model_name: str, dtype: torch.dtype):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="auto", help="auto: what the engine would pick")
+    parser = engine_parser(__doc__)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--systems", default="engine,hf")
-    parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
-    args = parser.parse_args()
-    # Resolve "auto" here so the baseline runs in, and the rows record, the same dtype.
-    args.dtype = EngineConfig(model=args.model, dtype=args.dtype).dtype_name()
+    args = parse_engine_args(parser)
     workloads = [make_workload(name) for name in args.workloads.split(",")]
     systems = set(args.systems.split(","))
     dtype = getattr(torch, args.dtype)

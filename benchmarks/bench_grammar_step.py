@@ -15,7 +15,6 @@ Run on an otherwise idle machine.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -25,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.engine_args import engine_parser, parse_engine_args  # noqa: E402
 from benchmarks.jsonl import emit  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
-from gpu_worker.config import EngineConfig  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "List as many fruits as you can, as a JSON array."}]
 # Arrays of at least 64 strings: plain ones (a mask costs llguidance microseconds), and ones
@@ -65,16 +64,12 @@ def _decode_steps(engine: Engine, batch: int, sampling: dict) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="auto", help="auto: what the engine would pick")
+    parser = engine_parser(__doc__)
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
-    args = parser.parse_args()
-    dtype = EngineConfig(model=args.model, dtype=args.dtype).dtype_name()
-    engine = Engine(args.model, dtype=dtype)
+    args = parse_engine_args(parser)
+    engine = Engine(args.model, dtype=args.dtype)
     free = {"max_new_tokens": args.tokens, "ignore_eos": True, "temperature": 0}
     runs_of = {"free": free}
     for name, schema in SCHEMAS.items():
@@ -89,7 +84,7 @@ def main() -> None:
             runs = [statistics.median(_decode_steps(engine, batch, sampling))
                     for _ in range(args.repeats)]  # fmt: skip
             medians[name] = statistics.median(runs)
-            emit({"bench": "grammar_step", "model": args.model, "dtype": dtype, "batch": batch,
+            emit({"bench": "grammar_step", "model": args.model, "dtype": args.dtype, "batch": batch,
                   "grammar": name, "step_ms": round(medians[name] * 1e3, 3),
                   "step_ms_runs": [round(r * 1e3, 3) for r in runs],
                   "cpu": platform.processor() or platform.machine()}, args.out)  # fmt: skip

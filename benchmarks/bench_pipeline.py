@@ -32,11 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_engine import print_table, run_engine  # noqa: E402
 
+from benchmarks.engine_args import engine_parser, parse_engine_args  # noqa: E402
 from benchmarks.jsonl import emit  # noqa: E402
 from cli import bench  # noqa: E402
 from cli.workloads import Workload, make_workload  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
-from gpu_worker.config import EngineConfig  # noqa: E402
 from runtime.embedded_server import EmbeddedRedis  # noqa: E402
 
 READY_TIMEOUT_S = 300
@@ -105,15 +105,10 @@ def measure_pipeline(args: argparse.Namespace, via: str, name: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="auto", help="auto: what the engine would pick")
+    parser = engine_parser(__doc__)
     parser.add_argument("--workloads", default="mixed-64")
     parser.add_argument("--via", default="http,redis", help="pipeline entry points to measure")
-    parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
-    args = parser.parse_args()
-    # Resolve "auto" here so the baseline runs in, and the rows record, the same dtype.
-    args.dtype = EngineConfig(model=args.model, dtype=args.dtype).dtype_name()
+    args = parse_engine_args(parser)
     names = args.workloads.split(",")
 
     engine_rows = {}

@@ -13,17 +13,16 @@ line per (workload, system). Run on an otherwise idle machine.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.engine_args import engine_parser, parse_engine_args  # noqa: E402
 from benchmarks.jsonl import emit  # noqa: E402
 from cli.workloads import COPY_MAX_NEW_TOKENS, copy_messages, make_workload  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
-from gpu_worker.config import EngineConfig  # noqa: E402
 
 GREEDY = {"temperature": 0.0}
 
@@ -46,14 +45,10 @@ def run(engine: Engine, workload: str) -> tuple[float, list[list[int]]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="auto", help="auto: what the engine would pick")
+    parser = engine_parser(__doc__)
     parser.add_argument("--workloads", default="copy-1,copy-16,mixed-64")
     parser.add_argument("--num-draft-tokens", type=int, default=4)
-    parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
-    args = parser.parse_args()
-    args.dtype = EngineConfig(model=args.model, dtype=args.dtype).dtype_name()
+    args = parse_engine_args(parser)
     engines = {
         "engine": Engine(args.model, dtype=args.dtype),
         "engine-ngram": Engine(args.model, dtype=args.dtype, speculative="ngram",

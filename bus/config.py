@@ -235,69 +235,74 @@ class BusConfig:
     def uses_embedded_server(self) -> bool:
         return self.redis_url is None
 
+    def _name(self, *parts: str) -> str:
+        """``<stream_prefix>:<part>:...``: every stream and key of one deployment is named so
+        (an id in a name is checked by `_require_id` first: a ':' in it would be ambiguous)."""
+        return ":".join((self.stream_prefix, *parts))
+
     def requests_stream(self) -> str:
-        return f"{self.stream_prefix}:requests"
+        return self._name("requests")
 
     def tokenized_stream(self) -> str:
-        return f"{self.stream_prefix}:tokenized"
+        return self._name("tokenized")
 
     def tokens_stream(self) -> str:
-        return f"{self.stream_prefix}:tokens"
+        return self._name("tokens")
 
     def worker_stream(self, worker_id: str) -> str:
-        return f"{self.stream_prefix}:worker:{_require_id('worker_id', worker_id)}"
+        return self._name("worker", _require_id("worker_id", worker_id))
 
     def reply_stream(self, frontend_id: str) -> str:
-        return f"{self.stream_prefix}:reply:{_require_id('frontend_id', frontend_id)}"
+        return self._name("reply", _require_id("frontend_id", frontend_id))
 
     def dead_letter_stream(self) -> str:
-        return f"{self.stream_prefix}:dead-letter"
+        return self._name("dead-letter")
 
     def heartbeat_key(self, worker_id: str) -> str:
-        return f"{self.stream_prefix}:heartbeat:{_require_id('worker_id', worker_id)}"
+        return self._name("heartbeat", _require_id("worker_id", worker_id))
 
     def workers_key(self) -> str:
         """A set of the worker ids that beat; an id whose heartbeat expired stays until the
         reaper (stages/router/worker_reaper.py) has moved its jobs to live workers."""
-        return f"{self.stream_prefix}:workers"
+        return self._name("workers")
 
     def progress_key(self, rid: str) -> str:
         """Request `rid`'s output token ids so far (packed int32), appended in the same MULTI
         that publishes them and deleted when it finishes: where a worker that is handed the
         request again (moved off a dead worker, or delivered twice) resumes it."""
-        return f"{self.stream_prefix}:progress:{rid}"
+        return self._name("progress", rid)
 
     def reaping_key(self, worker_id: str) -> str:
         """A lock: the router replica moving a dead worker's jobs holds it."""
-        return f"{self.stream_prefix}:reaping:{_require_id('worker_id', worker_id)}"
+        return self._name("reaping", _require_id("worker_id", worker_id))
 
     def fence_key(self, worker_id: str) -> str:
         """A new random token each time the reaper takes jobs off the worker: a worker whose
         token changed under it must not publish for jobs it no longer holds."""
-        return f"{self.stream_prefix}:fence:{_require_id('worker_id', worker_id)}"
+        return self._name("fence", _require_id("worker_id", worker_id))
 
     def routed_key(self) -> str:
         """A hash worker id -> jobs routed to it, so routers see each other's routing."""
-        return f"{self.stream_prefix}:routed"
+        return self._name("routed")
 
     def route_key(self, rid: str) -> str:
         """Which worker holds request `rid` (set by the router, read by aborts)."""
-        return f"{self.stream_prefix}:route:{rid}"
+        return self._name("route", rid)
 
     def request_key(self, request_id: str) -> str:
         """How many sub-requests (rids ``<request_id>-<i>``) one HTTP request made; set by
         the ingress that submitted it and deleted when they are done, so any ingress replica
         can abort it (``POST /v1/abort/<request_id>``)."""
-        return f"{self.stream_prefix}:request:{request_id}"
+        return self._name("request", request_id)
 
     def frontend_key(self, frontend_id: str) -> str:
         """Exists while ingress replica `frontend_id` is alive (refreshed every second): a
         stream it served can be resumed elsewhere only once it is gone."""
-        return f"{self.stream_prefix}:frontend:{_require_id('frontend_id', frontend_id)}"
+        return self._name("frontend", _require_id("frontend_id", frontend_id))
 
     def abort_key(self, rid: str) -> str:
         """Set when `rid` is aborted, so a job still on its way is dropped on arrival."""
-        return f"{self.stream_prefix}:abort:{rid}"
+        return self._name("abort", rid)
 
 
 def env_variable(field_name: str) -> str:

@@ -183,7 +183,20 @@ def stream_entries(response: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
     return response[0][1]
 
 
-class AsyncReplyReader:
+class _StreamReader:
+    """What both readers hold: their Redis client, the reply stream, and the `ReplyRouter`
+    that reads it (XREAD of `count` entries, blocking `block_ms`) and files each rid's
+    replies."""
+
+    def __init__(
+        self, client: Any, stream: str, *, block_ms: int = BLOCK_MS, count: int = READ_COUNT
+    ) -> None:
+        self.client = client
+        self.stream = stream
+        self._router = ReplyRouter(stream, block_ms=block_ms, count=count)
+
+
+class AsyncReplyReader(_StreamReader):
     """One task reading the reply stream; each rid's in-order messages go to its queue.
 
     Register a rid (with the queue to fill; several rids may share one) before submitting its
@@ -191,19 +204,14 @@ class AsyncReplyReader:
     rid gets a 503 ErrorReply rather than waiting forever, and the reader keeps retrying.
     """
 
+    client: aredis.Redis
+
     def __init__(
-        self,
-        client: aredis.Redis,
-        stream: str,
-        *,
-        block_ms: int = BLOCK_MS,
-        count: int = READ_COUNT,
-        trim: bool = True,
+        self, client: aredis.Redis, stream: str, *, trim: bool = True, **read: int
     ) -> None:
-        self.client = client
-        self.stream = stream
+        """`read`: `_StreamReader`'s block_ms and count."""
+        super().__init__(client, stream, **read)
         self.trim = trim  # False: a stream this reader does not own (a resumed one)
-        self._router = ReplyRouter(stream, block_ms=block_ms, count=count)
         self._queues: dict[str, asyncio.Queue[Reply]] = {}
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -283,7 +291,7 @@ class AsyncReplyReader:
             pass  # the next read reports it
 
 
-class ReplyReader:
+class ReplyReader(_StreamReader):
     """The blocking counterpart of `AsyncReplyReader`, for the sync client.
 
     No thread of its own: whichever caller of `get` finds nobody reading does one XREAD
@@ -291,17 +299,11 @@ class ReplyReader:
     threads may wait on different rids of one reader.
     """
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        stream: str,
-        *,
-        block_ms: int = BLOCK_MS,
-        count: int = READ_COUNT,
-    ) -> None:
-        self.client = client
-        self.stream = stream
-        self._router = ReplyRouter(stream, block_ms=block_ms, count=count)
+    client: redis.Redis
+
+    def __init__(self, client: redis.Redis, stream: str, **read: int) -> None:
+        """`read`: `_StreamReader`'s block_ms and count."""
+        super().__init__(client, stream, **read)
         self._buffers: dict[str, collections.deque[Reply | None]] = {}
         self._cond = threading.Condition()
         self._reading = False

@@ -34,7 +34,7 @@ import redis
 from bus.access import BusAccessError, check_access, redacted
 from bus.config import BusConfig
 from bus.liveness import read_liveness
-from cli.main import worker_command
+from cli.worker_command import worker_command
 from runtime.child_process import owned_child
 from runtime.embedded_server import EmbeddedRedis, EmbeddedServerError, default_data_dir
 

@@ -24,11 +24,10 @@ from pathlib import Path
 from batch_store.input_file import ENDPOINTS
 from bus.config import BusConfig
 from cli.run_stage import STAGES
+from cli.worker_command import GPU_CHECK_MODULE, worker_command
 from runtime.model_files import DEFAULT_MODEL
 
 DEFAULT_PORT = 8000
-WORKER_MODULE = "gpu_worker"  # started by name: stages never import gpu_worker
-GPU_CHECK_MODULE = "gpu_worker.gpu_check"
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -206,13 +205,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-def worker_command(redis_url: str | None, model: str, extra: list[str]) -> list[str]:
-    command = [sys.executable, "-m", WORKER_MODULE, "--model", model]
-    if redis_url:
-        command += ["--redis-url", redis_url]
-    return command + extra
 
 
 def _exec_worker(args: argparse.Namespace, extra: list[str]) -> int:

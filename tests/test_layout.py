@@ -3,7 +3,9 @@
 - bus/ and stages/ never import torch (a CPU stage must install and start without it);
 - stages/ and gpu_worker/ never import each other: they share only bus/;
 - no import circle between the project's modules, counting imports made only for type
-  checkers (a circle of annotations is still two modules that each need the other).
+  checkers (a circle of annotations is still two modules that each need the other), nor
+  through imports inside functions (an import deferred to a call still needs the other);
+- no module outside tests/ is over MAX_LINES lines (one concept a file).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("bus", "jobs", "batch_store", "observability", "runtime", "stages", "gpu_worker", "cli")
+# The benchmarks are scripts, not imported by the packages; they count for the size rule.
+SIZED = (*PACKAGES, "benchmarks")
+MAX_LINES = 400
 
 
 def _modules() -> dict[str, Path]:
@@ -49,13 +54,21 @@ def _imported(node: ast.Import | ast.ImportFrom, module: str, path: Path) -> Ite
 def _all_imports(module: str) -> set[str]:
     """Every name the module imports anywhere, functions included."""
     path = MODULES[module]
-    tree = ast.parse(path.read_text())
+    return _imports_anywhere(ast.parse(path.read_text()), module, path)
+
+
+def _imports_anywhere(tree: ast.Module, module: str, path: Path) -> set[str]:
     return {
         name
         for node in ast.walk(tree)
         if isinstance(node, (ast.Import, ast.ImportFrom))
         for name in _imported(node, module, path)
     }
+
+
+def _project_imports(module: str) -> set[str]:
+    """The project modules the module imports anywhere, function bodies included."""
+    return {name for name in _all_imports(module) if name in MODULES and name != module}
 
 
 def _module_level_imports(module: str) -> set[str]:
@@ -145,3 +158,23 @@ def test_the_circle_finder_finds_a_circle_through_three_modules():
 def test_no_module_imports_itself_back_through_others():
     graph = {module: _module_level_imports(module) for module in MODULES}
     assert _circles(graph) == []
+
+
+def test_no_circle_through_imports_inside_functions():
+    graph = {module: _project_imports(module) for module in MODULES}
+    assert _circles(graph) == []
+
+
+def test_an_import_inside_a_function_counts():
+    source = "def stop():\n    from . import main\n    return main\n"
+    found = _imports_anywhere(ast.parse(source), "cli.launcher", ROOT / "cli" / "launcher.py")
+    assert "cli.main" in found
+
+
+def test_no_module_is_over_the_line_limit():
+    sizes = {
+        str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+        for package in SIZED
+        for path in sorted((ROOT / package).rglob("*.py"))
+    }
+    assert {path: lines for path, lines in sizes.items() if lines > MAX_LINES} == {}

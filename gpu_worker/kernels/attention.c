@@ -18,6 +18,17 @@ static inline void prefetch_row(const void *base, int dtype, int64_t offset, int
 }
 
 #if defined(__AVX512F__)
+/* The 64 dimensions of row j (at slots[j]) of one head into four registers, asking for the
+ * row PREFETCH_ROWS ahead: the key pass and the value pass read their rows alike. */
+static inline __attribute__((always_inline)) void load_row_d64(
+    const void *head, int dtype, const int64_t *slots, int64_t stride, int64_t j, int64_t n,
+    __m512 row[4])
+{
+    if (j + PREFETCH_ROWS < n) prefetch_row(head, dtype, slots[j + PREFETCH_ROWS] * stride, 128);
+    const int64_t off = slots[j] * stride;
+    for (int i = 0; i < 4; i++) row[i] = load16(head, dtype, off + 16 * i);
+}
+
 /* One chunk of keys for a group of G query heads with head_dim 64, every running sum in
  * registers: with them in memory each key's update waited on the last one's store, and
  * fewer rows were in flight than the memory system can serve. */
@@ -27,15 +38,13 @@ static inline __attribute__((always_inline)) void attend_chunk_d64(
     float *state, int64_t state_stride)
 {
     for (int64_t j = 0; j < n; j++) {
-        if (j + PREFETCH_ROWS < n) prefetch_row(k_head, dtype, slots[j + PREFETCH_ROWS] * stride, 128);
-        const int64_t off = slots[j] * stride;
-        const __m512 k0 = load16(k_head, dtype, off), k1 = load16(k_head, dtype, off + 16);
-        const __m512 k2 = load16(k_head, dtype, off + 32), k3 = load16(k_head, dtype, off + 48);
+        __m512 k[4];
+        load_row_d64(k_head, dtype, slots, stride, j, n, k);
         for (int g = 0; g < G; g++) {
-            __m512 d = _mm512_mul_ps(k0, _mm512_loadu_ps(qf[g]));
-            d = _mm512_fmadd_ps(k1, _mm512_loadu_ps(qf[g] + 16), d);
-            d = _mm512_fmadd_ps(k2, _mm512_loadu_ps(qf[g] + 32), d);
-            d = _mm512_fmadd_ps(k3, _mm512_loadu_ps(qf[g] + 48), d);
+            __m512 d = _mm512_mul_ps(k[0], _mm512_loadu_ps(qf[g]));
+            d = _mm512_fmadd_ps(k[1], _mm512_loadu_ps(qf[g] + 16), d);
+            d = _mm512_fmadd_ps(k[2], _mm512_loadu_ps(qf[g] + 32), d);
+            d = _mm512_fmadd_ps(k[3], _mm512_loadu_ps(qf[g] + 48), d);
             scores[g * chunk + j] = _mm512_reduce_add_ps(d);
         }
     }
@@ -48,16 +57,11 @@ static inline __attribute__((always_inline)) void attend_chunk_d64(
     __m512 acc[4][4];
     for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
-        if (j + PREFETCH_ROWS < n) prefetch_row(v_head, dtype, slots[j + PREFETCH_ROWS] * stride, 128);
-        const int64_t off = slots[j] * stride;
-        const __m512 v0 = load16(v_head, dtype, off), v1 = load16(v_head, dtype, off + 16);
-        const __m512 v2 = load16(v_head, dtype, off + 32), v3 = load16(v_head, dtype, off + 48);
+        __m512 v[4];
+        load_row_d64(v_head, dtype, slots, stride, j, n, v);
         for (int g = 0; g < G; g++) {
             const __m512 p = _mm512_set1_ps(scores[g * chunk + j]);
-            acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
-            acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
-            acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
-            acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);
+            for (int i = 0; i < 4; i++) acc[g][i] = _mm512_fmadd_ps(p, v[i], acc[g][i]);
         }
     }
     for (int g = 0; g < G; g++)

@@ -66,18 +66,22 @@ static inline __attribute__((always_inline)) void pv_4_rows(
         for (int i = 0; i < WIDTH; i++) _mm512_storeu_ps(out + r * out_stride + 16 * i, acc[r][i]);
 }
 
-/* pv_4_rows over every dimension, 64 at a time (a constant width per call: registers). */
+/* A P V kernel (pv_4_rows or pv_4_rows_bf16) over every dimension, 64 at a time, each call
+ * with a constant WIDTH of 16-dimension registers (so its accumulators stay in registers). */
+#define PV_4_ROWS_ALL(kernel, p, p_stride, v, head_dim, keys, out, out_stride)                   \
+    for (int64_t dim0 = 0; dim0 < (head_dim); dim0 += 64) {                                   \
+        float *o = (out) + dim0;                                                               \
+        switch (((head_dim) - dim0) >= 64 ? 4 : (int)((head_dim) - dim0) / 16) {               \
+            case 4: kernel(p, p_stride, v, head_dim, keys, dim0, o, out_stride, 4); break;     \
+            case 3: kernel(p, p_stride, v, head_dim, keys, dim0, o, out_stride, 3); break;     \
+            case 2: kernel(p, p_stride, v, head_dim, keys, dim0, o, out_stride, 2); break;     \
+            default: kernel(p, p_stride, v, head_dim, keys, dim0, o, out_stride, 1); break;    \
+        }                                                                                      \
+    }
+
 static void pv_4_rows_all(const float *p, int64_t p_stride, const float *v, int64_t head_dim,
                           int64_t keys, float *out, int64_t out_stride) {
-    for (int64_t dim0 = 0; dim0 < head_dim; dim0 += 64) {
-        float *o = out + dim0;
-        switch ((head_dim - dim0) >= 64 ? 4 : (int)(head_dim - dim0) / 16) {
-            case 4: pv_4_rows(p, p_stride, v, head_dim, keys, dim0, o, out_stride, 4); break;
-            case 3: pv_4_rows(p, p_stride, v, head_dim, keys, dim0, o, out_stride, 3); break;
-            case 2: pv_4_rows(p, p_stride, v, head_dim, keys, dim0, o, out_stride, 2); break;
-            default: pv_4_rows(p, p_stride, v, head_dim, keys, dim0, o, out_stride, 1); break;
-        }
-    }
+    PV_4_ROWS_ALL(pv_4_rows, p, p_stride, v, head_dim, keys, out, out_stride);
 }
 #endif
 
@@ -135,15 +139,7 @@ static inline __attribute__((always_inline)) void pv_4_rows_bf16(
 
 static void pv_4_rows_all_bf16(const uint16_t *p, int64_t p_stride, const uint16_t *vp,
                                int64_t head_dim, int64_t keys, float *out, int64_t out_stride) {
-    for (int64_t dim0 = 0; dim0 < head_dim; dim0 += 64) {
-        float *o = out + dim0;
-        switch ((head_dim - dim0) >= 64 ? 4 : (int)(head_dim - dim0) / 16) {
-            case 4: pv_4_rows_bf16(p, p_stride, vp, head_dim, keys, dim0, o, out_stride, 4); break;
-            case 3: pv_4_rows_bf16(p, p_stride, vp, head_dim, keys, dim0, o, out_stride, 3); break;
-            case 2: pv_4_rows_bf16(p, p_stride, vp, head_dim, keys, dim0, o, out_stride, 2); break;
-            default: pv_4_rows_bf16(p, p_stride, vp, head_dim, keys, dim0, o, out_stride, 1); break;
-        }
-    }
+    PV_4_ROWS_ALL(pv_4_rows_bf16, p, p_stride, vp, head_dim, keys, out, out_stride);
 }
 #endif
 

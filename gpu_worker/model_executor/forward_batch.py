@@ -22,8 +22,6 @@ class ForwardMode(IntEnum):
     EXTEND = 1
     # Every request computes exactly one new token.
     DECODE = 2
-    # Nothing to compute (a data-parallel peer is busy); the forward is a no-op.
-    IDLE = 3
     # Speculative decoding: each request computes its last token and the tokens drafted
     # after it, attending like an extend; logits come back for every new token.
     TARGET_VERIFY = 4

@@ -19,7 +19,7 @@ from gpu_worker.memory.gpu_memory import forward_activation_bytes, plan_gpu_kv_p
 from gpu_worker.memory.kv_pool import TokenToKVPool
 from gpu_worker.memory.req_to_token_pool import ReqToTokenPool
 from gpu_worker.model_executor.cpu_malloc import keep_freed_memory_in_heap
-from gpu_worker.model_executor.forward_batch import MAX_PROMPT_LOGIT_ROWS, ForwardBatch, ForwardMode
+from gpu_worker.model_executor.forward_batch import MAX_PROMPT_LOGIT_ROWS, ForwardBatch
 from gpu_worker.model_executor.forward_context import (
     ForwardContext,
     capture_forward_context,
@@ -170,8 +170,6 @@ class ModelRunner:
         mode, of every new token, [num_tokens, vocab]; then those of the prompt positions
         the batch asks for (`ForwardBatch.prompt_logit_indices`). Decode batches go through
         the CUDA graphs when they are captured and the batch fits one."""
-        if forward_batch.forward_mode == ForwardMode.IDLE:
-            return torch.empty((0, self.model_config.vocab_size), device=self.device)
         if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):
             return self.graph_runner.run(forward_batch)
         return self.forward_eager(forward_batch)

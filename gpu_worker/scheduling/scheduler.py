@@ -4,7 +4,8 @@ Each step either extends (prefill chunks of waiting requests, under a token budg
 decodes every running request by one token. Prefill goes first, so new requests start
 quickly. When a decode step finds no KV room, the request with the least progress is
 retracted: its KV is released (whole pages stay in the prefix cache) and it goes back to
-the front of the queue, to be recomputed and continue where it stopped.
+the front of the queue, to be recomputed and continue where it stopped. What each sampled
+token does to its request (stops, length, text) is outputs.py's.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ from gpu_worker.config import EngineConfig
 from gpu_worker.memory.radix_cache import RadixCache
 from gpu_worker.model_executor.forward_batch import MAX_PROMPT_LOGIT_ROWS, ForwardMode
 from gpu_worker.model_executor.model_runner import ModelRunner
-from gpu_worker.sampling.grammar import consume
 from gpu_worker.sampling.logprobs import record_prompt_logprobs
-from gpu_worker.sampling.penalties import SamplingRows
-from gpu_worker.sampling.sampler import SamplingBatch, sample
+from gpu_worker.sampling.sampler import sample
 from gpu_worker.scheduling.fair_share import FairShare
+from gpu_worker.scheduling.outputs import append_token, finish_output, sampling_batch
 from gpu_worker.scheduling.policy import order_waiting, shares_prefix_with_batch
 from gpu_worker.scheduling.req import FinishReason, Req
 from gpu_worker.scheduling.request_kv import RequestKV
@@ -307,9 +307,8 @@ class Scheduler:
             logits = logits[rows]
         result = self._sample(logits, sampled, [req.output_ids for req in sampled])
         for i, req in enumerate(sampled):
-            self._append_token(
-                req, result.next_token_ids[i], result.logprobs[i], result.top_logprobs[i]
-            )
+            append_token(req, result.next_token_ids[i], result.logprobs[i],
+                         result.top_logprobs[i], self.runner.context_length)  # fmt: skip
             if req.finished:
                 self._finish(req, req.finished_reason)
             elif batch.mode == ForwardMode.EXTEND:
@@ -334,7 +333,9 @@ class Scheduler:
         else:
             emitted = verify.by_rejection(
                 logits,
-                self._sampling_batch(row_reqs, row_outputs, logits.device),
+                sampling_batch(
+                    row_reqs, row_outputs, self.runner.model_config.vocab_size, logits.device
+                ),
                 batch.draft_ids,
                 [draft_probs.get(req.rid) for req in batch.reqs],
                 [req.generator for req in batch.reqs],
@@ -345,7 +346,7 @@ class Scheduler:
         ):
             appended = 0
             for token, logprob, top_logprobs in tokens:
-                self._append_token(req, token, logprob, top_logprobs)
+                append_token(req, token, logprob, top_logprobs, self.runner.context_length)
                 appended += 1
                 if req.finished:  # a stop inside the accepted run ends the request there
                     break
@@ -363,69 +364,11 @@ class Scheduler:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req], outputs: list[list[int]]):
         """One token per row; row i belongs to reqs[i] with output tokens outputs[i]."""
-        batch = self._sampling_batch(reqs, outputs, logits.device)
+        batch = sampling_batch(reqs, outputs, self.runner.model_config.vocab_size, logits.device)
         return sample(logits, batch, self.default_generator, self.runner.cpu_kernels)
 
-    def _sampling_batch(self, reqs: list[Req], outputs: list[list[int]], device) -> SamplingBatch:
-        matchers = [req.matcher for req in reqs]
-        drafts_before = []  # read only for grammar rows: a plain batch skips building it
-        if any(matcher is not None for matcher in matchers):
-            # A verify row's grammar state is the one after the drafts it follows.
-            drafts_before = [out[len(r.output_ids) :] for r, out in zip(reqs, outputs, strict=True)]
-        rows = SamplingRows(
-            [req.params for req in reqs],
-            [req.origin_input_ids for req in reqs],
-            outputs,
-            [
-                req.blocked_until_min_tokens(len(out))
-                for req, out in zip(reqs, outputs, strict=True)
-            ],
-            matchers,
-            drafts_before,
-            [req.logit_bias for req in reqs],
-        )
-        return SamplingBatch.build(
-            rows,
-            [req.generator for req in reqs],
-            self.runner.model_config.vocab_size,
-            device,
-        )
-
-    def _append_token(self, req: Req, token: int, logprob, top_logprobs) -> None:
-        req.output_ids.append(token)
-        if req.params.logprobs:
-            req.logprobs.append(logprob)
-            if req.params.top_logprobs:
-                req.top_logprobs.append(top_logprobs)
-        stopped_by_string = False
-        if req.text_stream is not None:
-            text, stopped_by_string = req.text_stream.push([token])
-            if text:
-                req.pending_text.append(text)
-        num_out = len(req.output_ids)
-        grammar_error = None if req.matcher is None else consume(req.matcher, token)
-        if grammar_error is not None:
-            # The mask allows only tokens the grammar takes, so this is a bug, not a user's.
-            logger.error("request %s: grammar matcher failed: %s", req.rid, grammar_error)
-            req.finished_reason = FinishReason("abort", f"grammar matcher failed: {grammar_error}")
-        elif token in req.stop_ids and num_out >= req.params.min_new_tokens:
-            req.finished_reason = FinishReason("stop", token)
-        elif req.matcher is not None and req.matcher.is_stopped():
-            req.finished_reason = FinishReason("stop")  # the grammar is complete
-        elif stopped_by_string:
-            req.finished_reason = FinishReason("stop", req.text_stream.matched_stop)
-        elif num_out >= req.params.max_new_tokens or req.num_tokens >= self.runner.context_length:
-            req.finished_reason = FinishReason("length")
-
     def _finish(self, req: Req, reason: FinishReason) -> Req:
-        req.finished_reason = reason
-        stopped_by_string = reason.kind == "stop" and isinstance(reason.matched, str)
-        # Text held back as a possible stop-string start is real output unless the request
-        # was aborted or that stop string did complete.
-        if req.text_stream is not None and reason.kind != "abort" and not stopped_by_string:
-            flushed = req.text_stream.flush()
-            if flushed:
-                req.pending_text.append(flushed)
+        finish_output(req, reason)
         self.kv.release(req)
         return req
 

@@ -28,7 +28,7 @@ from bus.config import BusConfig
 from bus.reconnect import REDIS_TRANSIENT
 from bus.replies import AsyncReplyReader
 from observability.metrics import start_publisher
-from stages.ingress.api import handlers
+from stages.ingress.api import handlers, service_endpoints
 from stages.ingress.api.openapi import openapi_document
 from stages.ingress.batches import routes as batch_api
 from stages.ingress.batches.runner import BatchRunner
@@ -96,13 +96,13 @@ def create_app(
     app.on_shutdown.append(_drain)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
-    app.router.add_get("/v1/models", handlers.models)
-    app.router.add_get("/v1/models/{model}", handlers.model)
+    app.router.add_get("/v1/models", service_endpoints.models)
+    app.router.add_get("/v1/models/{model}", service_endpoints.model)
     app.router.add_post("/generate", handlers.generate)
-    app.router.add_post("/v1/abort/{id}", handlers.abort)
-    app.router.add_get("/health", handlers.health)
-    app.router.add_get("/metrics", handlers.metrics)
-    app.router.add_get("/openapi.json", handlers.openapi)
+    app.router.add_post("/v1/abort/{id}", service_endpoints.abort)
+    app.router.add_get("/health", service_endpoints.health)
+    app.router.add_get("/metrics", service_endpoints.metrics)
+    app.router.add_get("/openapi.json", service_endpoints.openapi)
     app.router.add_get("/status", status_page)
     app.router.add_get("/status.json", status_json)
     batch_api.add_routes(app)

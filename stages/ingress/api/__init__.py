@@ -1,6 +1,7 @@
 """The ingress's HTTP API: OpenAI's endpoints and the native /generate.
 
-handlers.py          the endpoints
+handlers.py          the generation endpoints (chat, completions, /generate)
+service_endpoints.py the rest: models, aborts, OpenAPI document, health, metrics
 params.py            request bodies checked and turned into GenerateRequests
 openai_format.py     OpenAI response bodies, stream chunks and logprobs
 native_format.py     the native /generate bodies

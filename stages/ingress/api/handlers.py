@@ -1,4 +1,5 @@
-"""The HTTP endpoints.
+"""The generation endpoints: OpenAI's chat completions and completions, and the native
+/generate (the others are service_endpoints.py's).
 
 A generation request is checked (params.py), admitted (a live worker, room in the queue),
 submitted, and answered only once every sub-request has replied once: a rejection found
@@ -9,7 +10,6 @@ which the OpenAI clients raise.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -18,12 +18,9 @@ from typing import Any
 
 import redis
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
-from bus.aborts import publish_aborts_async
 from bus.replies import AsyncReplyReader
 from jobs.protocol import ErrorReply, TextDelta
-from observability.deployment_metrics import deployment_registry, render
 from stages.ingress.api.native_format import meta_info, native_logprobs, native_prompt_logprobs
 from stages.ingress.api.openai_format import (
     ChatFormat,
@@ -35,7 +32,6 @@ from stages.ingress.api.openai_format import (
 )
 from stages.ingress.api.params import (
     ApiRequest,
-    check_model,
     parse_chat,
     parse_completion,
     parse_generate,
@@ -43,7 +39,6 @@ from stages.ingress.api.params import (
 from stages.ingress.api.tool_call_parser import ToolCallParser
 from stages.ingress.body import read_object
 from stages.ingress.errors import ApiError, error_body, redis_full, redis_unavailable
-from stages.ingress.health import serving_paths
 from stages.ingress.state import STATE, IngressState
 from stages.ingress.streaming import resume
 from stages.ingress.streaming.submission import Submission
@@ -54,7 +49,6 @@ from stages.ingress.tenancy.tenants import Tenant
 logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
-PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 
 def _json(data: Any) -> bytes:
@@ -349,70 +343,3 @@ async def _stream_generate(
     await response.write(DONE)
     await response.write_eof()
     return response
-
-
-# ---- the rest ----------------------------------------------------------------------------------
-
-
-async def models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    return web.json_response({"object": "list", "data": [state.model_card()]})
-
-
-async def model(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    check_model({"model": request.match_info["model"]}, state.model)
-    return web.json_response(state.model_card())
-
-
-async def abort(request: web.Request) -> web.Response:
-    """Stop a request some ingress replica is serving (its response ``id``, or a native
-    ``meta_info.id``): its workers free its KV within a step, and its stream ends with
-    finish_reason "abort". Another owner's request is as unknown as a finished one."""
-    state = request.app[STATE]
-    request_id = request.match_info["id"]
-    rids = await state.sub_requests(request_id, owner_of(request, state.tenants))
-    if not rids:
-        raise ApiError(
-            404, f"no request {request_id!r} is running", param="id", code="request_not_found"
-        )
-    await publish_aborts_async(state.redis, state.config, rids)
-    state.metrics.aborts.inc(len(rids))
-    return web.json_response({"id": request_id, "object": "abort", "aborted": len(rids)})
-
-
-async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(request.app[STATE].openapi)
-
-
-async def health(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    await state.redis.ping()  # an unreachable Redis is a 503 from the middleware
-    liveness = await state.health.liveness(fresh=True)
-    if not liveness.alive:
-        raise ApiError(
-            503,
-            "no live worker (no worker heartbeat in Redis)",
-            "service_unavailable",
-            None,
-            "no_worker",
-        )
-    return web.json_response(
-        {"status": "ok", "workers": len(liveness.alive), "serving": serving_paths(liveness)}
-    )
-
-
-async def metrics(request: web.Request) -> web.Response:
-    """The whole deployment's metrics (observability/deployment_metrics.py); this replica's alone
-    while Redis cannot be read."""
-    state = request.app[STATE]
-    if state.deployment_metrics is None:
-        state.deployment_metrics = deployment_registry(
-            state.sync_redis, state.config, state.metrics_publisher
-        )
-    loop = asyncio.get_running_loop()
-    try:  # the collector's Redis calls are blocking: off the event loop
-        body = await loop.run_in_executor(None, render, state.deployment_metrics)
-    except redis.RedisError:
-        body = await loop.run_in_executor(None, render, state.metrics.process.registry)
-    return web.Response(body=body, headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})

@@ -94,6 +94,14 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
     return result
 
 
+def choice_entry(
+    index: int, content: dict[str, Any], logprobs: dict | None, finish_reason: str | None
+) -> dict[str, Any]:
+    """One entry of a response's or a chunk's "choices": the index, what the format puts
+    there (chat's message or delta, completions' text), then logprobs and finish_reason."""
+    return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
 class ChatFormat:
     id_prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
@@ -143,12 +151,7 @@ class ChatFormat:
         self, choice: Choice, delta: dict[str, Any], logprobs: dict | None,
         finish_reason: str | None,
     ) -> dict[str, Any]:  # fmt: skip
-        return {
-            "index": choice.index,
-            "delta": delta,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
+        return choice_entry(choice.index, {"delta": delta}, logprobs, finish_reason)
 
     def whole_choice(self, choice: Choice) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(choice.text)}
@@ -157,12 +160,9 @@ class ChatFormat:
             message["content"] = whole.get("content")
             if choice.tool_parser.calls:
                 message["tool_calls"] = whole["tool_calls"]
-        return {
-            "index": choice.index,
-            "message": message,
-            "logprobs": choice.logprobs,
-            "finish_reason": choice.finish_reason,
-        }
+        return choice_entry(
+            choice.index, {"message": message}, choice.logprobs, choice.finish_reason
+        )
 
 
 class CompletionFormat:
@@ -220,20 +220,11 @@ class CompletionFormat:
         self, choice: Choice, delta: dict[str, Any], logprobs: dict | None,
         finish_reason: str | None,
     ) -> dict[str, Any]:  # fmt: skip
-        return {
-            "index": choice.index,
-            "text": delta.get("text", ""),
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
+        return choice_entry(choice.index, {"text": delta.get("text", "")}, logprobs, finish_reason)
 
     def whole_choice(self, choice: Choice) -> dict[str, Any]:
-        return {
-            "index": choice.index,
-            "text": "".join(choice.text),
-            "logprobs": choice.logprobs,
-            "finish_reason": choice.finish_reason,
-        }
+        text = {"text": "".join(choice.text)}
+        return choice_entry(choice.index, text, choice.logprobs, choice.finish_reason)
 
 
 OpenAIFormat = ChatFormat | CompletionFormat

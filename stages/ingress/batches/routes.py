@@ -7,7 +7,7 @@ another owner's are a 404. The stores are blocking: their calls run on the execu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from aiohttp import BodyPartReader, web
@@ -125,20 +125,26 @@ async def list_files(request: web.Request) -> web.Response:
     return web.json_response(listing)
 
 
-async def retrieve_file(request: web.Request) -> web.Response:
-    files, _ = _stores(request)
-    return web.json_response(await _call(files.get, request.match_info["file_id"]))
+def _by_id(
+    key: str, method: Callable[[FileStore, BatchStore], Callable[[str], Any]]
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A route answering with the JSON of one store call on the object its path names
+    (`key`): `method` picks the call from the request's stores."""
+
+    async def handle(request: web.Request) -> web.Response:
+        return web.json_response(await _call(method(*_stores(request)), request.match_info[key]))
+
+    return handle
+
+
+retrieve_file = _by_id("file_id", lambda files, batches: files.get)
+delete_file = _by_id("file_id", lambda files, batches: files.delete)
 
 
 async def file_content(request: web.Request) -> web.Response:
     files, _ = _stores(request)
     content = await _call(files.content, request.match_info["file_id"])
     return web.Response(body=content, content_type="application/octet-stream")
-
-
-async def delete_file(request: web.Request) -> web.Response:
-    files, _ = _stores(request)
-    return web.json_response(await _call(files.delete, request.match_info["file_id"]))
 
 
 # ---- batches -----------------------------------------------------------------------------
@@ -169,14 +175,8 @@ async def list_batches(request: web.Request) -> web.Response:
     return web.json_response(listing)
 
 
-async def retrieve_batch(request: web.Request) -> web.Response:
-    _, batches = _stores(request)
-    return web.json_response(await _call(batches.get, request.match_info["batch_id"]))
-
-
-async def cancel_batch(request: web.Request) -> web.Response:
-    _, batches = _stores(request)
-    return web.json_response(await _call(batches.cancel, request.match_info["batch_id"]))
+retrieve_batch = _by_id("batch_id", lambda files, batches: batches.get)
+cancel_batch = _by_id("batch_id", lambda files, batches: batches.cancel)
 
 
 def add_routes(app: web.Application) -> None:
