@@ -195,7 +195,7 @@ def test_entrypoint_is_the_streamserve_console_script():
     assert entrypoint() == ["streamserve"]
     pyproject = (ROOT / "pyproject.toml").read_text()
     scripts = pyproject.partition("[project.scripts]")[2].partition("\n[")[0]
-    assert re.search(r'^streamserve = "stages\.cli:main"$', scripts, re.MULTILINE)
+    assert re.search(r'^streamserve = "cli:main"$', scripts, re.MULTILINE)
 
 
 def test_services_use_the_images_entrypoint_with_their_own_command(services):
