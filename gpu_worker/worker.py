@@ -258,7 +258,7 @@ class Worker:
             generated = unpack_ids(progress) if progress else []
             # OpenAI's missing max_tokens: as many as the context allows.
             budget = max(1, self.engine.token_budget(len(job.input_ids)))
-            params = SamplingParams.from_wire(job.sampling, default_max_new_tokens=budget)
+            params = SamplingParams.from_wire(job.sampling, budget, job.priority)
             compiling = None if compiled else self.engine.grammars.compile_soon(params)
             if compiling is not None:  # admitted once compiled, by `_turn`
                 deadline = time.monotonic() + request_bounds().grammar_compile_timeout_s
