@@ -34,7 +34,8 @@ def lift_priority(sampling: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
 
 
 def current_form(data: dict[str, Any]) -> dict[str, Any]:
-    """A job's wire map (any version this code reads) in the current version's form."""
+    """A job's wire map (any version this code reads) in the current version's form (its
+    ``v`` aside): `data` itself where it needs no change."""
     version = data.get("v")
     version = 1 if version is None else version
     if not isinstance(version, int) or isinstance(version, bool):
@@ -58,7 +59,7 @@ def current_form(data: dict[str, Any]) -> dict[str, Any]:
                                 field=PRIORITY)  # fmt: skip
         sampling, priority = lift_priority(sampling)
         data = {**data, "sampling": sampling, PRIORITY: priority}
-    return {**data, "v": JOB_VERSION}
+    return data
 
 
 class _Job(Message):
@@ -66,7 +67,9 @@ class _Job(Message):
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> Message:
-        return super().from_wire(current_form(data))
+        job = super().from_wire(current_form(data))
+        job.v = JOB_VERSION  # read in the current form; written on in it
+        return job
 
 
 @dataclass
