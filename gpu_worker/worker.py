@@ -258,7 +258,7 @@ class Worker:
             generated = unpack_ids(progress) if progress else []
             # OpenAI's missing max_tokens: as many as the context allows.
             budget = max(1, self.engine.token_budget(len(job.input_ids)))
-            params = SamplingParams.from_wire(job.sampling, budget, job.priority)
+            params = SamplingParams.from_wire(job.sampling, default_max_new_tokens=budget)
             compiling = None if compiled else self.engine.grammars.compile_soon(params)
             if compiling is not None:  # admitted once compiled, by `_turn`
                 deadline = time.monotonic() + request_bounds().grammar_compile_timeout_s
@@ -269,6 +269,7 @@ class Worker:
             )
             req.tenant = job.tenant or ""
             req.weight = job.weight or 1.0
+            req.params.priority = job.priority or 0  # the job's, beside its sampling
         except Exception as exc:  # whatever one job's content raises is its own error
             self._refuse(entry_id, job, exc)
             return

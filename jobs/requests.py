@@ -1,17 +1,20 @@
 """The jobs themselves: `GenerateRequest` (text, chat or token ids; the tokenizer's input),
 `TokenizedRequest` (token ids; the router's and the workers' input) and `Abort`.
 
-A job is versioned by its ``v`` field, so a job written by an older client still decodes:
+A job says in ``v`` the wire version its writer speaks, so a job written by an older client
+still decodes, and its replies are written in the version it reads:
 
   v absent or 1   ``priority`` rides inside ``sampling`` (the form before version 2)
   v 2 (current)   ``priority`` is a job field beside ``sampling``, ``tenant`` and ``weight``
                   (the scheduler's, not the sampler's); ``sampling`` holds sampling
                   parameters only
 
-Decoding lifts a version-1 job's priority out of its sampling map, so every stage sees the
-current form (and writes it on). A version this code does not know, or a priority given
-both ways, or inside ``sampling`` of a version-2 job, is a `ProtocolError` naming the field:
-the entry is dead-lettered and its requester gets a 400 (jobs/job_failures.py).
+Decoding lifts a version-1 job's priority out of its sampling map, so every stage sees one
+form; the job keeps its ``v`` as it travels (a stage passes a version-1 job on with its
+priority beside ``sampling``, which decodes the same). A version this code does not know, a
+priority given both ways, or one inside ``sampling`` of a version-2 job is a `ProtocolError`
+naming the field: the entry is dead-lettered and its requester gets a 400 naming it
+(jobs/job_failures.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 from jobs.sampling_checks import check_priority
 from jobs.wire import FLOAT, IDS, INT, LIST, MAP, STR, Message, ProtocolError
 
-JOB_VERSION = 2  # what this code writes; it reads 1 (or no `v`) to JOB_VERSION
+JOB_VERSION = 2  # what the ingress and Client write; this code reads 1 (or no `v`) to it
 PRIORITY = "priority"
 
 
@@ -33,11 +36,12 @@ def lift_priority(sampling: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
     return rest, rest.pop(PRIORITY, None)
 
 
-def current_form(data: dict[str, Any]) -> dict[str, Any]:
-    """A job's wire map (any version this code reads) in the current version's form (its
-    ``v`` aside): `data` itself where it needs no change."""
+def job_version(data: dict[str, Any]) -> int:
+    """The version a job's wire map says it is written in (absent: 1); ProtocolError naming
+    ``v`` for one this code does not read."""
     version = data.get("v")
-    version = 1 if version is None else version
+    if version is None:
+        return 1
     if not isinstance(version, int) or isinstance(version, bool):
         raise ProtocolError(f"field 'v' must be int, got {type(version).__name__}", field="v")
     if not 1 <= version <= JOB_VERSION:
@@ -46,29 +50,36 @@ def current_form(data: dict[str, Any]) -> dict[str, Any]:
             f"write v={JOB_VERSION}, or leave v out for version 1",
             field="v",
         )
+    return version
+
+
+def current_form(data: dict[str, Any], version: int) -> dict[str, Any]:
+    """A job's wire map of `version` with ``priority`` beside ``sampling``: `data` itself
+    where it is so already."""
     sampling = data.get("sampling")
-    if isinstance(sampling, dict) and PRIORITY in sampling:
-        if version >= 2:
-            raise ProtocolError(
-                f"priority is a job field since version 2, not a sampling parameter: "
-                f"give it beside sampling (v={version})",
-                field=PRIORITY,
-            )
-        if data.get(PRIORITY) is not None:
-            raise ProtocolError("priority is given twice: in sampling and as a job field",
-                                field=PRIORITY)  # fmt: skip
-        sampling, priority = lift_priority(sampling)
-        data = {**data, "sampling": sampling, PRIORITY: priority}
-    return data
+    if not isinstance(sampling, dict) or PRIORITY not in sampling:
+        return data
+    if version >= 2:
+        raise ProtocolError(
+            f"priority is a job field since version 2, not a sampling parameter: "
+            f"give it beside sampling (v={version})",
+            field=PRIORITY,
+        )
+    if data.get(PRIORITY) is not None:
+        raise ProtocolError("priority is given twice: in sampling and as a job field",
+                            field=PRIORITY)  # fmt: skip
+    sampling, priority = lift_priority(sampling)
+    return {**data, "sampling": sampling, PRIORITY: priority}
 
 
 class _Job(Message):
-    """What the two job kinds share: their version, lifted to the current form at decode."""
+    """What the two job kinds share: their version, and one form whatever the version."""
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> Message:
-        job = super().from_wire(current_form(data))
-        job.v = JOB_VERSION  # read in the current form; written on in it
+        version = job_version(data)
+        job = super().from_wire(current_form(data, version))
+        job.v = version  # kept: the requester's replies are written in it
         return job
 
 
@@ -79,7 +90,7 @@ class GenerateRequest(_Job):
     ``tenant`` and ``weight`` say whose job it is and its share when several tenants wait
     (the ingress sets them from the API key; gpu_worker/scheduling/fair_share.py).
     ``priority`` is its scheduling class (vLLM's convention: lower is served first and
-    retracted last; None: 0); ``v`` its version (module docstring)."""
+    retracted last; None: 0); ``v`` the version its writer speaks (module docstring)."""
 
     KIND = "generate"
     FIELDS = {

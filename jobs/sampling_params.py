@@ -17,7 +17,7 @@ the worker's `validate` is the bus's one full check (its cost: tens of microseco
 
 `priority` is a row of the table so that requests (HTTP, `Engine.generate`) give and check it
 like the rest, but on the wire it is a job field beside ``sampling`` (jobs/requests.py):
-the ingress and the client lift it out, and the worker hands it back to `from_wire`.
+the ingress and the client lift it out, and the worker sets the job's on its request.
 
 Types are checked and normalised on construction (a single stop string becomes a list, JSON
 string keys of logit_bias become ints); ranges are checked by `validate`, which needs the
@@ -180,19 +180,13 @@ class SamplingParams:
         return cls(**d)
 
     @classmethod
-    def from_wire(
-        cls, sampling: Mapping[str, Any], default_max_new_tokens: int, priority: int | None = None
-    ) -> SamplingParams:
-        """A job's sampling map (see `wire_sampling`) and its priority (the job's field; None:
-        the default) as parameters, before `validate`.
+    def from_wire(cls, sampling: Mapping[str, Any], default_max_new_tokens: int) -> SamplingParams:
+        """A job's sampling map (see `wire_sampling`) as parameters, before `validate`.
 
         `default_max_new_tokens` applies where the client gave none: a worker passes what
         the context leaves after the prompt.
         """
-        params = cls.from_dict({"max_new_tokens": default_max_new_tokens, **sampling})
-        if priority is not None:
-            params.priority = priority  # checked by the job's decode (jobs/requests.py)
-        return params
+        return cls.from_dict({"max_new_tokens": default_max_new_tokens, **sampling})
 
     def to_wire(self, names: Iterable[str]) -> dict[str, Any]:
         """The fields `names` in their wire form, for msgpack: logit_bias keyed by strings

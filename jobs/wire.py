@@ -48,24 +48,21 @@ def unpack_ids(data: bytes) -> list[int]:
 STR, INT, FLOAT, BOOL, MAP, LIST, IDS = "str", "int", "float", "bool", "map", "list", "ids"
 
 
-# Built once: every field of every entry read goes through one of these.
-_IS_KIND = {
-    STR: lambda v: isinstance(v, str),
-    INT: lambda v: isinstance(v, int) and not isinstance(v, bool),
-    FLOAT: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    BOOL: lambda v: isinstance(v, bool),
-    MAP: lambda v: isinstance(v, dict),
-    LIST: lambda v: isinstance(v, list),
-    IDS: lambda v: isinstance(v, bytes),
-}
-
-
 def check_field(kind: str, name: str, value: Any, optional: bool) -> Any:
     if value is None:
         if optional:
             return None
         raise ProtocolError(f"field {name!r} is missing")
-    if not _IS_KIND[kind](value):
+    ok = {
+        STR: lambda v: isinstance(v, str),
+        INT: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        FLOAT: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        BOOL: lambda v: isinstance(v, bool),
+        MAP: lambda v: isinstance(v, dict),
+        LIST: lambda v: isinstance(v, list),
+        IDS: lambda v: isinstance(v, bytes),
+    }[kind](value)
+    if not ok:
         raise ProtocolError(f"field {name!r} must be {kind}, got {type(value).__name__}")
     if kind == FLOAT:
         value = float(value)

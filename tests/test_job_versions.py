@@ -58,11 +58,12 @@ def _packed(data: dict) -> bytes:
 @pytest.mark.parametrize("cls", [GenerateRequest, TokenizedRequest])
 def test_an_old_form_job_decodes_with_its_priority_lifted_beside_sampling(cls):
     job = decode(_packed(_old(cls.KIND, "r", priority=4)), cls)
-    assert (job.priority, job.v) == (4, JOB_VERSION)
+    assert (job.priority, job.v) == (4, 1)  # its writer's version, for its replies
     assert job.sampling == {"max_new_tokens": 3, "temperature": 0}
-    written = job.to_wire()  # passed on in the current form
-    assert written["v"] == JOB_VERSION and written["priority"] == 4
+    written = job.to_wire()  # passed on with priority beside sampling, its version kept
+    assert written["v"] == 1 and written["priority"] == 4
     assert "priority" not in written["sampling"]
+    assert decode(encode(job), cls) == job
 
 
 @pytest.mark.parametrize("cls", [GenerateRequest, TokenizedRequest])
@@ -175,6 +176,10 @@ class Chain:
         return [fields for _, fields in self.client.xrange(self.config.dead_letter_stream())]
 
 
+def _decoded(entry) -> TokenizedRequest:
+    return decode(entry[1][ENTRY_FIELD], TokenizedRequest)
+
+
 @pytest.fixture
 def chain(engine, redis_client, config) -> Chain:
     return Chain(engine, redis_client, config)
@@ -195,6 +200,13 @@ def test_old_and_new_form_direct_jobs_run_end_to_end(chain, config, stream, monk
     chain.write(target, _packed(_old(kind, "old", priority=3)))
     new = {**_old(kind, "new"), "v": JOB_VERSION, "priority": 2}
     chain.write(target, _packed(new))
+    for stage in chain.stages:
+        stage.run_once()
+    routed = {job.rid: job for job in map(_decoded, chain.client.xrange(config.worker_stream("v")))}
+    assert {rid: (job.v, job.priority) for rid, job in routed.items()} == {
+        "old": (1, 3),
+        "new": (JOB_VERSION, 2),
+    }  # each keeps its writer's version
     chain.run()
     outputs = chain.outputs()
     assert len(outputs["old"]) == 3 and len(outputs["new"]) == 3
