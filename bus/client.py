@@ -40,6 +40,7 @@ from bus.config import REDIS_URL_ENV, BusConfig
 from bus.replies import AsyncReplyReader, Reply, ReplyReader
 from jobs.errors import RequestError
 from jobs.protocol import ENTRY_FIELD, MAX_TOKEN_ID, ErrorReply, GenerateRequest, decode, encode
+from jobs.requests import lift_priority
 from jobs.sampling_params import wire_sampling
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11+; annotations are never evaluated here
@@ -72,14 +73,17 @@ def new_request(
             raise ValueError(f"input_ids: {bad!r} is not a token id")
     if sampling is not None and not isinstance(sampling, Mapping):
         raise ValueError(f"sampling must be a mapping; got {type(sampling).__name__}")
+    # Checked and normalised here, where the job enters; its priority travels beside it.
+    wire, priority = lift_priority(wire_sampling(sampling))
     request = GenerateRequest(
         rid=rid or uuid.uuid4().hex,
         reply_to=reply_to,
         prompt=prompt,
         messages=messages,
         input_ids=input_ids,
-        sampling=wire_sampling(sampling),
+        sampling=wire,
         created=time.time(),
+        priority=priority,
     )
     # The checks every stage makes of what it reads (types of prompt, messages, rid...):
     # a job refused here is never queued.

@@ -98,4 +98,4 @@ def malformed_reply(payload: bytes | None, error: ProtocolError) -> tuple[str, E
         return None
     rid, reply_to = address
     message = f"malformed job: {_describe(error)}"
-    return reply_to, ErrorReply(rid, 400, message, "invalid_request_error")
+    return reply_to, ErrorReply(rid, 400, message, "invalid_request_error", error.field)

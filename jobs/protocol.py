@@ -16,7 +16,8 @@ Streams (names from ``BusConfig``; ``<p>`` is the prefix, ``streamserve`` by def
                      | ErrorReply
   <p>:dead-letter    (fields: source, entry_id, reason, payload)
 
-A job's ``sampling`` map holds `jobs.sampling_params.SamplingParams` fields; a missing
+A job's ``sampling`` map holds `jobs.sampling_params.SamplingParams` fields (``priority``
+travels beside it, a job field; jobs/requests.py says how the job versions differ); a missing
 ``max_new_tokens`` means "up to the context length", as OpenAI's missing ``max_tokens`` does.
 """
 

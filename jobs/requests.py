@@ -1,28 +1,105 @@
 """The jobs themselves: `GenerateRequest` (text, chat or token ids; the tokenizer's input),
-`TokenizedRequest` (token ids; the router's and the workers' input) and `Abort`."""
+`TokenizedRequest` (token ids; the router's and the workers' input) and `Abort`.
+
+A job says in ``v`` the wire version its writer speaks, so a job written by an older client
+still decodes, and its replies are written in the version it reads:
+
+  v absent or 1   ``priority`` rides inside ``sampling`` (the form before version 2)
+  v 2 (current)   ``priority`` is a job field beside ``sampling``, ``tenant`` and ``weight``
+                  (the scheduler's, not the sampler's); ``sampling`` holds sampling
+                  parameters only
+
+Decoding lifts a version-1 job's priority out of its sampling map, so every stage sees one
+form; the job keeps its ``v`` as it travels (a stage passes a version-1 job on with its
+priority beside ``sampling``, which decodes the same). A version this code does not know, a
+priority given both ways, or one inside ``sampling`` of a version-2 job is a `ProtocolError`
+naming the field: the entry is dead-lettered and its requester gets a 400 naming it
+(jobs/job_failures.py).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from jobs.sampling_checks import check_priority
 from jobs.wire import FLOAT, IDS, INT, LIST, MAP, STR, Message, ProtocolError
+
+JOB_VERSION = 2  # what the ingress and Client write; this code reads 1 (or no `v`) to it
+PRIORITY = "priority"
+
+
+def lift_priority(sampling: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+    """`sampling` without ``priority``, and the priority it held (None: none)."""
+    rest = dict(sampling)
+    return rest, rest.pop(PRIORITY, None)
+
+
+def job_version(data: dict[str, Any]) -> int:
+    """The version a job's wire map says it is written in (absent: 1); ProtocolError naming
+    ``v`` for one this code does not read."""
+    version = data.get("v")
+    if version is None:
+        return 1
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ProtocolError(f"field 'v' must be int, got {type(version).__name__}", field="v")
+    if not 1 <= version <= JOB_VERSION:
+        raise ProtocolError(
+            f"job version {version} is not one this server reads (1 to {JOB_VERSION}): "
+            f"write v={JOB_VERSION}, or leave v out for version 1",
+            field="v",
+        )
+    return version
+
+
+def current_form(data: dict[str, Any], version: int) -> dict[str, Any]:
+    """A job's wire map of `version` with ``priority`` beside ``sampling``: `data` itself
+    where it is so already."""
+    sampling = data.get("sampling")
+    if not isinstance(sampling, dict) or PRIORITY not in sampling:
+        return data
+    if version >= 2:
+        raise ProtocolError(
+            f"priority is a job field since version 2, not a sampling parameter: "
+            f"give it beside sampling (v={version})",
+            field=PRIORITY,
+        )
+    if data.get(PRIORITY) is not None:
+        raise ProtocolError("priority is given twice: in sampling and as a job field",
+                            field=PRIORITY)  # fmt: skip
+    sampling, priority = lift_priority(sampling)
+    return {**data, "sampling": sampling, PRIORITY: priority}
+
+
+class _Job(Message):
+    """What the two job kinds share: their version, and one form whatever the version."""
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Message:
+        version = job_version(data)
+        job = super().from_wire(current_form(data, version))
+        job.v = version  # kept: the requester's replies are written in it
+        return job
 
 
 @dataclass
-class GenerateRequest(Message):
+class GenerateRequest(_Job):
     """A job in text (``prompt``), chat (``messages``) or token-id (``input_ids``) form; a chat
     may name ``tools`` (OpenAI's function definitions), which its template renders.
     ``tenant`` and ``weight`` say whose job it is and its share when several tenants wait
-    (the ingress sets them from the API key; gpu_worker/scheduling/fair_share.py)."""
+    (the ingress sets them from the API key; gpu_worker/scheduling/fair_share.py).
+    ``priority`` is its scheduling class (vLLM's convention: lower is served first and
+    retracted last; None: 0); ``v`` the version its writer speaks (module docstring)."""
 
     KIND = "generate"
     FIELDS = {
         "rid": STR, "reply_to": STR, "prompt": STR, "messages": LIST, "input_ids": IDS,
         "sampling": MAP, "created": FLOAT, "tools": LIST, "tenant": STR, "weight": FLOAT,
+        "priority": INT, "v": INT,
     }  # fmt: skip
     OPTIONAL = frozenset({"prompt", "messages", "input_ids", "created", "tools", "tenant",
-                          "weight"})  # fmt: skip
+                          "weight", "priority", "v"})  # fmt: skip
 
     rid: str
     reply_to: str
@@ -34,6 +111,8 @@ class GenerateRequest(Message):
     tools: list[dict[str, Any]] | None = None
     tenant: str | None = None
     weight: float | None = None
+    priority: int | None = None
+    v: int = JOB_VERSION
 
     def __post_init__(self) -> None:
         given = [n for n in ("prompt", "messages", "input_ids") if getattr(self, n) is not None]
@@ -43,11 +122,11 @@ class GenerateRequest(Message):
             )
         if self.tools is not None and self.messages is None:
             raise ProtocolError("tools come with a chat job (messages)")
-        _check_weight(self.weight)
+        _check_scheduling(self.weight, self.priority)
 
 
 @dataclass
-class TokenizedRequest(Message):
+class TokenizedRequest(_Job):
     """A token-id job. ``attempts`` counts the workers that were handed it and died before
     finishing it (the reaper adds them when it requeues the job; jobs/job_failures.py): past
     ``max_deliveries`` the job is set aside instead of killing another worker."""
@@ -55,9 +134,9 @@ class TokenizedRequest(Message):
     KIND = "tokenized"
     FIELDS = {
         "rid": STR, "reply_to": STR, "input_ids": IDS, "sampling": MAP, "created": FLOAT,
-        "tenant": STR, "weight": FLOAT, "attempts": INT,
+        "tenant": STR, "weight": FLOAT, "attempts": INT, "priority": INT, "v": INT,
     }  # fmt: skip
-    OPTIONAL = frozenset({"created", "tenant", "weight", "attempts"})
+    OPTIONAL = frozenset({"created", "tenant", "weight", "attempts", "priority", "v"})
 
     rid: str
     reply_to: str
@@ -67,17 +146,22 @@ class TokenizedRequest(Message):
     tenant: str | None = None  # as the GenerateRequest's
     weight: float | None = None
     attempts: int | None = None
+    priority: int | None = None  # as the GenerateRequest's
+    v: int = JOB_VERSION
 
     def __post_init__(self) -> None:
-        _check_weight(self.weight)
+        _check_scheduling(self.weight, self.priority)
         if self.attempts is not None and not 0 <= self.attempts < 2**31:
             raise ProtocolError(f"attempts must be a count >= 0; got {self.attempts}")
 
 
-def _check_weight(weight: float | None) -> None:
+def _check_scheduling(weight: float | None, priority: int | None) -> None:
     # A share: zero, negative or infinite would stall or starve the tenant's queue.
     if weight is not None and not 0 < weight < float("inf"):
         raise ProtocolError(f"weight must be a positive finite number; got {weight}")
+    problem = None if priority is None else check_priority(PRIORITY, priority)
+    if problem is not None:
+        raise ProtocolError(problem, field=PRIORITY)
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """SamplingParams: what one request asks of the sampler and of the stop checks (and its
-scheduling class, `priority`).
+scheduling class, `priority`, which travels beside them: see below).
 
 The dataclass is the one table of sampling parameters. Each field's metadata is a `Param`:
 its JSON types and how a value is type-checked (`Kind`), its range check (both in
@@ -9,8 +9,15 @@ its OpenAI mapping and its OpenAPI schema are read off it, so no other list of t
 parameters is kept in step with this one.
 
 A request's parameters are checked where it enters the system: `wire_sampling` (the ingress
-and the direct Redis client) turns a client's map into its wire form, the map of the fields
-the client gave. The worker turns that map back into parameters with `SamplingParams.from_wire`.
+and the direct Redis client) builds and checks the parameters from a client's map, and writes
+the job's wire form from them (`SamplingParams.to_wire`: the fields the client gave, each
+normalised). The worker turns that map back into parameters with `SamplingParams.from_wire`
+and checks them against its model; as a job written straight to Redis reaches it unchecked,
+the worker's `validate` is the bus's one full check (its cost: tens of microseconds a job).
+
+`priority` is a row of the table so that requests (HTTP, `Engine.generate`) give and check it
+like the rest, but on the wire it is a job field beside ``sampling`` (jobs/requests.py):
+the ingress and the client lift it out, and the worker sets the job's on its request.
 
 Types are checked and normalised on construction (a single stop string becomes a list, JSON
 string keys of logit_bias become ints); ranges are checked by `validate`, which needs the
@@ -20,7 +27,7 @@ model's vocabulary size. Every mistake is a SamplingParamError carrying its fiel
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -148,7 +155,8 @@ class SamplingParams:
         openai=(),
     )  # fmt: skip
 
-    # The scheduler's, not the sampler's; here so it travels and is checked like the rest.
+    # The scheduler's, not the sampler's: here so a request gives and checks it like the rest;
+    # on the wire it is the job's field (jobs/requests.py).
     priority: int = _param(
         0, INTEGER, check_priority, "scheduling class, vLLM's convention: lower is served "
         "first and retracted last; requests default to 0, batch lines run at 1 or above",
@@ -180,6 +188,15 @@ class SamplingParams:
         """
         return cls.from_dict({"max_new_tokens": default_max_new_tokens, **sampling})
 
+    def to_wire(self, names: Iterable[str]) -> dict[str, Any]:
+        """The fields `names` in their wire form, for msgpack: logit_bias keyed by strings
+        (msgpack map keys must be strings for the readers: strict_map_key); the rest are
+        in normal form already (a stop list, a schema's JSON text, floats)."""
+        wire = {name: getattr(self, name) for name in names}
+        if "logit_bias" in wire:
+            wire["logit_bias"] = {str(token): bias for token, bias in self.logit_bias.items()}
+        return wire
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
@@ -209,14 +226,16 @@ FIELD_NAMES = frozenset(param.name for param in SAMPLING_FIELDS)
 def wire_sampling(
     sampling: Mapping[str, Any] | None, compile_grammar: bool = True
 ) -> dict[str, Any]:
-    """`sampling` checked as SamplingParams (SamplingParamError), ready for msgpack.
+    """`sampling` checked as SamplingParams (SamplingParamError), and its wire form written
+    from them (`SamplingParams.to_wire`).
 
     Only the fields given are sent, so the worker's defaults apply to the rest; a missing
     ``max_new_tokens`` means "up to the context length". Checks that need the model's
     vocabulary are left to the worker. A grammar is compiled (in jobs/grammar.py's pool,
     waited for up to its deadline; GrammarError, a FieldError too, if it cannot be) unless
     `compile_grammar` is False: the ingress compiles it itself, off its event loop
-    (`compile_async`).
+    (`compile_async`). A given ``priority`` stays in the map: the job's builder lifts it
+    beside ``sampling`` (jobs/requests.py's `lift_priority`).
     """
     given = dict(sampling or {})
     params = SamplingParams.from_dict(given)
@@ -224,17 +243,11 @@ def wire_sampling(
         # SamplingParams bounds few integers above; msgpack carries only 64 bits.
         if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
             raise SamplingParamError(name, f"{name} is out of range: {value}")
+    wire = params.to_wire(given)
     if "max_new_tokens" not in given:
         params.max_new_tokens = MAX_TOKEN_ID  # the context length bounds it downstream
     params.validate(vocab_size=MAX_TOKEN_ID)
-    if "logit_bias" in given:
-        # msgpack map keys must be strings for the readers (strict_map_key).
-        given["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
-    if "stop" in given:
-        given["stop"] = params.stop
-    if "json_schema" in given:
-        given["json_schema"] = params.json_schema  # its JSON text, however it was given
     grammar = grammar_field(vars(params))
     if compile_grammar and grammar is not None:
         compile_with_deadline(grammar, getattr(params, grammar))
-    return given
+    return wire

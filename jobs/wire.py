@@ -24,7 +24,12 @@ MAX_TOKEN_ID = 2**31 - 1
 
 
 class ProtocolError(ValueError):
-    """An entry that is not a well-formed message of the kind expected."""
+    """An entry that is not a well-formed message of the kind expected; `field` names the
+    field at fault where one is (its requester's 400 names it as ``param``)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def pack_ids(ids: list[int] | tuple[int, ...]) -> bytes:

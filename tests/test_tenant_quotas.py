@@ -93,21 +93,22 @@ def test_priority_below_a_keys_range_is_a_403_naming_priority(ingress, path):
 def test_priority_within_a_keys_range_is_served_at_it(ingress):
     assert complete(ingress, "sk-plain", priority=0)[0] == 200
     assert complete(ingress, "sk-plain", priority=7)[0] == 200
-    assert ingress.upstream.requests[-1].sampling["priority"] == 7
+    assert ingress.upstream.requests[-1].priority == 7
     assert complete(ingress, "sk-plain")[0] == 200
     assert "priority" not in ingress.upstream.requests[-1].sampling  # the default, 0
+    assert ingress.upstream.requests[-1].priority is None
 
 
 def test_a_key_given_a_wider_range_may_use_it(ingress):
     assert complete(ingress, "sk-vip", priority=-10)[0] == 200
-    assert ingress.upstream.requests[-1].sampling["priority"] == -10
+    assert ingress.upstream.requests[-1].priority == -10
     status, _, body = complete(ingress, "sk-vip", priority=-11)
     assert status == 403 and body["error"]["param"] == "priority"
 
 
 def test_a_key_with_a_raised_minimum_runs_at_it_when_it_asks_for_nothing(ingress):
     assert complete(ingress, "sk-low")[0] == 200
-    assert ingress.upstream.requests[-1].sampling["priority"] == 5
+    assert ingress.upstream.requests[-1].priority == 5
     assert complete(ingress, "sk-low", priority=0)[0] == 403
 
 
@@ -216,5 +217,5 @@ def test_batch_lines_are_held_to_their_owners_range(ingress):
     assert status == {"plain": 200, "below": 403, "lower": 200}
     below = next(r for r in results if r["custom_id"] == "below")["response"]["body"]
     assert below["error"]["param"] == "priority"
-    ran = {r.sampling.get("priority") for r in ingress.upstream.requests[-2:]}
+    ran = {r.priority for r in ingress.upstream.requests[-2:]}
     assert ran == {5, 9}  # the owner's minimum for a line naming none, above batches' 1

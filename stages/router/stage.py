@@ -81,7 +81,7 @@ class RouterStage:
         outputs: list[Output] = []
         # The lower priority classes first, to the least loaded workers (a stable sort:
         # arrival order within a class).
-        for job in sorted(jobs, key=lambda job: job.sampling.get("priority", 0)):
+        for job in sorted(jobs, key=lambda job: job.priority or 0):
             # Least queued first; of equals, the one with the most free KV.
             worker = min(workers, key=lambda w: (w.queued, -w.free_kv_tokens))
             worker.queued += 1

@@ -63,7 +63,8 @@ class TokenizerStage:
                 outputs.append(reply(self.config, job.reply_to, _bad_request(job, exc)))
                 continue
             tokenized = TokenizedRequest(job.rid, job.reply_to, ids, job.sampling, job.created,
-                                         job.tenant, job.weight)  # fmt: skip
+                                         job.tenant, job.weight, priority=job.priority,
+                                         v=job.v)  # fmt: skip
             outputs.append(Outbound(self.config.tokenized_stream(), tokenized))
         return outputs
 

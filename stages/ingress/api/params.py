@@ -18,6 +18,7 @@ from jobs.field_error import FieldError
 from jobs.grammar import compile_async, grammar_field
 from jobs.protocol import MAX_TOKEN_ID, GenerateRequest
 from jobs.request_bounds import request_bounds
+from jobs.requests import lift_priority
 from jobs.sampling_checks import SEED_LIMIT
 from jobs.sampling_params import (
     FIELD_NAMES,
@@ -57,7 +58,8 @@ class ApiRequest:
     """What one HTTP request asks for: ``n`` choices of each prompt."""
 
     prompts: list[dict[str, Any]]  # each: GenerateRequest's prompt, messages or input_ids
-    sampling: dict[str, Any]  # SamplingParams fields, as sent on the wire
+    # SamplingParams fields in wire form; `requests` puts `priority` beside them in each job.
+    sampling: dict[str, Any]
     n: int = 1
     stream: bool = False
     include_usage: bool = False
@@ -99,7 +101,8 @@ class ApiRequest:
         out = []
         for p, prompt in enumerate(self.prompts):
             for j in range(self.n):
-                sampling = dict(self.sampling)
+                # The priority travels beside the sampling parameters (jobs/requests.py).
+                sampling, priority = lift_priority(self.sampling)
                 if sampling.get("seed") is not None:
                     sampling["seed"] += j  # one seed would give n equal choices
                 rid = rids[p * self.n + j]
@@ -111,6 +114,7 @@ class ApiRequest:
                         created=created,
                         tenant=tenant,
                         weight=weight,
+                        priority=priority,
                         **prompt,
                     )
                 )
