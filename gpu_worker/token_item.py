@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpu_worker.scheduling.req import Req
-from jobs.protocol import Finish, TokenItem, TokenizedRequest, token_context
+from jobs.protocol import WIRE_VERSION, Finish, TokenItem, TokenizedRequest, token_context
 from jobs.stop_strings import stop_window_tokens
 
 # Output tokens of context per item beyond the longest stop string: covers a character
@@ -25,6 +25,7 @@ class RunningJob:
     keys_renewed_at: float | None = None  # monotonic; when its progress key's TTL was set
     created: float | None = None  # unix time the job entered the system
     queue_seconds: float | None = None  # set at its first token here, unless it resumed
+    reply_version: int = WIRE_VERSION  # its job's: the wire version its requester reads
 
     def keys_due(self, now: float, ttl: int) -> tuple[int | None, bool]:
         """(the TTL to set on the progress key with this write, or None to leave it; whether
@@ -42,14 +43,17 @@ def stop_window(stop: list[str]) -> int:
     return stop_window_tokens(stop, CONTEXT_TOKENS)
 
 
-def token_item(req: Req, reply_to: str, start: int, window: int) -> TokenItem:
+def token_item(
+    req: Req, reply_to: str, start: int, window: int, reply_version: int = WIRE_VERSION
+) -> TokenItem:
     """The item of `req`'s output ids from index `start` on; `window`: output tokens of
-    context the detokenizer needs (gpu_worker/worker.py)."""
+    context the detokenizer needs (gpu_worker/worker.py); `reply_version`: the wire version
+    of its requester."""
     end = len(req.output_ids)
     context, prompt_context = token_context(req.origin_input_ids, req.output_ids, start, window)
     item = TokenItem(
         req.rid, reply_to, start, req.output_ids[start:end], context, prompt_context,
-        req.params.stop, req.params.skip_special_tokens,
+        req.params.stop, req.params.skip_special_tokens, reply_version=reply_version,
     )  # fmt: skip
     if req.params.logprobs:
         item.logprobs = req.logprobs[start:end]
@@ -66,7 +70,8 @@ def token_item(req: Req, reply_to: str, start: int, window: int) -> TokenItem:
 def aborted_item(job: TokenizedRequest, generated: int) -> TokenItem:
     """The last item of a job aborted before it ran here, `generated` tokens in."""
     finish = Finish("abort", None, len(job.input_ids), generated)
-    return TokenItem(job.rid, job.reply_to, generated, [], [], 0, finish=finish)
+    return TokenItem(job.rid, job.reply_to, generated, [], [], 0, finish=finish,
+                     reply_version=job.v)  # fmt: skip
 
 
 def finish_of(req: Req, queue_seconds: float | None) -> Finish:

@@ -273,7 +273,8 @@ class Worker:
             return
         window = stop_window(params.stop)
         running = RunningJob(req, job.reply_to, entry_id, window, reported=len(generated),
-                             created=None if generated else job.created)  # fmt: skip
+                             created=None if generated else job.created,
+                             reply_version=job.v)  # fmt: skip
         self.jobs[job.rid] = running
         if generated:
             self.metrics.migrated_in.inc()
@@ -362,7 +363,7 @@ class Worker:
                 self.bus.outbox.append(ExpireKey(self.config.route_key(req.rid), ttl))
             key = self.config.progress_key(req.rid)
             self.bus.outbox.append(AppendKey(key, pack_ids(req.output_ids[start:end]), ttl))
-        item = token_item(req, job.reply_to, start, job.window)
+        item = token_item(req, job.reply_to, start, job.window, job.reply_version)
         self.probation.passed(req.rid)
         if req.finished:
             self.probation.forget(req.rid)

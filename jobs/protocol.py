@@ -75,7 +75,7 @@ class TokenBatch(Message):
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> TokenBatch:
-        version = check_version("a tokens batch", data.get("v"))
+        version = check_version("tokens batch", data.get("v"))
         batch = super().from_wire(data)
         batch.v = version
         batch.items = [TokenItem.from_wire(item) for item in batch.items]

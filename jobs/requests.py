@@ -24,9 +24,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobs.sampling_checks import check_priority
-from jobs.wire import FLOAT, IDS, INT, LIST, MAP, STR, Message, ProtocolError
+from jobs.wire import (
+    FLOAT,
+    IDS,
+    INT,
+    LIST,
+    MAP,
+    STR,
+    WIRE_VERSION,
+    Message,
+    ProtocolError,
+    check_version,
+)
 
-JOB_VERSION = 2  # what the ingress and Client write; this code reads 1 (or no `v`) to it
+JOB_VERSION = WIRE_VERSION  # what the ingress and Client write; this code reads 1 to it
 PRIORITY = "priority"
 
 
@@ -37,20 +48,8 @@ def lift_priority(sampling: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
 
 
 def job_version(data: dict[str, Any]) -> int:
-    """The version a job's wire map says it is written in (absent: 1); ProtocolError naming
-    ``v`` for one this code does not read."""
-    version = data.get("v")
-    if version is None:
-        return 1
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise ProtocolError(f"field 'v' must be int, got {type(version).__name__}", field="v")
-    if not 1 <= version <= JOB_VERSION:
-        raise ProtocolError(
-            f"job version {version} is not one this server reads (1 to {JOB_VERSION}): "
-            f"write v={JOB_VERSION}, or leave v out for version 1",
-            field="v",
-        )
-    return version
+    """The version a job's wire map says it is written in (absent: 1)."""
+    return check_version("job", data.get("v"))
 
 
 def current_form(data: dict[str, Any], version: int) -> dict[str, Any]:

@@ -82,15 +82,17 @@ WIRE_VERSION = 2
 
 
 def check_version(what: str, version: Any) -> int:
-    """The wire version a message or record says it is written in (absent: 1)."""
+    """The wire version a job, message or record says it is written in (absent: 1); a
+    ProtocolError naming ``v`` for one this code does not read."""
     if version is None:
         return 1
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise ProtocolError(f"field 'v' of {what} must be a version >= 1; got {version!r}")
-    if version > WIRE_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ProtocolError(f"field 'v' must be int, got {type(version).__name__}", field="v")
+    if not 1 <= version <= WIRE_VERSION:
         raise ProtocolError(
-            f"{what} is wire version {version}, newer than this reader's {WIRE_VERSION}: "
-            "upgrade the reader first"
+            f"{what} version {version} is not one this reader knows (1 to {WIRE_VERSION}): "
+            f"write v={WIRE_VERSION}, or leave v out for version 1",
+            field="v",
         )
     return version
 

@@ -33,6 +33,7 @@ from jobs.protocol import (
 )
 from jobs.requests import JOB_VERSION
 from jobs.sampling_params import wire_sampling
+from stages.detokenizer.stage import DetokenizerStage
 from stages.router.stage import RouterStage
 from stages.tokenizer.stage import TokenizerStage
 from tests.test_router_stage import _beat
@@ -212,6 +213,28 @@ def test_old_and_new_form_direct_jobs_run_end_to_end(chain, config, stream, monk
     assert len(outputs["old"]) == 3 and len(outputs["new"]) == 3
     assert seen == {"old": 3, "new": 2}  # the worker schedules at the job's priority
     assert chain.dead_letters() == []
+
+
+def test_each_requester_reads_its_replies_in_its_own_version(chain, config):
+    """An older client (no v) gets a delta's finish as the list it knows; a current one the
+    record by name."""
+    chain.write(config.tokenized_stream(), _packed(_old("tokenized", "old")))
+    new = {**_old("tokenized", "new"), "v": JOB_VERSION}
+    chain.write(config.tokenized_stream(), _packed(new))
+    chain.run()
+    last = {}
+    for _, fields in chain.client.xrange(config.tokens_stream()):
+        for item in decode(fields[ENTRY_FIELD], TokenBatch).items:
+            last[item.rid] = item
+    assert {rid: item.reply_version for rid, item in last.items()} == {"old": 1, "new": 2}
+    detokenizer = DetokenizerStage(config, tokenizer=None)
+    finishes = {
+        rid: detokenizer._delta(item, None).to_wire()["finish"] for rid, item in last.items()
+    }
+    assert finishes["old"][:4] == ["length", None, 3, 3] and len(finishes["old"]) == 5
+    assert {name: finishes["new"][name] for name in ("reason", "prompt_tokens",
+            "completion_tokens")} == {"reason": "length", "prompt_tokens": 3,
+                                      "completion_tokens": 3}  # fmt: skip
 
 
 def test_an_unknown_version_gets_a_400_naming_v_and_a_dead_letter(chain, config):
