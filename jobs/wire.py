@@ -50,21 +50,25 @@ STR, INT, FLOAT, BOOL, MAP, LIST, IDS = "str", "int", "float", "bool", "map", "l
 RECORD = "map or list"
 
 
+# Built once: check_field runs for every field of every entry a stage reads.
+_TYPE_CHECKS = {
+    STR: lambda v: isinstance(v, str),
+    INT: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    FLOAT: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    BOOL: lambda v: isinstance(v, bool),
+    MAP: lambda v: isinstance(v, dict),
+    LIST: lambda v: isinstance(v, list),
+    IDS: lambda v: isinstance(v, bytes),
+    RECORD: lambda v: isinstance(v, (dict, list)),
+}
+
+
 def check_field(kind: str, name: str, value: Any, optional: bool) -> Any:
     if value is None:
         if optional:
             return None
         raise ProtocolError(f"field {name!r} is missing")
-    ok = {
-        STR: lambda v: isinstance(v, str),
-        INT: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        FLOAT: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        BOOL: lambda v: isinstance(v, bool),
-        MAP: lambda v: isinstance(v, dict),
-        LIST: lambda v: isinstance(v, list),
-        IDS: lambda v: isinstance(v, bytes),
-        RECORD: lambda v: isinstance(v, (dict, list)),
-    }[kind](value)
+    ok = _TYPE_CHECKS[kind](value)
     if not ok:
         raise ProtocolError(f"field {name!r} must be {kind}, got {type(value).__name__}")
     if kind == FLOAT:
