@@ -41,8 +41,8 @@ from batch_store.files import (
     not_found,
 )
 from batch_store.input_file import check_endpoint
-from bus.config import BusConfig
 from jobs.errors import RequestError
+from runtime.config import BusConfig
 
 COMPLETION_WINDOWS = {"24h": 24 * 3600}  # OpenAI's one window
 # A batch line's scheduling class at least (lower is served first; requests default to 0),

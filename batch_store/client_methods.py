@@ -37,7 +37,7 @@ from jobs.errors import RequestError
 if TYPE_CHECKING:
     import redis
 
-    from bus.config import BusConfig
+    from runtime.config import BusConfig
 
 
 def endpoint_of(content: bytes) -> str:

@@ -28,8 +28,8 @@ from typing import Any
 
 import redis
 
-from bus.config import BusConfig
 from jobs.errors import RequestError
+from runtime.config import BusConfig
 
 UPLOAD_PURPOSES = ("batch",)
 OUTPUT_PURPOSES = ("batch_output", "batch_error")

@@ -1,0 +1,15 @@
+"""The transport: how jobs and replies move over Redis streams. No torch.
+
+actor.py          `Actor`: a CPU stage replica's loop on its consumer group, each turn's
+                  effects and acknowledgements committed in one MULTI
+effects.py        what a stage's turn writes (`Outbound`, `SetKey`, `AppendKey`, ...)
+fenced_stream.py  a worker's own stream, written only under its fence; the reaper's `fence_off`
+liveness.py       which workers are alive: the one reader of their heartbeats, sync and async
+reconnect.py      every consumer loop's backoff on outages and its group made again
+stream_trim.py    trimming a stream only below what every group has read and acknowledged
+aborts.py         abort flags and Abort messages
+client.py         direct Redis jobs: `Client` and `AsyncClient`
+replies.py        reading a reply stream, in order, for many requests at once
+access.py         the credentials a process is given, checked at start-up
+async_pool.py     the ingress's asyncio connection pool
+"""

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import redis
 import redis.asyncio as aredis
 
-from bus.config import BusConfig
 from jobs.protocol import ENTRY_FIELD, Abort, encode
+from runtime.config import BusConfig
 
 
 def _flag_and_find(pipe, config: BusConfig, rids: Sequence[str]) -> None:

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis.exceptions import AuthorizationError, NoPermissionError
 
-from bus.config import BusConfig
+from runtime.config import BusConfig
 
 PROBE_TTL_MS = 10_000
 

@@ -29,7 +29,6 @@ from typing import Any, Protocol
 
 import redis
 
-from bus.config import BusConfig
 from bus.effects import (
     Outbound,
     Output,
@@ -45,6 +44,7 @@ from jobs.job_failures import failure_reply, malformed_reply, too_many_deliverie
 from jobs.protocol import ENTRY_FIELD, Message, ProtocolError, decode, encode
 from observability.metrics import ProcessMetrics
 from observability.stage_metrics import StageMetrics
+from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
 

@@ -36,12 +36,12 @@ import redis.asyncio as aredis
 from batch_store.client_methods import BatchMethods
 from bus.aborts import publish_abort, publish_abort_async
 from bus.async_pool import async_redis
-from bus.config import REDIS_URL_ENV, BusConfig
 from bus.replies import AsyncReplyReader, Reply, ReplyReader
 from jobs.errors import RequestError
 from jobs.protocol import ENTRY_FIELD, MAX_TOKEN_ID, ErrorReply, GenerateRequest, decode, encode
 from jobs.requests import lift_priority
 from jobs.sampling_params import wire_sampling
+from runtime.config import REDIS_URL_ENV, BusConfig
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11+; annotations are never evaluated here
     from typing_extensions import Unpack

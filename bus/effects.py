@@ -24,8 +24,8 @@ from typing import Any
 
 import redis
 
-from bus.config import BusConfig
 from jobs.protocol import ENTRY_FIELD, Message, encode
+from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
 

@@ -38,10 +38,10 @@ from typing import Any
 import redis
 
 from bus.actor import unique_consumer_name
-from bus.config import BusConfig
 from bus.effects import Output, execute_logging_errors, write_dead_letters, write_outputs
 from bus.reconnect import ensure_group, is_missing_group
 from bus.stream_trim import StreamTrimmer
+from runtime.config import BusConfig
 
 WORKER_GROUP = "worker"  # the workers' consumer group, one per worker stream
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import redis
 import redis.asyncio as aredis
 
-from bus.config import BusConfig
 from jobs.protocol import Heartbeat, ProtocolError, decode
+from runtime.config import BusConfig
 
 
 @dataclass(frozen=True)

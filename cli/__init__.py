@@ -1,5 +1,16 @@
-"""The `streamserve` command: its parser (main.py), the one-machine launcher (`up`), one
-stage replica (`stage`), and the load generator (`bench`) with its workloads."""
+"""The `streamserve` command. No torch; it starts a worker by module name.
+
+main.py            the parser and every subcommand's entry
+launcher.py        `up`: the embedded server and every stage on one machine, restarted when
+                   they die, stopped in order
+worker_command.py  the command lines that start a worker and the GPU check
+run_stage.py       `stage`: one CPU stage replica
+bench.py           `bench`: the load generator; workloads.py its workloads
+status.py          `status`: the deployment's live picture in the terminal
+batch.py           `batch`: submit, status, results, cancel, list; batch_sources.py reaches
+                   the batches through Redis or an ingress's HTTP API
+__main__.py        `python -m cli`
+"""
 
 from cli.main import main
 

@@ -19,9 +19,9 @@ import redis
 
 from bus.access import redacted
 from bus.client import Client
-from bus.config import BusConfig
 from cli.status import INGRESS_URL_ENV
 from jobs.errors import RequestError
+from runtime.config import BusConfig
 from stages.ingress.tenancy.auth import api_keys_from_env
 
 # Long enough to move a big input or output file, short enough that a dead server is told.

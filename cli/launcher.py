@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 import redis
 
 from bus.access import BusAccessError, check_access, redacted
-from bus.config import BusConfig
 from bus.liveness import read_liveness
 from cli.worker_command import worker_command
 from runtime.child_process import owned_child
+from runtime.config import BusConfig
 from runtime.embedded_server import EmbeddedRedis, EmbeddedServerError, default_data_dir
 
 logger = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 
 from batch_store.input_file import ENDPOINTS
-from bus.config import BusConfig
 from cli.run_stage import STAGES
 from cli.worker_command import GPU_CHECK_MODULE, worker_command
+from runtime.config import BusConfig
 from runtime.model_files import DEFAULT_MODEL
 
 DEFAULT_PORT = 8000

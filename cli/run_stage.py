@@ -9,8 +9,8 @@ import redis
 
 from bus.access import check_access
 from bus.actor import Actor, stop_on_signals
-from bus.config import BusConfig
 from observability.metrics import start_publisher
+from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from rich.table import Table
 from rich.text import Text
 
 from bus.access import redacted
-from bus.config import BusConfig
 from observability.deployment_status import read_status
+from runtime.config import BusConfig
 from stages.ingress.tenancy.auth import api_keys_from_env
 
 INGRESS_URL_ENV = "STREAMSERVE_URL"

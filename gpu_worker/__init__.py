@@ -1,4 +1,29 @@
-"""The model side of streamserve: the engine loop, KV memory, ModelRunner, models, sampling."""
+"""The model side of streamserve: the worker stage and the engine it drives. The only
+package that imports torch.
+
+worker.py          the worker stage: jobs in, the engine loop, tokens out
+token_item.py      what the worker publishes of a running job
+probation.py       the jobs of a step that raised, admitted again one at a time
+grammar_waits.py   jobs whose grammar compiles beside the engine
+heartbeat.py       the heartbeat thread: load figures under a key with a TTL
+worker_metrics.py  what a worker measures (vLLM's names)
+engine.py          `Engine`, the in-process API (`generate`, `generate_stream`)
+request_input.py   the engine's tokenizer as the request normaliser's `PromptTokenizer`
+text_stream.py     incremental detokenization that never leaks a stop string
+config.py          `EngineConfig`: every engine option, validated
+cli.py, __main__.py  `python -m gpu_worker` (what `streamserve worker` runs)
+chat.py            `python -m gpu_worker.chat`: one chat answer from the engine
+gpu_check.py       `streamserve gpu-check`: the GPU path checked and measured
+hf_reference.py    transformers as the reference (the correctness anchor)
+scheduling/        the scheduler, requests, batches, admission policies, fair share
+memory/            the KV pools, the paged allocator, the radix (prefix) cache
+model_executor/    ModelRunner, ForwardBatch, ForwardContext, CUDA graphs, self-check, hooks
+attention/         attention backends: torch_native, cpu_kernel, flashinfer
+models/            the Llama family, configs, weight loading, GGUF conversion, random shapes
+kernels/           C kernels for CPU, compiled at first use
+sampling/          sampler, penalties, logit bias, grammar masks, logprobs
+speculative/       n-gram and draft-model drafting, verification
+"""
 
 from __future__ import annotations
 

@@ -13,10 +13,10 @@ import redis
 
 from bus.access import check_access
 from bus.actor import stop_on_signals
-from bus.config import BusConfig
 from gpu_worker import worker as worker_module
 from gpu_worker.config import DEFAULT_MODEL
 from gpu_worker.engine import Engine
+from runtime.config import BusConfig
 
 
 def default_worker_id() -> str:

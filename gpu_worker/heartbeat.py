@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import redis
 
-from bus.config import BusConfig
 from jobs.protocol import Heartbeat, encode
+from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
 

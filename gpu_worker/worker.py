@@ -41,7 +41,6 @@ import time
 
 import redis
 
-from bus.config import BusConfig
 from bus.effects import AppendKey, DeleteKey, ExpireKey, Outbound, dead_letter_fields, reply
 from bus.fenced_stream import Entry, Fenced, FencedStream
 from bus.reconnect import ReconnectingLoop
@@ -67,6 +66,7 @@ from jobs.protocol import (
 )
 from jobs.request_bounds import request_bounds
 from observability.metrics import ProcessMetrics, start_publisher
+from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
 

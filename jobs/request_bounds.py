@@ -5,7 +5,7 @@ The checks of the sampling-parameter table (jobs/sampling_checks.py), the gramma
 down: a job's parameters are checked where it enters (ingress, direct client) and again in
 the worker, and both must refuse the same values. Every process of a deployment gets the
 same ``STREAMSERVE_*`` environment from `streamserve up`, so reading it once per process is
-what keeps them in step. The defaults and their variables are `BusConfig`'s (bus/config.py);
+what keeps them in step. The defaults and their variables are `BusConfig`'s (runtime/config.py);
 docs/BOUNDS.md lists them.
 
 Threading: `request_bounds` is read from any thread; it is computed once, under
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 
-from bus.config import BusConfig
+from runtime.config import BusConfig
 
 
 @functools.cache

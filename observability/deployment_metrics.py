@@ -22,10 +22,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from bus.config import BusConfig
 from bus.liveness import read_liveness
 from observability.metrics import PREFIX, MetricsPublisher, read_snapshots
 from observability.stream_stats import pipeline_streams, read_stream_stats
+from runtime.config import BusConfig
 
 
 class DeploymentCollector(Collector):

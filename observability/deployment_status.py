@@ -16,11 +16,11 @@ from typing import Any
 
 import redis
 
-from bus.config import BusConfig
 from bus.fenced_stream import WORKER_GROUP
 from bus.liveness import read_liveness
 from observability.metrics import PREFIX, RATE_WINDOW_S, read_snapshots
 from observability.stream_stats import STAGE_STREAMS, read_stream_stats
+from runtime.config import BusConfig
 
 PIPELINE = ("ingress", "tokenizer", "router", "worker", "detokenizer")
 

@@ -30,7 +30,7 @@ import prometheus_client
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from bus.config import BusConfig
+from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from bus.config import BusConfig
+from runtime.config import BusConfig
 
 # The stage that consumes each of the fixed streams.
 STAGE_STREAMS = (("tokenizer", "requests_stream"), ("router", "tokenized_stream"),

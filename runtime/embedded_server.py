@@ -38,8 +38,8 @@ from typing import IO, Literal
 
 import redis
 
-from bus.config import BusConfig
 from runtime.child_process import owned_child
+from runtime.config import BusConfig
 from runtime.model_files import default_cache_dir
 
 logger = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ from typing import Any
 
 import redis
 
-from bus.config import BusConfig
 from jobs.protocol import Finish, GenerateRequest, Heartbeat, TextDelta, decode
 from jobs.wire import ENTRY_FIELD, Message, ProtocolError, encode
+from runtime.config import BusConfig
 from stages.ingress.server import create_app, serve
 from stages.ingress.tenancy.tenants import KEY_LIMITS_ENV, tenants_from_env
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from bus.config import BusConfig
+from runtime.config import BusConfig
 from runtime.embedded_server import EmbeddedRedis
 from stages.router.stage import live_workers
 

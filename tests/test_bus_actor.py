@@ -10,7 +10,6 @@ import pytest
 import redis
 
 from bus.actor import Actor, Inbound, unique_consumer_name
-from bus.config import BusConfig
 from bus.effects import IncrHash, Outbound, Output, SetKey
 from bus.reconnect import ensure_group
 from jobs.protocol import (
@@ -23,6 +22,7 @@ from jobs.protocol import (
     decode,
     encode,
 )
+from runtime.config import BusConfig
 
 REPLY = "t:reply"
 

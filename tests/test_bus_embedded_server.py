@@ -9,8 +9,8 @@ import time
 import pytest
 import redis
 
-from bus.config import BusConfig
 from runtime import embedded_server
+from runtime.config import BusConfig
 from runtime.embedded_server import EmbeddedRedis, EmbeddedServerError, find_server_binary
 
 

@@ -17,7 +17,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bus.actor import Actor
-from bus.config import BusConfig
 from bus.reconnect import ensure_group
 from jobs.job_failures import malformed_reply, reply_address
 from jobs.protocol import (
@@ -31,6 +30,7 @@ from jobs.protocol import (
     decode,
     encode,
 )
+from runtime.config import BusConfig
 from stages.detokenizer.stage import DetokenizerStage
 from stages.router.stage import RouterStage
 from stages.tokenizer.hf_tokenizer import load_stage_tokenizer

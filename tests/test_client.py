@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from bus.client import AsyncClient, Client, RequestError
-from bus.config import BusConfig
 from jobs.protocol import ENTRY_FIELD, Abort, ErrorReply, GenerateRequest, decode
+from runtime.config import BusConfig
 from tests.ingress_harness import Upstream, deltas
 
 PIECES = [("Hel", [10, 11]), ("lo", [12]), ("!", [13])]

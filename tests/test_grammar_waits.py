@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from bus.config import BusConfig
 from gpu_worker import Engine
 from gpu_worker.worker import Worker
 from jobs.protocol import ENTRY_FIELD, ErrorReply, TokenizedRequest, encode
 from jobs.request_bounds import request_bounds
+from runtime.config import BusConfig
 from tests.test_poison_jobs import _outputs
 
 MODEL = "smollm2-135m-instruct"

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from bus.config import BusConfig
+from runtime.config import BusConfig
 from tests.ingress_harness import RunningIngress
 
 HEADER_TIMEOUT_S = 1.0

@@ -6,10 +6,10 @@ from __future__ import annotations
 import threading
 import time
 
-from bus.config import BusConfig
 from gpu_worker import Engine
 from gpu_worker.worker import Worker
 from jobs.protocol import ENTRY_FIELD, TokenizedRequest, encode, unpack_ids
+from runtime.config import BusConfig
 
 MODEL = "random:tiny-llama"
 SLOW = {

@@ -16,7 +16,6 @@ import redis
 
 from bus.actor import Actor
 from bus.client import new_request
-from bus.config import BusConfig
 from bus.reconnect import ensure_group
 from jobs import grammar as job_grammar
 from jobs.job_failures import malformed_reply
@@ -33,6 +32,7 @@ from jobs.protocol import (
 )
 from jobs.requests import JOB_VERSION
 from jobs.sampling_params import wire_sampling
+from runtime.config import BusConfig
 from stages.detokenizer.stage import DetokenizerStage
 from stages.router.stage import RouterStage
 from stages.tokenizer.stage import TokenizerStage

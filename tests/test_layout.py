@@ -1,7 +1,11 @@
 """The layout rules of docs/ARCHITECTURE.md, read from the source: what may import what.
 
-- bus/ and stages/ never import torch (a CPU stage must install and start without it);
-- stages/ and gpu_worker/ never import each other: they share only bus/;
+- only gpu_worker/ imports torch (a CPU stage, the command and a direct client must install
+  and start without it);
+- stages/ (and cli/) and gpu_worker/ never import each other: they share only the packages
+  below them (SHARED), which import none of the three;
+- among the shared packages, each imports only those LAYERS puts below it;
+- every package's __init__ docstring names each module and sub-package it holds;
 - no import circle between the project's modules, counting imports made only for type
   checkers (a circle of annotations is still two modules that each need the other), nor
   through imports inside functions (an import deferred to a call still needs the other);
@@ -21,6 +25,17 @@ PACKAGES = ("bus", "jobs", "batch_store", "observability", "runtime", "stages", 
 # The benchmarks are scripts, not imported by the packages; they count for the size rule.
 SIZED = (*PACKAGES, "benchmarks")
 MAX_LINES = 400
+# The packages both sides may use, and what each may import of the others (docs/ARCHITECTURE.md
+# draws them bottom up; bus/ and observability/ use each other: the Actor measures its loop,
+# the deployment readers read liveness).
+LAYERS = {
+    "runtime": set(),
+    "jobs": {"runtime"},
+    "batch_store": {"runtime", "jobs"},
+    "observability": {"runtime", "jobs", "bus"},
+    "bus": {"runtime", "jobs", "batch_store", "observability"},
+}
+SHARED = tuple(LAYERS)
 
 
 def _modules() -> dict[str, Path]:
@@ -95,8 +110,8 @@ def _is_within(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
 
 
-@pytest.mark.parametrize("package", ["bus", "stages"])
-def test_the_cpu_side_never_imports_torch(package):
+@pytest.mark.parametrize("package", [p for p in PACKAGES if p != "gpu_worker"])
+def test_only_the_gpu_worker_imports_torch(package):
     offenders = {
         module: sorted(name for name in _all_imports(module) if _is_within(name, "torch"))
         for module in MODULES
@@ -105,14 +120,45 @@ def test_the_cpu_side_never_imports_torch(package):
     assert {module: names for module, names in offenders.items() if names} == {}
 
 
-@pytest.mark.parametrize("package, other", [("stages", "gpu_worker"), ("gpu_worker", "stages")])
-def test_stages_and_gpu_worker_share_only_bus(package, other):
-    offenders = {
-        module: sorted(name for name in _all_imports(module) if _is_within(name, other))
+def _offenders(package: str, others: set[str]) -> dict[str, list[str]]:
+    found = {
+        module: sorted(
+            name for name in _all_imports(module) if any(_is_within(name, o) for o in others)
+        )
         for module in MODULES
         if _is_within(module, package)
     }
-    assert {module: names for module, names in offenders.items() if names} == {}
+    return {module: names for module, names in found.items() if names}
+
+
+@pytest.mark.parametrize(
+    "package, other",
+    [("stages", "gpu_worker"), ("cli", "gpu_worker"), ("gpu_worker", "stages"),
+     ("gpu_worker", "cli")],
+)  # fmt: skip
+def test_stages_and_gpu_worker_share_only_bus(package, other):
+    assert _offenders(package, {other}) == {}
+
+
+@pytest.mark.parametrize("package", SHARED)
+def test_a_shared_package_imports_only_what_is_below_it(package):
+    forbidden = set(PACKAGES) - LAYERS[package] - {package}
+    assert _offenders(package, forbidden) == {}
+
+
+def _held(package_dir: Path) -> list[str]:
+    names = [p.name for p in package_dir.glob("*.py") if p.name != "__init__.py"]
+    names += [p.name + "/" for p in package_dir.iterdir() if (p / "__init__.py").exists()]
+    return sorted(names)
+
+
+@pytest.mark.parametrize(
+    "init", sorted(path for package in PACKAGES for path in (ROOT / package).rglob("__init__.py")),
+    ids=lambda path: str(path.parent.relative_to(ROOT)),
+)  # fmt: skip
+def test_every_package_docstring_names_what_it_holds(init):
+    docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+    assert [name for name in _held(init.parent) if name not in docstring] == []
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:

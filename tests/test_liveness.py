@@ -10,9 +10,9 @@ import pytest
 import redis
 import redis.asyncio as aredis
 
-from bus.config import BusConfig
 from bus.liveness import Liveness, read_liveness, read_liveness_async
 from jobs.protocol import Heartbeat, encode
+from runtime.config import BusConfig
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-from bus.config import BusConfig
 from observability.deployment_metrics import deployment_registry, render
 from observability.metrics import (
     NOOP,
@@ -15,6 +14,7 @@ from observability.metrics import (
     read_snapshots,
     start_publisher,
 )
+from runtime.config import BusConfig
 from tests.prometheus_text import total
 
 

@@ -9,9 +9,9 @@ import threading
 import time
 
 from bus.actor import Actor
-from bus.config import BusConfig
 from bus.effects import Outbound, write_outputs
 from jobs.protocol import ENTRY_FIELD, TokenizedRequest, decode
+from runtime.config import BusConfig
 from stages.router.stage import RouterStage
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
 

@@ -13,7 +13,6 @@ import threading
 import pytest
 import redis
 
-from bus.config import BusConfig
 from bus.reconnect import ensure_group
 from gpu_worker import Engine
 from gpu_worker.worker import Worker
@@ -26,6 +25,7 @@ from jobs.protocol import (
     decode,
     encode,
 )
+from runtime.config import BusConfig
 from stages.router.worker_reaper import WorkerReaper
 
 MODEL = "random:tiny-llama"

@@ -10,9 +10,9 @@ import time
 import msgpack
 import redis
 
-from bus.config import BusConfig
 from bus.reconnect import ensure_group
 from jobs.protocol import ENTRY_FIELD, ErrorReply, decode, pack_ids
+from runtime.config import BusConfig
 from runtime.embedded_server import EmbeddedRedis
 from tests.test_launcher_stop import _Up
 from tests.test_redis_persistence import FSYNC_WINDOW_S, _generate, _socket_path

@@ -13,12 +13,12 @@ import pytest
 import redis
 
 from bus.actor import Actor
-from bus.config import BusConfig
 from bus.effects import Outbound, write_outputs
 from bus.fenced_stream import WORKER_GROUP
 from bus.reconnect import ensure_group
 from bus.stream_trim import trim_acknowledged
 from jobs.protocol import ENTRY_FIELD, TokenizedRequest, decode
+from runtime.config import BusConfig
 from runtime.embedded_server import EmbeddedRedis
 from stages.router.stage import RouterStage
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas

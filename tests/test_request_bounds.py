@@ -11,13 +11,13 @@ import pytest
 import redis
 
 from bus.actor import Actor, Inbound
-from bus.config import BusConfig
 from bus.reconnect import ensure_group
 from jobs.field_error import FieldError
 from jobs.protocol import ErrorReply, GenerateRequest, TokenBatch, TokenizedRequest, decode
 from jobs.request_bounds import request_bounds
 from jobs.sampling_params import wire_sampling
 from jobs.wire import ENTRY_FIELD, encode
+from runtime.config import BusConfig
 from stages.router.stage import RouterStage
 from stages.tokenizer.context_length import model_context_length
 from stages.tokenizer.stage import TokenizerStage

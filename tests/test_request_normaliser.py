@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 from bus.actor import Inbound
-from bus.config import BusConfig
 from gpu_worker import Engine
 from gpu_worker.request_input import EngineTokenizer
 from jobs.field_error import FieldError
@@ -21,6 +20,7 @@ from jobs.request_normaliser import (
     encode_prompts,
     split_prompts,
 )
+from runtime.config import BusConfig
 from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
 from stages.tokenizer.stage import TokenizerStage
 

@@ -13,7 +13,6 @@ import pytest
 import redis
 
 from bus.actor import Actor
-from bus.config import BusConfig
 from bus.reconnect import ensure_group
 from jobs.protocol import (
     ENTRY_FIELD,
@@ -24,6 +23,7 @@ from jobs.protocol import (
     decode,
     encode,
 )
+from runtime.config import BusConfig
 from stages.router.stage import RouterStage, live_workers
 from stages.tokenizer.stage import TokenizerStage
 

@@ -13,8 +13,8 @@ import pytest
 from batch_store.batches import BatchStore, error_line
 from batch_store.files import FileStore
 from batch_store.input_file import parse_input
-from bus.config import BusConfig
 from jobs.errors import RequestError
+from runtime.config import BusConfig
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
 
 CHAT = "/v1/chat/completions"

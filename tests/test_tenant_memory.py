@@ -9,7 +9,7 @@ import io
 import openai
 import redis
 
-from bus.config import BusConfig
+from runtime.config import BusConfig
 from runtime.embedded_server import EmbeddedRedis
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from bus.config import BusConfig
 from gpu_worker.heartbeat import HeartbeatThread, Load
 from jobs.protocol import Heartbeat, decode
+from runtime.config import BusConfig
 
 
 @pytest.fixture

@@ -11,11 +11,11 @@ import pytest
 import redis
 
 from bus.actor import Actor
-from bus.config import BusConfig
 from bus.reconnect import ensure_group
 from gpu_worker import Engine
 from gpu_worker.worker import Worker
 from jobs.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, encode, unpack_ids
+from runtime.config import BusConfig
 from stages.router.stage import RouterStage
 from stages.router.worker_reaper import WorkerReaper
 

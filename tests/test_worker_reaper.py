@@ -12,8 +12,8 @@ import threading
 import pytest
 import redis
 
-from bus.config import BusConfig
 from jobs.protocol import ENTRY_FIELD, Abort, TokenizedRequest, decode, encode
+from runtime.config import BusConfig
 from stages.router.worker_reaper import WORKER_GROUP, WorkerReaper, dead_worker_ids
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from bus.actor import Inbound
-from bus.config import BusConfig
 from bus.effects import Outbound, Output
 from jobs.legacy_records import finish_as_list
 from jobs.protocol import TextDelta, TokenBatch, TokenItem
+from runtime.config import BusConfig
 from stages.detokenizer.incremental import text_deltas
 
 

@@ -2,12 +2,14 @@
 
 server.py         the app and `run` (what ``streamserve stage ingress`` calls)
 state.py          what the handlers share: Redis client, reply reader, admission, aborts
-handlers.py       the endpoints
-params.py         request bodies checked and turned into GenerateRequests
 body.py           JSON reading and typed field access (a wrong JSON type is a 422)
-submission.py     one HTTP request's sub-requests, from XADD to their last reply
-openai_format.py  OpenAI response bodies, stream chunks and logprobs
+errors.py         OpenAI-style error bodies and the middleware that makes every failure one
 health.py         live workers (cached) and queue depth, for admission and /health
 metrics.py        this replica's Prometheus metrics (prometheus-client); /metrics serves all
-errors.py         OpenAI-style error bodies and the middleware that makes every failure one
+connections.py    slow clients: read deadlines and the connection cap
+status_page.py    /status, the operators' live view (static/status.html)
+api/              the endpoints: bodies checked, requests made, answers formatted
+batches/          OpenAI's Batch API: /v1/files, /v1/batches and the runner
+tenancy/          API keys, tenants, their limits and what each may see
+streaming/        one HTTP request's sub-requests on the bus, and streams resumed
 """

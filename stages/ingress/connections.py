@@ -1,5 +1,5 @@
 """How an ingress replica bounds what its clients' connections hold: each connection's time
-to send a request, and how many it serves at once (bus/config.py's ``ingress_*`` settings).
+to send a request, and how many it serves at once (runtime/config.py's ``ingress_*`` settings).
 
 - Headers: aiohttp closes a connection still waiting for a whole request head once its
   ``keepalive_timeout`` has passed since the connection opened or its last response ended

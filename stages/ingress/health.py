@@ -14,8 +14,8 @@ import time
 
 import redis.asyncio as aredis
 
-from bus.config import BusConfig
 from bus.liveness import Liveness, read_liveness_async
+from runtime.config import BusConfig
 
 WORKERS_CHECK_INTERVAL_S = 1.0
 

@@ -24,10 +24,10 @@ from aiohttp import web
 
 from bus.actor import unique_consumer_name
 from bus.async_pool import async_redis
-from bus.config import BusConfig
 from bus.reconnect import REDIS_TRANSIENT
 from bus.replies import AsyncReplyReader
 from observability.metrics import start_publisher
+from runtime.config import BusConfig
 from stages.ingress.api import handlers, service_endpoints
 from stages.ingress.api.openapi import openapi_document
 from stages.ingress.batches import routes as batch_api

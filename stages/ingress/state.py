@@ -20,10 +20,10 @@ from aiohttp import web
 
 from bus.aborts import publish_aborts_async
 from bus.client import add_requests
-from bus.config import BusConfig
 from bus.reconnect import REDIS_TRANSIENT
 from bus.replies import AsyncReplyReader
 from jobs.protocol import GenerateRequest
+from runtime.config import BusConfig
 from stages.ingress.errors import ApiError
 from stages.ingress.health import WorkerHealth, queue_depth
 from stages.ingress.metrics import IngressMetrics

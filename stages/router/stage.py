@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import redis
 
 from bus.actor import HoldBatch, Inbound
-from bus.config import BusConfig
 from bus.effects import IncrHash, Outbound, Output, SetKey, reply
 from bus.liveness import read_liveness
 from jobs.protocol import ErrorReply, TokenizedRequest
+from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
 

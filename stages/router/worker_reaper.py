@@ -36,7 +36,6 @@ from typing import Any
 
 import redis
 
-from bus.config import BusConfig
 from bus.effects import (
     Outbound,
     dead_letter_fields,
@@ -50,6 +49,7 @@ from bus.reconnect import REDIS_TRANSIENT
 from jobs.job_failures import malformed_reply, too_many_deliveries
 from jobs.protocol import ENTRY_FIELD, Abort, ProtocolError, TokenizedRequest, decode
 from observability.metrics import ProcessMetrics
+from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
 

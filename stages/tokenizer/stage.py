@@ -21,11 +21,11 @@ import logging
 from typing import Any
 
 from bus.actor import Inbound
-from bus.config import BusConfig
 from bus.effects import Outbound, Output, reply
 from jobs.field_error import FieldError
 from jobs.protocol import ErrorReply, GenerateRequest, TokenizedRequest
 from jobs.request_normaliser import ModelLimits, check_prompt, encode_prompts, split_prompts
+from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
 

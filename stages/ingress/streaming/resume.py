@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio as aredis
 
-from bus.config import BusConfig
 from jobs.protocol import TextDelta
+from runtime.config import BusConfig
 from stages.ingress.api.openai_format import Choice
 from stages.ingress.errors import ApiError
 from stages.ingress.tenancy.ownership import read_request_record, sees

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import redis.asyncio as aredis
 
-from bus.config import BusConfig
+from runtime.config import BusConfig
 from stages.ingress.errors import ApiError
 from stages.ingress.tenancy.tenants import Tenant
 
