@@ -267,7 +267,7 @@ class Worker:
             )
             req.tenant = job.tenant or ""
             req.weight = job.weight or 1.0
-            req.params.priority = job.priority or 0  # the job's, beside its sampling
+            req.priority = job.priority or 0  # the job's, beside its sampling
         except Exception as exc:  # whatever one job's content raises is its own error
             self._refuse(entry_id, job, exc)
             return

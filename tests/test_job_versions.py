@@ -194,7 +194,7 @@ def test_old_and_new_form_direct_jobs_run_end_to_end(chain, config, stream, monk
     add = chain.worker.scheduler.add_request
 
     def add_request(req) -> None:
-        seen[req.rid] = req.params.priority
+        seen[req.rid] = req.priority
         add(req)
 
     monkeypatch.setattr(chain.worker.scheduler, "add_request", add_request)

@@ -20,8 +20,8 @@ PROMPTS = ["Write a haiku about the sea.", "List three prime numbers.", "What is
 
 
 def fake(name: str, priority: int, tenant: str = "", tag: float = 0.0):
-    return SimpleNamespace(name=name, params=SimpleNamespace(priority=priority), tenant=tenant,
-                           fair_tag=tag)  # fmt: skip
+    # The scheduler's fields sit on the request beside its sampling parameters.
+    return SimpleNamespace(name=name, priority=priority, tenant=tenant, fair_tag=tag)
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])

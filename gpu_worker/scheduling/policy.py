@@ -20,13 +20,13 @@ def order_waiting(
     puts the requests with the longest cached prefix first, so the cache is hit before it
     is evicted."""
     if len(waiting) > 1 and any(req.tenant != waiting[0].tenant for req in waiting):
-        return sorted(waiting, key=lambda req: (req.params.priority, req.fair_tag))
+        return sorted(waiting, key=lambda req: (req.priority, req.fair_tag))
     if policy == "lpm" and 1 < len(waiting) <= LPM_MAX_QUEUE:
         ordered = sorted(waiting, key=lambda req: -cached_prefix_len(req))
     else:
         ordered = list(waiting)
-    if any(req.params.priority != ordered[0].params.priority for req in ordered):
-        ordered.sort(key=lambda req: req.params.priority)  # stable: keeps the order above
+    if any(req.priority != ordered[0].priority for req in ordered):
+        ordered.sort(key=lambda req: req.priority)  # stable: keeps the order above
     return ordered
 
 

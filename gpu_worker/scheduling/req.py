@@ -76,8 +76,11 @@ class Req:
         self.pending_text: list[str] = []
         # Speculative decoding's per-request state, made at its first draft.
         self.draft: DraftState | None = None
-        # Fair share between tenants (scheduling/fair_share.py): whose request this is, its
-        # tenant's weight, and its start tag in the waiting queue.
+        # The scheduler's, beside the sampler's parameters: its class (scheduling/policy.py;
+        # a worker sets its job's), and, for fair share between tenants
+        # (scheduling/fair_share.py), whose request this is, its tenant's weight, and its
+        # start tag in the waiting queue.
+        self.priority = params.priority
         self.tenant = ""
         self.weight = 1.0
         self.fair_tag = 0.0

@@ -255,7 +255,7 @@ class Scheduler:
         not be admitted for want of a batch slot or of KV: a batch line gives way to an
         interactive request, and runs again later to the same output."""
         while True:
-            lower = [r for r in self.running if r.params.priority > req.params.priority]
+            lower = [r for r in self.running if r.priority > req.priority]
             if not lower:
                 return
             uncached = req.num_tokens - self.kv.cached_prefix_len(req)
@@ -270,7 +270,7 @@ class Scheduler:
         # Of the lowest class (the largest priority), the request with the fewest output
         # tokens (then the longest prompt) loses least work.
         victim = min(among or self.running,
-                     key=lambda r: (-r.params.priority, len(r.output_ids),
+                     key=lambda r: (-r.priority, len(r.output_ids),
                                     -len(r.origin_input_ids)))  # fmt: skip
         self.running.remove(victim)
         self.kv.release(victim)
