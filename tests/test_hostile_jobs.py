@@ -211,3 +211,48 @@ def test_every_hostile_job_is_answered_and_every_process_lives(pipeline):
     status, body = pipeline.post("/generate", {"text": "Hello", "sampling_params": {
         "max_new_tokens": 4, "temperature": 0}})  # fmt: skip
     assert status == 200 and body["meta_info"]["completion_tokens"] == 4
+
+
+def _raw_replies(client: redis.Redis, stream: str, rids: set[str]) -> dict[str, list[dict]]:
+    """The reply entries as a client with no streamserve code reads them: msgpack maps."""
+    deadline = time.monotonic() + ANSWER_TIMEOUT_S
+    while True:
+        replies: dict[str, list[dict]] = {}
+        for _, fields in client.xrange(stream):
+            reply = msgpack.unpackb(fields[ENTRY_FIELD], raw=False)
+            replies.setdefault(reply["rid"], []).append(reply)
+        done = {r for r, got in replies.items() if any(m.get("finish") for m in got)}
+        if rids <= done or time.monotonic() > deadline:
+            return replies
+        time.sleep(0.2)
+
+
+def test_a_direct_job_written_by_an_older_client_is_served_in_its_own_version(pipeline):
+    # Not hostile: a job as a client before wire version 2 wrote it (no `v`, priority inside
+    # sampling) is served like a current one, and its replies keep the form it reads.
+    client = redis.Redis.from_url(pipeline.redis_url)
+    config = pipeline.config
+    sampling = {"max_new_tokens": 4, "temperature": 0}
+    old = {"kind": "generate", "rid": "old-client", "reply_to": "older:replies",
+           "prompt": "Hello", "sampling": {**sampling, "priority": 1}}  # fmt: skip
+    old_ids = {"kind": "tokenized", "rid": "old-client-ids", "reply_to": "older:replies",
+               "input_ids": _ids(1, 2, 3), "sampling": {**sampling, "priority": 1}}  # fmt: skip
+    new = {**old, "rid": "new-client", "v": 2, "priority": 1, "sampling": sampling}
+    _write(client, config.requests_stream(), old)
+    _write(client, config.tokenized_stream(), old_ids)
+    _write(client, config.requests_stream(), new)
+    replies = _raw_replies(client, "older:replies", {"old-client", "old-client-ids", "new-client"})
+    finishes = {rid: next(m["finish"] for m in got if m.get("finish")) for rid, got in
+                replies.items()}  # fmt: skip
+    assert set(finishes) == {"old-client", "old-client-ids", "new-client"}, replies
+    # Version 1's finish: [reason, matched, prompt_tokens, completion_tokens, cached_tokens].
+    for rid in ("old-client", "old-client-ids"):
+        assert isinstance(finishes[rid], list) and len(finishes[rid]) == 5, finishes[rid]
+        assert finishes[rid][0] == "length" and finishes[rid][3] == 4
+    assert finishes["new-client"]["reason"] == "length"
+    assert finishes["new-client"]["completion_tokens"] == 4
+
+    def text(rid: str) -> str:
+        return "".join(m.get("text") or "" for m in sorted(replies[rid], key=lambda m: m["seq"]))
+
+    assert text("old-client") == text("new-client")  # the same job, greedy, in either version
