@@ -182,6 +182,7 @@ def render(status: dict[str, Any], source: str) -> RenderableType:
         _stages_table(status["stages"], prefix),
         _workers_table(status["workers"]),
         _throughput(status),
+        _redis_server(status.get("redis")),
     )
 
 
@@ -247,6 +248,23 @@ def _throughput(status: dict[str, Any]) -> Group:
             f"tokens, {totals['http_requests']:.0f} HTTP requests; ",
             (f"dead letters: {dead}", "bold red" if dead else ""),
         ),
+    )
+
+
+def _redis_server(figures: dict[str, Any] | None) -> Text:
+    """The bus's own server: how close it is to its limits (memory against maxmemory, past
+    which it refuses writes)."""
+    if figures is None:
+        return Text("redis: no figures (INFO refused)", style="dim")
+    used, limit = figures["memory_bytes"], figures["maxmemory_bytes"]
+    memory = f"{used / 2**20:.1f} MiB" + (f" of {limit / 2**20:.0f} MiB" if limit else "")
+    full = limit and used >= 0.9 * limit
+    return Text.assemble(
+        "redis: ",
+        (f"{figures['ops_per_second']:.0f} ops/s", "bold"),
+        f", {figures['commands_processed']} commands, {figures['cpu_seconds']:.1f} CPU s, ",
+        (memory, "bold red" if full else ""),
+        f", {figures['connected_clients']} clients",
     )
 
 

@@ -5,4 +5,5 @@ stage_metrics.py       what every CPU stage's loop measures
 deployment_metrics.py  the one /metrics target: every process's figures read from Redis
 deployment_status.py   the live picture behind `streamserve status` and /status
 stream_stats.py        the streams' XINFO figures
+redis_server.py        the Redis server's own figures (commands, CPU, memory, clients)
 """

@@ -3,7 +3,8 @@
 At each scrape the collector publishes this process's own snapshot, reads every live
 process's from Redis (metrics.py), labels each series with its process's `role` and
 `replica`, and adds the streams' length, lag and pending per group (stream_stats.py) and
-the count of workers with a live heartbeat (bus/liveness.py) as gauges. Series of one family
+the count of workers with a live heartbeat (bus/liveness.py) as gauges, and the Redis
+server's own figures (redis_server.py: commands, CPU, memory, clients). Series of one family
 from several processes are merged under one family, as the exposition format requires.
 
 Every figure comes from Redis, this replica's too: behind a load balancer, consecutive
@@ -19,11 +20,12 @@ from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from bus.liveness import read_liveness
 from observability.metrics import PREFIX, MetricsPublisher, read_snapshots
+from observability.redis_server import read_server_figures
 from observability.stream_stats import pipeline_streams, read_stream_stats
 from runtime.config import BusConfig
 
@@ -50,6 +52,29 @@ class DeploymentCollector(Collector):
                     family.add_sample(sample_name, {**labels, **extra}, value)
         yield from merged.values()
         yield from self._stream_families()
+        yield from self._server_families()
+
+    def _server_families(self) -> Iterable[Metric]:
+        figures = read_server_figures(self.client)
+        if figures is None:
+            return
+        for name, documentation, value in (
+            ("redis_commands_processed", "Commands the Redis server processed since it "
+             "started.", figures.commands_processed),
+            ("redis_cpu_seconds", "CPU seconds (user + system) the Redis server spent since it "
+             "started.", figures.cpu_seconds),
+        ):  # fmt: skip
+            yield CounterMetricFamily(PREFIX + name, documentation, value=value)
+        for name, documentation, value in (
+            ("redis_ops_per_second", "The Redis server's own rate of commands now.",
+             figures.ops_per_second),
+            ("redis_memory_used_bytes", "Memory the Redis server uses.", figures.memory_bytes),
+            ("redis_maxmemory_bytes", "Its maxmemory (0: none); past it, writes are refused.",
+             figures.maxmemory_bytes),
+            ("redis_connected_clients", "Clients connected to the Redis server.",
+             figures.connected_clients),
+        ):  # fmt: skip
+            yield GaugeMetricFamily(PREFIX + name, documentation, value=value)
 
     def _stream_families(self) -> Iterable[Metric]:
         liveness = read_liveness(self.client, self.config)

@@ -4,7 +4,8 @@ ingress's `/status` page draws (from `/status.json`).
 Stages in pipeline order with their live replicas (processes whose metrics snapshot has not
 expired, metrics.py), their input stream's length, lag and pending entries; each worker
 with its heartbeat's load, its KV use and its tokens per second; throughput over the last
-minute, from the rates each process publishes; and totals since the live processes started.
+minute, from the rates each process publishes; totals since the live processes started; and
+the Redis server's own figures (redis_server.py).
 A JSON-ready dict, so scripts read it with ``streamserve status --once --json``.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import asdict
 from typing import Any
 
 import redis
@@ -19,6 +21,7 @@ import redis
 from bus.fenced_stream import WORKER_GROUP
 from bus.liveness import read_liveness
 from observability.metrics import PREFIX, RATE_WINDOW_S, read_snapshots
+from observability.redis_server import read_server_figures
 from observability.stream_stats import STAGE_STREAMS, read_stream_stats
 from runtime.config import BusConfig
 
@@ -27,6 +30,7 @@ PIPELINE = ("ingress", "tokenizer", "router", "worker", "detokenizer")
 
 def read_status(client: redis.Redis, config: BusConfig) -> dict[str, Any]:
     snapshots = read_snapshots(client, config)
+    server = read_server_figures(client)
     by_role: dict[str, list[dict]] = defaultdict(list)
     for snapshot in snapshots:
         by_role[snapshot["role"]].append(snapshot)
@@ -98,6 +102,7 @@ def read_status(client: redis.Redis, config: BusConfig) -> dict[str, Any]:
             "http_requests": int(sum(_value(s, "requests_total", _api_route) for s in ingresses)),
         },
         "dead_letters": stats[config.dead_letter_stream()].length,
+        "redis": None if server is None else asdict(server),
     }
 
 

@@ -83,6 +83,13 @@ FAMILY_LABELS: dict[str, frozenset[str]] = {
         "stream_group_lag": {"stream", "group"},
         "stream_group_pending": {"stream", "group"},
         "stream_group_consumers": {"stream", "group"},
+        # the Redis server's own (observability/redis_server.py)
+        "redis_commands_processed_total": set(),
+        "redis_cpu_seconds_total": set(),
+        "redis_ops_per_second": set(),
+        "redis_memory_used_bytes": set(),
+        "redis_maxmemory_bytes": set(),
+        "redis_connected_clients": set(),
     }.items()
 }
 KNOWN_FAMILIES = frozenset(FAMILY_LABELS)
