@@ -25,6 +25,7 @@ from jobs.wire import (
     ProtocolError,
     Record,
     check_field,
+    pack_ids,
 )
 
 # Prompt tokens decoded as context for the first output tokens (vLLM and SGLang use 5).
@@ -136,14 +137,28 @@ class TokenItem(Record):
     reply_version: int = WIRE_VERSION
 
     def to_wire(self) -> dict[str, Any]:
-        wire = super().to_wire()
-        # The defaults stay off the wire: most items stop on nothing and skip specials.
-        for name, default in (("stop", []), ("skip_special_tokens", True),
-                              ("reply_version", WIRE_VERSION)):  # fmt: skip
-            if wire.get(name) == default:
-                del wire[name]
+        # Written field by field, not through Record's loop: a worker writes one item per
+        # request per step, the bus's hottest record. Optional fields that hold their
+        # default stay off the wire (most items stop on nothing and skip specials).
+        wire: dict[str, Any] = {
+            "rid": self.rid, "reply_to": self.reply_to, "start": self.start,
+            "ids": pack_ids(self.ids), "context": pack_ids(self.context),
+            "prompt_context": self.prompt_context,
+        }  # fmt: skip
+        if self.stop:
+            wire["stop"] = self.stop
+        if not self.skip_special_tokens:
+            wire["skip_special_tokens"] = False
         if self.finish is not None:
             wire["finish"] = self.finish.to_wire()
+        if self.prompt_ids is not None:
+            wire["prompt_ids"] = pack_ids(self.prompt_ids)
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                wire[name] = value
+        if self.reply_version != WIRE_VERSION:
+            wire["reply_version"] = self.reply_version
         return wire
 
     @classmethod
