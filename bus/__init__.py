@@ -2,7 +2,7 @@
 
 actor.py          `Actor`: a CPU stage replica's loop on its consumer group, each turn's
                   effects and acknowledgements committed in one MULTI
-effects.py        what a stage's turn writes (`Outbound`, `SetKey`, `AppendKey`, ...)
+effects.py        what a stage's turn writes (`Outbound`, `SetKey`, `ExpireKey`, ...)
 fenced_stream.py  a worker's own stream, written only under its fence; the reaper's `fence_off`
 liveness.py       which workers are alive: the one reader of their heartbeats, sync and async
 reconnect.py      every consumer loop's backoff on outages and its group made again

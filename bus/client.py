@@ -84,6 +84,7 @@ def new_request(
         sampling=wire,
         created=time.time(),
         priority=priority,
+        bundle_replies=True,  # its ReplyReader reads TextDeltas
     )
     # The checks every stage makes of what it reads (types of prompt, messages, rid...):
     # a job refused here is never queued.

@@ -1,6 +1,6 @@
 """What a stage's turn writes: effects queued on one MULTI with the acknowledgements.
 
-A stage returns outputs (messages to add to streams, keys to set, append or delete) and the
+A stage returns outputs (messages to add to streams, keys to set or expire, hash counts) and the
 code that commits its turn queues them, with the turn's dead letters, on the MULTI that
 acknowledges its inputs: either all of it is written or none is. Executed with
 `execute_logging_errors`, one command that fails (a reply stream that is a hash) is dropped
@@ -77,29 +77,7 @@ class IncrHash:
         pipe.hincrby(self.key, self.field, self.by)
 
 
-@dataclass
-class AppendKey:
-    """Bytes appended to a string key (a request's progress); the TTL is set when asked."""
-
-    key: str
-    data: bytes
-    ttl_s: int | None = None
-
-    def apply(self, pipe: Any, config: BusConfig) -> None:
-        pipe.append(self.key, self.data)
-        if self.ttl_s is not None:
-            pipe.expire(self.key, self.ttl_s)
-
-
-@dataclass
-class DeleteKey:
-    key: str
-
-    def apply(self, pipe: Any, config: BusConfig) -> None:
-        pipe.delete(self.key)
-
-
-Output = Outbound | SetKey | ExpireKey | IncrHash | AppendKey | DeleteKey
+Output = Outbound | SetKey | ExpireKey | IncrHash
 
 
 def reply(config: BusConfig, reply_to: str, message: Message) -> Outbound:

@@ -2,36 +2,40 @@
 
 A worker reads jobs from its stream ``<p>:worker:<id>`` in the consumer group ``worker``
 (`WORKER_GROUP`), where the router stage routes them. What a worker writes (its outputs, the
-acknowledgements of its jobs, dead letters) waits in the buffers of its `FencedStream` until
-the next `commit`, one MULTI that may also carry a non-blocking read of new jobs: while
-there is work the bus costs one round trip per engine step; idle, the worker blocks on its
-stream (`read_blocking`).
+acknowledgements of its jobs, dead letters, an entry of its progress log) waits in the
+buffers of its `FencedStream` until the next `commit`, one MULTI that may also carry a
+non-blocking read of new jobs: while there is work the bus costs one round trip per publish
+(gpu_worker/worker.py publishes at most every ``publish_interval_ms``); idle, the worker
+blocks on its stream (`read_blocking`).
 
 Nothing is lost when a worker dies. A job stays pending on the worker's stream until it
-finishes (its acknowledgement goes in the MULTI with its last tokens), and each request's
-published tokens are appended to its progress key in the MULTI that publishes them. When
-the heartbeat lapses, the router's reaper (stages/router/worker_reaper.py) moves the pending
-jobs to the router again, and the worker that gets one continues after its progress: no
-token is repeated or missing. A worker stopped with SIGTERM finishes its step, publishes it,
-and leaves its jobs to the reaper the same way. A worker started again under the same id
-takes back the entries its previous life left pending (`open`); each of those was handed to
-a worker that died holding it, which `previous_deliveries` counts for the job's quarantine
-(jobs/job_failures.py).
+finishes (its acknowledgement goes in the MULTI with its last tokens), and the MULTI that
+publishes tokens also logs them, for all the worker's jobs at once, on its progress stream
+``<p>:progress:<id>`` (jobs/progress.py). When the heartbeat lapses, the router's reaper
+(stages/router/worker_reaper.py) moves the pending jobs to the router again, each carrying
+the ids the log holds for it, and the worker that gets one continues after them: no token is
+repeated or missing. A worker stopped with SIGTERM publishes what it generated and leaves its
+jobs to the reaper the same way. A worker started again under the same id takes back the
+entries its previous life left pending (`open`) and reads their progress from its own log
+(`read_progress_log`); each of those was handed to a worker that died holding it, which
+`previous_deliveries` counts for the job's quarantine (jobs/job_failures.py).
 
 A worker taken for dead while alive (paused, or out of reach of Redis for longer than the
 heartbeat TTL) must not go on publishing for jobs now served elsewhere: two writers would
-send a client two versions of a token and garble the progress key. Every commit is a MULTI
+send a client two versions of a token and garble the progress log. Every commit is a MULTI
 under WATCH of the worker's fence key, which the reaper changes in the MULTI that claims
 jobs off it (`fence_off`). A commit that finds the fence changed writes nothing and raises
 `Fenced`; the worker drops every job and starts again from `restart_fenced`: the entries
-still pending to it are its own, and resume from their progress.
+still pending to it are its own, and resume from the log.
 
 The worker trims its stream, at most once per ``trim_interval_s``, below what its group has
-acknowledged (bus/stream_trim.py): a job stays on the stream until it finishes.
+acknowledged (bus/stream_trim.py): a job stays on the stream until it finishes. It trims its
+progress log below the first entry about the oldest job it holds (gpu_worker/progress_log.py).
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 from typing import Any
 
@@ -41,7 +45,11 @@ from bus.actor import unique_consumer_name
 from bus.effects import Output, execute_logging_errors, write_dead_letters, write_outputs
 from bus.reconnect import ensure_group, is_missing_group
 from bus.stream_trim import StreamTrimmer
+from jobs.progress import ProgressEntry
+from jobs.protocol import ENTRY_FIELD, ProtocolError, decode
 from runtime.config import BusConfig
+
+logger = logging.getLogger(__name__)
 
 WORKER_GROUP = "worker"  # the workers' consumer group, one per worker stream
 
@@ -67,6 +75,10 @@ class FencedStream:
         self.outbox: list[Output] = []
         self.acks: list[bytes] = []
         self.dead: list[dict[str, Any]] = []  # dead_letter_fields
+        self.progress_stream = config.progress_stream(worker_id)
+        self.progress: bytes | None = None  # an encoded ProgressEntry, for the log
+        self.progress_trim: bytes | None = None  # trim the log below this id (MINID)
+        self.progress_written: bytes | None = None  # where the last commit logged `progress`
         # Entry id -> deliveries to a previous life under this id, for the entries `open`
         # took back (read once, when the job is admitted).
         self.previous_deliveries: dict[bytes, int] = {}
@@ -110,7 +122,8 @@ class FencedStream:
         (optionally) a non-blocking read of new jobs. Returns the jobs read; raises `Fenced`
         (having written nothing) when the fence changed."""
         self.trimmer.maybe_trim()
-        if not (self.outbox or self.acks or self.dead or read):
+        self.progress_written = None
+        if not (self.outbox or self.acks or self.dead or read or self.progress):
             return []
         with self.client.pipeline(transaction=True) as pipe:
             try:
@@ -118,6 +131,10 @@ class FencedStream:
                 if pipe.get(self.fence_key) != self._fence:
                     raise redis.WatchError("fenced before this write")
                 pipe.multi()
+                if self.progress is not None:  # first: its reply is the entry's id
+                    pipe.xadd(self.progress_stream, {ENTRY_FIELD: self.progress})
+                if self.progress_trim is not None:
+                    pipe.xtrim(self.progress_stream, minid=self.progress_trim, approximate=False)
                 write_outputs(pipe, self.config, self.outbox)
                 write_dead_letters(pipe, self.config, self.dead)
                 if self.acks:
@@ -128,6 +145,8 @@ class FencedStream:
                 results = execute_logging_errors(pipe, self.who)
             except redis.WatchError as exc:
                 raise Fenced from exc
+        if self.progress is not None and isinstance(results[0], bytes):
+            self.progress_written = results[0]
         self._clear()
         if read and results[-1] and not isinstance(results[-1], redis.ResponseError):
             return results[-1][0][1]
@@ -160,6 +179,26 @@ class FencedStream:
 
     def _clear(self) -> None:
         self.outbox, self.acks, self.dead = [], [], []
+        self.progress = self.progress_trim = None
+
+
+def read_progress_log(
+    client: redis.Redis, config: BusConfig, worker_id: str
+) -> list[ProgressEntry]:
+    """Worker `worker_id`'s progress log, oldest first; a malformed entry is skipped (logged)."""
+    stream = config.progress_stream(worker_id)
+    entries: list[ProgressEntry] = []
+    start: bytes | str = "-"
+    while True:
+        chunk = client.xrange(stream, min=start, count=1000)
+        for entry_id, fields in chunk:
+            try:
+                entries.append(decode((fields or {}).get(ENTRY_FIELD), ProgressEntry))
+            except ProtocolError as exc:
+                logger.warning("%s: skipping progress entry %s: %s", stream, entry_id, exc)
+        if len(chunk) < 1000:
+            return entries
+        start = b"(" + chunk[-1][0]
 
 
 def fence_off(

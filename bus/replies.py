@@ -1,5 +1,9 @@
 """Reading a reply stream: each request's TextDelta / ErrorReply messages, in order.
 
+An entry holds one message, or a TextDeltas bundle of the deltas one detokenizer batch had
+for this stream (jobs that asked for ``bundle_replies``, as the ingress and `Client` do):
+the router takes a bundle apart and files each delta as if it came alone.
+
 A frontend (an ingress replica, a direct client) owns one reply stream, named in the
 ``reply_to`` of every job it submits. Detokenizer replicas race, so the deltas of one request
 can land out of order or twice: `ReplyOrderer` puts them back in output order by
@@ -31,7 +35,15 @@ import redis
 import redis.asyncio as aredis
 
 from bus.reconnect import RECONNECT_BACKOFF_S, REDIS_TRANSIENT
-from jobs.protocol import ENTRY_FIELD, ErrorReply, Message, ProtocolError, TextDelta, decode
+from jobs.protocol import (
+    ENTRY_FIELD,
+    ErrorReply,
+    Message,
+    ProtocolError,
+    TextDelta,
+    TextDeltas,
+    decode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -155,19 +167,25 @@ class ReplyRouter:
         for entry_id, fields in entries:
             self.last_id = entry_id
             try:
-                message = decode((fields or {}).get(ENTRY_FIELD), TextDelta, ErrorReply)
+                message = decode((fields or {}).get(ENTRY_FIELD), TextDelta, ErrorReply,
+                                 TextDeltas)  # fmt: skip
             except ProtocolError as exc:
                 logger.warning("%s: dropping malformed reply %s: %s", self.stream, entry_id, exc)
                 continue
-            orderer = self._orderers.get(message.rid)
-            if orderer is None:
-                continue  # a late reply to a request nobody waits for any more
-            self._first_entry.setdefault(message.rid, entry_id)
-            out.extend((message.rid, released) for released in orderer.push(message))
-            if orderer.done:
-                del self._orderers[message.rid]
-                self._first_entry.pop(message.rid, None)
+            messages = message.deltas if isinstance(message, TextDeltas) else [message]
+            for one in messages:
+                self._file(entry_id, one, out)
         return out
+
+    def _file(self, entry_id: bytes, message: Reply, out: list[tuple[str, Reply]]) -> None:
+        orderer = self._orderers.get(message.rid)
+        if orderer is None:
+            return  # a late reply to a request nobody waits for any more
+        self._first_entry.setdefault(message.rid, entry_id)
+        out.extend((message.rid, released) for released in orderer.push(message))
+        if orderer.done:
+            del self._orderers[message.rid]
+            self._first_entry.pop(message.rid, None)
 
 
 def _id_order(entry_id: bytes) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ from jobs.request_bounds import request_bounds
 class Waiting:
     entry_id: bytes
     job: TokenizedRequest
-    progress: bytes | None  # its published output, as the worker read it at admission
+    progress: list[int]  # its published output, as the worker read it at admission
     field: str  # the grammar parameter being compiled
     compile: concurrent.futures.Future
     deadline: float  # time.monotonic()

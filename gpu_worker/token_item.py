@@ -1,5 +1,5 @@
 """What the worker publishes of a running job: the job's record, and its TokenItem for one
-step (its new ids, the context to detokenize them, the logprobs and finish it asked for;
+publish (its new ids, the context to detokenize them, the logprobs and finish it asked for;
 jobs/protocol.py's TokenItem)."""
 
 from __future__ import annotations
@@ -22,20 +22,22 @@ class RunningJob:
     entry_id: bytes  # acknowledged when the request finishes, not before
     window: int  # output tokens of context the detokenizer needs
     reported: int = 0  # output tokens already published
-    keys_renewed_at: float | None = None  # monotonic; when its progress key's TTL was set
+    route_renewed_at: float | None = None  # monotonic; when its route key's TTL was last set
     created: float | None = None  # unix time the job entered the system
     queue_seconds: float | None = None  # set at its first token here, unless it resumed
     reply_version: int = WIRE_VERSION  # its job's: the wire version its requester reads
+    bundle: bool = False  # its job's bundle_replies
 
-    def keys_due(self, now: float, ttl: int) -> tuple[int | None, bool]:
-        """(the TTL to set on the progress key with this write, or None to leave it; whether
-        to renew its route key too). Set at its first tokens, then renewed each quarter of
-        the TTL, so a job running longer keeps its keys; never a command per token."""
-        if self.keys_renewed_at is not None and now - self.keys_renewed_at < ttl / 4:
-            return None, False
-        renew_route = self.keys_renewed_at is not None
-        self.keys_renewed_at = now
-        return ttl, renew_route
+    def route_due(self, now: float, ttl: int) -> bool:
+        """Whether to renew its route key (set by the router with `ttl`) with this publish:
+        each quarter of the TTL, so a job running longer keeps it; never a command per token."""
+        if self.route_renewed_at is None:
+            self.route_renewed_at = now  # the router set it about now
+            return False
+        if now - self.route_renewed_at < ttl / 4:
+            return False
+        self.route_renewed_at = now
+        return True
 
 
 def stop_window(stop: list[str]) -> int:
@@ -44,16 +46,18 @@ def stop_window(stop: list[str]) -> int:
 
 
 def token_item(
-    req: Req, reply_to: str, start: int, window: int, reply_version: int = WIRE_VERSION
-) -> TokenItem:
+    req: Req, reply_to: str, start: int, window: int, reply_version: int = WIRE_VERSION,
+    bundle: bool = False,
+) -> TokenItem:  # fmt: skip
     """The item of `req`'s output ids from index `start` on; `window`: output tokens of
     context the detokenizer needs (gpu_worker/worker.py); `reply_version`: the wire version
-    of its requester."""
+    of its requester; `bundle`: whether it reads TextDeltas."""
     end = len(req.output_ids)
     context, prompt_context = token_context(req.origin_input_ids, req.output_ids, start, window)
     item = TokenItem(
         req.rid, reply_to, start, req.output_ids[start:end], context, prompt_context,
         req.params.stop, req.params.skip_special_tokens, reply_version=reply_version,
+        bundle=bundle,
     )  # fmt: skip
     if req.params.logprobs:
         item.logprobs = req.logprobs[start:end]
@@ -71,7 +75,7 @@ def aborted_item(job: TokenizedRequest, generated: int) -> TokenItem:
     """The last item of a job aborted before it ran here, `generated` tokens in."""
     finish = Finish("abort", None, len(job.input_ids), generated)
     return TokenItem(job.rid, job.reply_to, generated, [], [], 0, finish=finish,
-                     reply_version=job.v)  # fmt: skip
+                     reply_version=job.v, bundle=bool(job.bundle_replies))  # fmt: skip
 
 
 def finish_of(req: Req, queue_seconds: float | None) -> Finish:

@@ -4,13 +4,14 @@
 
 The loop is the engine's (receive, schedule, forward, sample, process results) with Redis
 at its two ends. Jobs arrive on this worker's own stream ``<p>:worker:<id>``, where the
-router stage routes them; every step publishes one TokenBatch with every request's new
-tokens to ``<p>:tokens``. While there is work, one MULTI per step carries the step's
-tokens, the acknowledgements of jobs admitted and a non-blocking read of new jobs, so the
-bus costs one round trip per step; idle, the worker blocks on its stream. The heartbeat
-has a thread of its own (gpu_worker/heartbeat.py), so a long step never makes a live
-worker look dead. Forming batches stays here: a round trip to Redis per decode step is all
-the bus may cost.
+router stage routes them. While there is work the worker publishes at most every
+``publish_interval_ms`` (gpu_worker/publishing.py): one TokenBatch to ``<p>:tokens`` with
+every request's tokens since the last publish, and an entry of its progress log, in one MULTI
+that also carries the acknowledgements of finished jobs and a non-blocking read of new jobs.
+So the bus costs one round trip per publish, whatever the batch size and however many steps
+it covers; idle, the worker blocks on its stream. The heartbeat has a thread of its own
+(gpu_worker/heartbeat.py), so a long step never makes a live worker look dead. Forming
+batches stays here: a round trip to Redis per decode step would cost more than the step.
 
 The worker does not detokenize: requests with stop strings keep a TextStream to find them,
 the rest leave text to the detokenizer stage. Each item carries the token window the
@@ -23,7 +24,7 @@ in bus/fenced_stream.py.
 A job's content never ends the worker (jobs/job_failures.py). Whatever admitting one job
 raises is that job's error reply. A step that raises (the job that caused it cannot be told
 apart) leaves no trace: the scheduler drops every request and its KV, every job is admitted
-again from its published progress, those of the failed batch with a strike, and the struck
+again from its progress log, those of the failed batch with a strike, and the struck
 ones go back into the engine one at a time (gpu_worker/probation.py). A job the worker failed
 on ``max_deliveries`` times, or whose workers died holding it as often (its ``attempts``, and
 the deliveries of a previous life under this id), is set aside: dead-lettered, with an error
@@ -41,15 +42,16 @@ import time
 
 import redis
 
-from bus.effects import AppendKey, DeleteKey, ExpireKey, Outbound, dead_letter_fields, reply
+from bus.effects import dead_letter_fields, reply
 from bus.fenced_stream import Entry, Fenced, FencedStream
 from bus.reconnect import ReconnectingLoop
 from gpu_worker.engine import Engine
 from gpu_worker.grammar_waits import GrammarWaits, Waiting
 from gpu_worker.heartbeat import HeartbeatThread, Load
 from gpu_worker.probation import Probation
+from gpu_worker.publishing import Publisher
 from gpu_worker.scheduling.req import Req
-from gpu_worker.token_item import RunningJob, aborted_item, finish_of, stop_window, token_item
+from gpu_worker.token_item import RunningJob, aborted_item, stop_window
 from gpu_worker.worker_metrics import WorkerMetrics
 from jobs.job_failures import failure_reply, malformed_reply, too_many_deliveries
 from jobs.protocol import (
@@ -57,12 +59,9 @@ from jobs.protocol import (
     Abort,
     ErrorReply,
     ProtocolError,
-    TokenBatch,
     TokenItem,
     TokenizedRequest,
     decode,
-    pack_ids,
-    unpack_ids,
 )
 from jobs.request_bounds import request_bounds
 from observability.metrics import ProcessMetrics, start_publisher
@@ -101,6 +100,8 @@ class Worker:
         )
         self.metrics.describe(model, runner.attention_path, runner.graph_runner is not None,
                               runner.cpu_kernels is not None)  # fmt: skip
+        self.publisher = Publisher(client, config, worker_id, self.bus, self.metrics,
+                                   self._finished)  # fmt: skip
         self._publisher = None
 
     # ---- the loop ------------------------------------------------------------------------
@@ -110,7 +111,7 @@ class Worker:
         # worker would look busy with its previous life's jobs.
         self.client.hdel(self.config.routed_key(), self.worker_id)
         # Jobs a previous life under this id left pending: resumed here, from their progress.
-        self._inbox = self.bus.open()
+        self._inbox = self.publisher.handed_back(self.bus.open())
         self._report_load()
         self.heartbeat.beat()  # the routers can route to us now
         self.heartbeat.start()
@@ -142,19 +143,26 @@ class Worker:
             self.scheduler.add_request(released)
         if self.scheduler.has_work():
             again = self._step_or_recover()
-            started = time.perf_counter()
-            self._inbox = again + self._commit(read=True)
-            self.bus_seconds += time.perf_counter() - started
+            if again or self.publisher.due(self.scheduler.has_work()):
+                started = time.perf_counter()
+                self._inbox = again + self._commit(read=True)
+                self.bus_seconds += time.perf_counter() - started
         else:
             self._commit(read=False)
             self._inbox = self.bus.read_blocking()
         self._report_load()
 
     def _commit(self, read: bool) -> list[Entry]:
+        """Publish what the steps since the last publish generated, with everything else
+        queued, in one MULTI (bus/fenced_stream.py); the new jobs it read."""
+        self.publisher.publish(self.jobs, self.steps)
         try:
-            return self.bus.commit(read)
+            jobs = self.bus.commit(read)
         except Fenced:
+            self.publisher.committed(False)
             return self._restart_fenced()
+        self.publisher.committed(True)
+        return jobs
 
     def _restart_fenced(self) -> list[Entry]:
         """The reaper took jobs off us. Drop every job and what was not yet written of them,
@@ -166,9 +174,10 @@ class Worker:
         for rid in list(self.jobs):
             self.scheduler.abort_request(rid)
         self.jobs.clear()
+        self.publisher.dropped()
         self.probation.clear()
         self.grammar_waits.clear()
-        return self.bus.restart_fenced()
+        return self.publisher.handed_back(self.bus.restart_fenced())
 
     def _report_load(self) -> None:
         load = self.scheduler.load()
@@ -181,6 +190,12 @@ class Worker:
     # ---- jobs in -------------------------------------------------------------------------
 
     def _admit(self, entries: list[Entry]) -> None:
+        try:
+            self._admit_jobs(entries)
+        finally:
+            self.publisher.admitted(entries)
+
+    def _admit_jobs(self, entries: list[Entry]) -> None:
         jobs: list[tuple[bytes, TokenizedRequest]] = []
         for entry_id, fields in entries:
             if fields is None:  # deleted by hand while pending (the bus never trims those)
@@ -207,16 +222,17 @@ class Worker:
             return
         # A job aborted while on its way here is dropped on arrival (see bus/aborts.py); one
         # with progress was begun by a worker that died, and continues after it.
-        pipe = self.client.pipeline(transaction=False)
-        pipe.mget([self.config.abort_key(job.rid) for _, job in jobs])
-        pipe.mget([self.config.progress_key(job.rid) for _, job in jobs])
-        aborted, progress = pipe.execute()
-        for (entry_id, job), abort_flag, done in zip(jobs, aborted, progress, strict=True):
+        aborted = self.client.mget([self.config.abort_key(job.rid) for _, job in jobs])
+        progress = self.publisher.progress(jobs)
+        for (entry_id, job), abort_flag in zip(jobs, aborted, strict=True):
             if abort_flag is not None:
                 self.bus.acks.append(entry_id)
-                self._publish_items([self._aborted_on_arrival(job, done)])
+                self.publisher.log.forget(job.rid)
+                self.publisher.publish_items(
+                    [self._aborted_on_arrival(job, progress[job.rid])], self.steps
+                )
             else:
-                self._start(entry_id, job, done)
+                self._start(entry_id, job, progress[job.rid])
 
     def _failures(self, entry_id: bytes, job: TokenizedRequest) -> int:
         """How often a worker failed on this job: died holding it (the reaper's count, then a
@@ -234,19 +250,18 @@ class Worker:
         self.bus.dead.append(dead_letter_fields(self.bus.stream, entry_id, reason, payload))
         if answer is not None:
             self.probation.forget(answer[1].rid)
+            self.publisher.log.forget(answer[1].rid)
             self.bus.outbox.append(reply(self.config, *answer))
 
-    def _aborted_on_arrival(self, job: TokenizedRequest, progress: bytes | None) -> TokenItem:
+    def _aborted_on_arrival(self, job: TokenizedRequest, progress: list[int]) -> TokenItem:
         """The last item of a job aborted on its way here: its stream ends with "abort"
         (whoever aborted it may still be reading: POST /v1/abort, Client.abort)."""
-        if progress:
-            self.bus.outbox.append(DeleteKey(self.config.progress_key(job.rid)))
-        item = aborted_item(job, len(unpack_ids(progress)) if progress else 0)
+        item = aborted_item(job, len(progress))
         self.metrics.finished(item.finish)
         return item
 
     def _start(
-        self, entry_id: bytes, job: TokenizedRequest, progress: bytes | None,
+        self, entry_id: bytes, job: TokenizedRequest, generated: list[int],
         compiled: bool = False,
     ) -> None:  # fmt: skip
         if job.rid in self.jobs or job.rid in self.grammar_waits:
@@ -254,13 +269,12 @@ class Worker:
             self.bus.acks.append(entry_id)
             return
         try:
-            generated = unpack_ids(progress) if progress else []
             # The request normaliser's defaults (OpenAI's missing max_tokens: all that fit).
             params = self.engine.sampling_params(job.sampling, len(job.input_ids))
             compiling = None if compiled else self.engine.grammars.compile_soon(params)
             if compiling is not None:  # admitted once compiled, by `_turn`
                 deadline = time.monotonic() + request_bounds().grammar_compile_timeout_s
-                self.grammar_waits.park(Waiting(entry_id, job, progress, *compiling, deadline))
+                self.grammar_waits.park(Waiting(entry_id, job, generated, *compiling, deadline))
                 return
             req = self.engine.build_request(
                 job.rid, job.input_ids, params, detokenize=False, output_ids=generated
@@ -274,7 +288,7 @@ class Worker:
         window = stop_window(params.stop)
         running = RunningJob(req, job.reply_to, entry_id, window, reported=len(generated),
                              created=None if generated else job.created,
-                             reply_version=job.v)  # fmt: skip
+                             reply_version=job.v, bundle=bool(job.bundle_replies))  # fmt: skip
         self.jobs[job.rid] = running
         if generated:
             self.metrics.migrated_in.inc()
@@ -287,6 +301,7 @@ class Worker:
         """Acknowledge a job that will not run, with the error reply for what it raised."""
         self.bus.acks.append(entry_id)
         self.probation.forget(job.rid)
+        self.publisher.log.forget(job.rid)
         answer = failure_reply(job.rid, exc, f"worker {self.worker_id}", checking=True)
         if answer.status >= 500:
             logger.exception("worker %s: admitting %s failed", self.worker_id, job.rid)
@@ -298,14 +313,17 @@ class Worker:
         waiting = self.grammar_waits.pop(rid)
         if waiting is not None:  # never reached the engine
             self.bus.acks.append(waiting.entry_id)
-            self._publish_items([self._aborted_on_arrival(waiting.job, waiting.progress)])
+            self.publisher.log.forget(rid)
+            self.publisher.publish_items(
+                [self._aborted_on_arrival(waiting.job, waiting.progress)], self.steps
+            )
             return
         held = self.probation.forget(rid)
         if held is not None:  # never reached the engine: end it as the engine would have
             self.scheduler.add_request(held)
         req = self.scheduler.abort_request(rid)
         if req is not None and rid in self.jobs:
-            self._publish_items([self._item(self.jobs[rid])])
+            self.publisher.publish_items([self.publisher.item(self.jobs[rid])], self.steps)
 
     # ---- results out ---------------------------------------------------------------------
 
@@ -325,10 +343,11 @@ class Worker:
             stepping = self.scheduler.stepping
             self.probation.strike(self.jobs if stepping is None else stepping)
             self.jobs.clear()
+            self.publisher.dropped()  # what was not published is generated again
             self.grammar_waits.clear()  # their entries are read again with the others
             self.scheduler.reset()
             self.metrics.step_failures.inc()
-            return self.bus.pending_entries()
+            return self.publisher.handed_back(self.bus.pending_entries())
 
     def _step(self) -> None:
         began, started = time.time(), time.perf_counter()
@@ -340,47 +359,28 @@ class Worker:
         self.steps += 1
         for req in sampled:
             job = self.jobs.get(req.rid)
-            if job is not None and job.created is not None and job.queue_seconds is None:
+            if job is None:
+                continue
+            self.publisher.gained(req.rid)
+            self.probation.passed(req.rid)
+            if job.created is not None and job.queue_seconds is None:
                 job.queue_seconds = max(0.0, began - job.created)
                 self.metrics.queue_time.observe(job.queue_seconds)
-        items = [self._item(self.jobs[req.rid]) for req in sampled if req.rid in self.jobs]
-        self._publish_items(items)
 
-    def _publish_items(self, items: list[TokenItem]) -> None:
-        if items:
-            batch = TokenBatch(self.worker_id, self.steps, items)
-            self.bus.outbox.append(Outbound(self.config.tokens_stream(), batch))
-
-    def _item(self, job: RunningJob) -> TokenItem:
-        req = job.req
-        start, end = job.reported, len(req.output_ids)
-        job.reported = end
-        self.metrics.generation_tokens.inc(end - start)
-        if end > start and not req.finished:
-            # Durable progress, written in the MULTI that publishes these tokens.
-            ttl, renew_route = job.keys_due(time.monotonic(), self.config.reply_ttl_s)
-            if renew_route:  # set once by the router: it must outlive the job too
-                self.bus.outbox.append(ExpireKey(self.config.route_key(req.rid), ttl))
-            key = self.config.progress_key(req.rid)
-            self.bus.outbox.append(AppendKey(key, pack_ids(req.output_ids[start:end]), ttl))
-        item = token_item(req, job.reply_to, start, job.window, job.reply_version)
-        self.probation.passed(req.rid)
-        if req.finished:
-            self.probation.forget(req.rid)
-            item.finish = finish_of(req, job.queue_seconds)
-            self.metrics.finished(item.finish)
-            self.bus.outbox.append(DeleteKey(self.config.progress_key(req.rid)))
-            self.bus.acks.append(job.entry_id)
-            del self.jobs[req.rid]
-        return item
+    def _finished(self, job: RunningJob) -> None:
+        """The job's last item is queued: acknowledge its entry with it, and forget it."""
+        self.probation.forget(job.req.rid)
+        self.bus.acks.append(job.entry_id)
+        del self.jobs[job.req.rid]
 
     def _shutdown(self) -> None:
         """Publish what was generated and stop beating: the jobs still pending on our stream
         are the reaper's to move to live workers, which continue them after their progress."""
-        for rid in list(self.jobs):
-            self.scheduler.abort_request(rid)  # frees the KV; no finish is published
-        self.jobs.clear()
         try:
+            self._commit(read=False)  # the tokens generated since the last publish
+            for rid in list(self.jobs):
+                self.scheduler.abort_request(rid)  # frees the KV; no finish is published
+            self.jobs.clear()
             self._commit(read=False)
             self.heartbeat.goodbye()
             if self._publisher is not None:

@@ -12,8 +12,10 @@ Streams (names from ``BusConfig``; ``<p>`` is the prefix, ``streamserve`` by def
   <p>:worker:<id>    TokenizedRequest  routed jobs, and Abort; read by that worker
                      | Abort
   <p>:tokens         TokenBatch        one per engine step; read by the detokenizer
-  <p>:reply:<id>     TextDelta         what the request's ``reply_to`` names
-                     | ErrorReply
+  <p>:reply:<id>     TextDelta         what the request's ``reply_to`` names; TextDeltas
+                     | TextDeltas      bundles the deltas of one detokenizer batch for the
+                     | ErrorReply      jobs that asked for it (``bundle_replies``)
+  <p>:progress:<id>  ProgressEntry     a worker's progress log (jobs/progress.py)
   <p>:dead-letter    (fields: source, entry_id, reason, payload)
 
 A job's ``sampling`` map holds `jobs.sampling_params.SamplingParams` fields (``priority``
@@ -28,6 +30,7 @@ from typing import Any
 
 import msgpack
 
+from jobs.progress import ProgressEntry
 from jobs.requests import Abort, GenerateRequest, TokenizedRequest
 from jobs.token_records import PROMPT_CONTEXT_TOKENS, Finish, TokenItem, token_context
 
@@ -44,6 +47,7 @@ from jobs.wire import (
     WIRE_VERSION,
     Message,
     ProtocolError,
+    Record,
     check_version,
     encode,
     fields_of,
@@ -54,8 +58,8 @@ from jobs.wire import (
 __all__ = [
     "ENTRY_FIELD", "MAX_TOKEN_ID", "PROMPT_CONTEXT_TOKENS", "MESSAGE_TYPES", "Message",
     "ProtocolError", "GenerateRequest", "TokenizedRequest", "Abort", "Finish", "TokenItem",
-    "TokenBatch", "TextDelta", "ErrorReply", "Heartbeat", "decode", "encode", "fields_of",
-    "pack_ids", "token_context", "unpack_ids", "WIRE_VERSION",
+    "TokenBatch", "TextDelta", "TextDeltas", "ErrorReply", "ProgressEntry", "Heartbeat",
+    "decode", "encode", "fields_of", "pack_ids", "token_context", "unpack_ids", "WIRE_VERSION",
 ]  # fmt: skip
 
 
@@ -133,6 +137,29 @@ class TextDelta(Message):
 
 
 @dataclass
+class TextDeltas(Message):
+    """The deltas of one detokenizer batch bound to one reply stream, in one entry: for jobs
+    whose requester asked for it (``bundle_replies``), so a reply stream costs one XADD per
+    batch, not one per request per publish. Each delta is a TextDelta's map, less its kind."""
+
+    KIND = "deltas"
+    FIELDS = {"deltas": LIST}
+
+    deltas: list[TextDelta]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.KIND, "deltas": [Record.to_wire(delta) for delta in self.deltas]}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> TextDeltas:
+        bundle = super().from_wire(data)
+        if not all(isinstance(delta, dict) for delta in bundle.deltas):
+            raise ProtocolError("field 'deltas' must be a list of maps")
+        bundle.deltas = [TextDelta.from_wire(delta) for delta in bundle.deltas]
+        return bundle
+
+
+@dataclass
 class ErrorReply(Message):
     """A request that failed: HTTP-like ``status``, OpenAI-style ``type``/``param``/``code``."""
 
@@ -182,8 +209,10 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Abort,
         TokenBatch,
         TextDelta,
+        TextDeltas,
         ErrorReply,
         Heartbeat,
+        ProgressEntry,
     )  # fmt: skip
 }
 

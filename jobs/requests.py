@@ -15,6 +15,11 @@ priority beside ``sampling``, which decodes the same). A version this code does 
 priority given both ways, or one inside ``sampling`` of a version-2 job is a `ProtocolError`
 naming the field: the entry is dead-lettered and its requester gets a 400 naming it
 (jobs/job_failures.py).
+
+A job with ``bundle_replies`` true says its requester reads `TextDeltas` (jobs/protocol.py):
+the detokenizer then writes, per batch it reads, one entry to the reply stream with the deltas
+of every such job bound to it, where a job without it gets one entry per delta. The ingress
+and `Client` ask for it; a program that reads its reply stream entry by entry need not.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 from jobs.sampling_checks import check_priority
 from jobs.wire import (
+    BOOL,
     FLOAT,
     IDS,
     INT,
@@ -95,10 +101,10 @@ class GenerateRequest(_Job):
     FIELDS = {
         "rid": STR, "reply_to": STR, "prompt": STR, "messages": LIST, "input_ids": IDS,
         "sampling": MAP, "created": FLOAT, "tools": LIST, "tenant": STR, "weight": FLOAT,
-        "priority": INT, "v": INT,
+        "priority": INT, "v": INT, "bundle_replies": BOOL,
     }  # fmt: skip
     OPTIONAL = frozenset({"prompt", "messages", "input_ids", "created", "tools", "tenant",
-                          "weight", "priority", "v"})  # fmt: skip
+                          "weight", "priority", "v", "bundle_replies"})  # fmt: skip
 
     rid: str
     reply_to: str
@@ -112,6 +118,7 @@ class GenerateRequest(_Job):
     weight: float | None = None
     priority: int | None = None
     v: int = JOB_VERSION
+    bundle_replies: bool | None = None  # its requester reads TextDeltas (module docstring)
 
     def __post_init__(self) -> None:
         given = [n for n in ("prompt", "messages", "input_ids") if getattr(self, n) is not None]
@@ -128,14 +135,18 @@ class GenerateRequest(_Job):
 class TokenizedRequest(_Job):
     """A token-id job. ``attempts`` counts the workers that were handed it and died before
     finishing it (the reaper adds them when it requeues the job; jobs/job_failures.py): past
-    ``max_deliveries`` the job is set aside instead of killing another worker."""
+    ``max_deliveries`` the job is set aside instead of killing another worker. ``progress``
+    holds the output ids those workers published (jobs/progress.py): the worker that gets
+    the job continues after them."""
 
     KIND = "tokenized"
     FIELDS = {
         "rid": STR, "reply_to": STR, "input_ids": IDS, "sampling": MAP, "created": FLOAT,
         "tenant": STR, "weight": FLOAT, "attempts": INT, "priority": INT, "v": INT,
+        "progress": IDS, "bundle_replies": BOOL,
     }  # fmt: skip
-    OPTIONAL = frozenset({"created", "tenant", "weight", "attempts", "priority", "v"})
+    OPTIONAL = frozenset({"created", "tenant", "weight", "attempts", "priority", "v",
+                          "progress", "bundle_replies"})  # fmt: skip
 
     rid: str
     reply_to: str
@@ -147,6 +158,8 @@ class TokenizedRequest(_Job):
     attempts: int | None = None
     priority: int | None = None  # as the GenerateRequest's
     v: int = JOB_VERSION
+    progress: list[int] | None = None  # output ids already published, by workers that died
+    bundle_replies: bool | None = None  # as the GenerateRequest's
 
     def __post_init__(self) -> None:
         _check_scheduling(self.weight, self.priority)

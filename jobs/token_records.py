@@ -106,13 +106,14 @@ class TokenItem(Record):
     this request turns ``ids`` into exactly the text they add (see
     stages/detokenizer/incremental.py). ``reply_version`` is the wire version the job's
     requester reads (its job's; jobs/requests.py): its deltas' ``finish`` is written in it.
+    ``bundle`` is its job's ``bundle_replies``: its delta may share an entry with others.
     """
 
     FIELDS: ClassVar[dict[str, str]] = {
         "rid": STR, "reply_to": STR, "start": INT, "ids": IDS, "context": IDS,
         "prompt_context": INT, "stop": LIST, "skip_special_tokens": BOOL, "finish": RECORD,
         "logprobs": LIST, "top_logprobs": LIST, "prompt_ids": IDS, "prompt_logprobs": LIST,
-        "prompt_top_logprobs": LIST, "reply_version": INT,
+        "prompt_top_logprobs": LIST, "reply_version": INT, "bundle": BOOL,
     }  # fmt: skip
     OPTIONAL: ClassVar[frozenset[str]] = frozenset(FIELDS) - {
         "rid", "reply_to", "start", "ids", "context", "prompt_context"
@@ -135,6 +136,7 @@ class TokenItem(Record):
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[list[float]] | None] | None = None
     reply_version: int = WIRE_VERSION
+    bundle: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         # Written field by field, not through Record's loop: a worker writes one item per
@@ -159,6 +161,8 @@ class TokenItem(Record):
                 wire[name] = value
         if self.reply_version != WIRE_VERSION:
             wire["reply_version"] = self.reply_version
+        if self.bundle:
+            wire["bundle"] = True
         return wire
 
     @classmethod

@@ -125,6 +125,9 @@ class BusConfig:
     ingress_body_timeout_s: float = 60.0  # plus a second per 256 KiB of the body
     ingress_max_connections: int = 512  # each an fd; below the usual 1024 of `ulimit -n`
     trim_interval_s: float = 5.0
+    # A busy worker publishes its tokens at most this often (0: every engine step): each
+    # publish costs the bus about a dozen commands, whatever it carries.
+    publish_interval_ms: int = 50
     redis_maxmemory: str = "1gb"
     reply_timeout_s: float = 3_600.0  # as long as a reply stream outlives its last write
     # Request bounds: see docs/BOUNDS.md and jobs/request_bounds.py.
@@ -177,6 +180,7 @@ class BusConfig:
             _require_int(name, getattr(self, name), minimum=1)
         # 0 would mean "block forever" to XREADGROUP, and a stage must stay responsive.
         _require_int("block_ms", self.block_ms, minimum=1)
+        _require_int("publish_interval_ms", self.publish_interval_ms, minimum=0)
         for name in (
             "heartbeat_interval_s",
             "heartbeat_ttl_s",
@@ -266,11 +270,11 @@ class BusConfig:
         reaper (stages/router/worker_reaper.py) has moved its jobs to live workers."""
         return self._name("workers")
 
-    def progress_key(self, rid: str) -> str:
-        """Request `rid`'s output token ids so far (packed int32), appended in the same MULTI
-        that publishes them and deleted when it finishes: where a worker that is handed the
-        request again (moved off a dead worker, or delivered twice) resumes it."""
-        return self._name("progress", rid)
+    def progress_stream(self, worker_id: str) -> str:
+        """A worker's progress log (jobs/progress.py): the output ids each of its publishes
+        carried, per job, written in the MULTI that publishes them; where a job that must
+        resume (moved off the worker when it died) finds what it had published."""
+        return self._name("progress", _require_id("worker_id", worker_id))
 
     def reaping_key(self, worker_id: str) -> str:
         """A lock: the router replica moving a dead worker's jobs holds it."""

@@ -19,8 +19,10 @@ from jobs.protocol import (
     GenerateRequest,
     Heartbeat,
     Message,
+    ProgressEntry,
     ProtocolError,
     TextDelta,
+    TextDeltas,
     TokenBatch,
     TokenItem,
     TokenizedRequest,
@@ -83,6 +85,9 @@ SAMPLES: list[Message] = [
               prompt_top_token_texts=[None, ["b"]]),  # fmt: skip
     ErrorReply("e1", 503, "no worker", "service_unavailable", "model", "no_worker"),
     ErrorReply("e2", 400, "bad"),
+    TokenizedRequest("t3", "streamserve:reply:f1", [5], progress=[7, 8], bundle_replies=True),
+    TextDeltas([TextDelta("d4", 0, [11], "a"), TextDelta("d5", 2, [12, 13], "bc")]),
+    ProgressEntry("gpu0", {"t1": [0, pack_ids([1, 2])], "t2": [5, pack_ids([3])]}),
     Heartbeat("gpu0", "streamserve:worker:gpu0", "smollm2", 2, 3, 4096, 8192, 17, 1234.5),
 ]  # fmt: skip
 

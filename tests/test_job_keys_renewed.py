@@ -1,14 +1,17 @@
-"""A job that runs longer than the keys' TTL keeps them: the worker renews its progress key
-and its route key every quarter of ``reply_ttl_s`` (never a command per token)."""
+"""A job that runs longer than the keys' TTL keeps them: the worker renews its route key
+every quarter of ``reply_ttl_s`` (never a command per token); its progress is on the worker's
+log, which has no TTL (the reaper deletes it with the worker)."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+from bus.fenced_stream import read_progress_log
 from gpu_worker import Engine
 from gpu_worker.worker import Worker
-from jobs.protocol import ENTRY_FIELD, TokenizedRequest, encode, unpack_ids
+from jobs.progress import rebuild
+from jobs.protocol import ENTRY_FIELD, TokenizedRequest, encode
 from runtime.config import BusConfig
 
 MODEL = "random:tiny-llama"
@@ -21,14 +24,14 @@ SLOW = {
 MAX_NEW = 150  # about 3 s at 20 ms a step: three times the TTL
 
 
-def test_a_job_longer_than_the_ttl_keeps_its_progress_and_route_keys(redis_client, redis_url):
+def test_a_job_longer_than_the_ttl_keeps_its_route_key_and_its_progress(redis_client, redis_url):
     config = BusConfig(redis_url=redis_url, block_ms=20, reply_ttl_s=1)
     worker = Worker(Engine(MODEL, dtype="float32", forward_hooks=[SLOW]), redis_client, config,
                     "w", MODEL)  # fmt: skip
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     rid = "long"
-    progress, route = config.progress_key(rid), config.route_key(rid)
+    route = config.route_key(rid)
     redis_client.set(route, "w", ex=config.reply_ttl_s)  # as the router sets it
     job = TokenizedRequest(rid, "t:reply", [5, 17, 99], {"max_new_tokens": MAX_NEW,
                                                           "ignore_eos": True})  # fmt: skip
@@ -37,14 +40,14 @@ def test_a_job_longer_than_the_ttl_keeps_its_progress_and_route_keys(redis_clien
         seen = []
         deadline = time.monotonic() + 2.5  # well past the 1 s TTL both were set with
         while time.monotonic() < deadline:
-            produced = redis_client.get(progress)
-            if produced is not None:
-                seen.append(len(unpack_ids(produced)))
-            assert produced is None or redis_client.exists(route), "route key expired"
+            produced = rebuild(read_progress_log(redis_client, config, "w"), {rid: []})[rid]
+            if produced:
+                seen.append(len(produced))
+            assert not produced or redis_client.exists(route), "route key expired"
             time.sleep(0.05)
         assert seen and max(seen) < MAX_NEW, "the job ended too soon to say anything"
-        assert redis_client.exists(progress) and redis_client.exists(route)
-        assert 0 < redis_client.ttl(progress) <= config.reply_ttl_s
+        assert redis_client.exists(route)
+        assert 0 < redis_client.ttl(route) <= config.reply_ttl_s
     finally:
         worker.stop.set()
         thread.join(timeout=30)

@@ -11,10 +11,12 @@ import pytest
 import redis
 
 from bus.actor import Actor
+from bus.fenced_stream import read_progress_log
 from bus.reconnect import ensure_group
 from gpu_worker import Engine
 from gpu_worker.worker import Worker
-from jobs.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, encode, unpack_ids
+from jobs.progress import rebuild
+from jobs.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, encode
 from runtime.config import BusConfig
 from stages.router.stage import RouterStage
 from stages.router.worker_reaper import WorkerReaper
@@ -46,6 +48,11 @@ def _items(client: redis.Redis, config: BusConfig, rid: str):
                 yield batch.worker_id, item
 
 
+def _logged(client: redis.Redis, config: BusConfig, worker_id: str, rid: str) -> int:
+    """How many of `rid`'s output ids the worker's progress log holds."""
+    return len(rebuild(read_progress_log(client, config, worker_id), {rid: []})[rid])
+
+
 def _wait(condition, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -63,10 +70,10 @@ def test_a_request_continues_on_another_worker_after_its_worker_stops(redis_url,
     job = TokenizedRequest("r1", "t:reply", PROMPT, sampling)
     client.xadd(config.worker_stream("first"), {ENTRY_FIELD: encode(job)})
     # Stop it part-way, as SIGTERM does: it publishes its last step and leaves the job.
-    _wait(lambda: len(client.get(config.progress_key("r1")) or b"") >= 4 * 10)
+    _wait(lambda: _logged(client, config, "first", "r1") >= 10)
     first.stop.set()
     first_thread.join(timeout=30)
-    produced = len(unpack_ids(client.get(config.progress_key("r1"))))
+    produced = _logged(client, config, "first", "r1")
     assert 10 <= produced < MAX_NEW
     assert client.xpending(config.worker_stream("first"), "worker")["pending"] == 1
 
@@ -93,7 +100,7 @@ def test_a_request_continues_on_another_worker_after_its_worker_stops(redis_url,
     assert {worker for worker, _ in items} == {"first", "second"}
     assert items[-1][1].finish.completion_tokens == MAX_NEW
     assert items[-1][1].finish.prompt_tokens == len(PROMPT)
-    assert not client.exists(config.progress_key("r1"))
+    assert not client.exists(config.progress_stream("first"))  # gone with the worker
     assert client.xpending(config.worker_stream("second"), "worker")["pending"] == 0
 
 
@@ -115,15 +122,15 @@ def test_a_worker_taken_for_dead_while_alive_publishes_nothing_for_jobs_moved_of
             config.worker_stream("first"),
             {ENTRY_FIELD: encode(TokenizedRequest("r1", "t:reply", PROMPT, long_job))},
         )
-        _wait(lambda: len(client.get(config.progress_key("r1")) or b"") >= 4 * 10)
+        _wait(lambda: _logged(client, config, "first", "r1") >= 10)
         reaper = WorkerReaper(client, config, "router-test", threading.Event())
         reaper.reap("first")  # "left alone" at the end: it is beating
-        produced = len(unpack_ids(client.get(config.progress_key("r1"))))
+        produced = _logged(client, config, "first", "r1")
         assert produced < 400
         assert client.xlen(config.tokenized_stream()) == 1  # the job, moved
         _wait(lambda: "r1" not in worker.jobs)  # it learns at its next write, and drops it
         time.sleep(0.3)
-        assert len(unpack_ids(client.get(config.progress_key("r1")))) == produced
+        assert _logged(client, config, "first", "r1") == produced
         assert max(i.start + len(i.ids) for _, i in _items(client, config, "r1")) == produced
 
         router = RouterStage(config, client, threading.Event())

@@ -1,8 +1,13 @@
 """The detokenizer stage: each engine step's tokens become text deltas on reply streams.
 
-Reads TokenBatch from ``<p>:tokens`` and writes one TextDelta per request to the stream
-its ``reply_to`` names. Stateless (stages/detokenizer/incremental.py), so any replica handles
-any batch; readers order a request's deltas by ``seq``.
+Reads TokenBatch from ``<p>:tokens`` and writes each item's TextDelta to the stream its
+``reply_to`` names: the deltas of the jobs that asked for bundles (``bundle_replies``: the
+ingress's and `Client`'s) bound to one stream go in one TextDeltas entry per batch read, so
+a reply stream costs one XADD per batch, whatever the requests and tokens in it; the others
+get an entry each. Each stream's expiry is renewed once per batch, in the same MULTI (a
+stream its reader deleted, written again by a late delta, still goes). Stateless
+(stages/detokenizer/incremental.py), so any replica handles any batch; readers order a
+request's deltas by ``seq``.
 """
 
 from __future__ import annotations
@@ -10,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from bus.actor import Inbound
-from bus.effects import Outbound, Output
+from bus.effects import ExpireKey, Outbound, Output
 from jobs.legacy_records import finish_as_list
-from jobs.protocol import TextDelta, TokenBatch, TokenItem
+from jobs.protocol import Message, TextDelta, TextDeltas, TokenBatch, TokenItem
 from runtime.config import BusConfig
 from stages.detokenizer.incremental import text_deltas
 
@@ -31,10 +36,21 @@ class DetokenizerStage:
     def handle(self, batch: list[Inbound]) -> list[Output]:
         items = [item for inbound in batch for item in inbound.message.items]
         texts = text_deltas(self.tokenizer, items) if self.tokenizer else [None] * len(items)
-        return [
-            Outbound(item.reply_to, self._delta(item, text), expire_s=self.config.reply_ttl_s)
-            for item, text in zip(items, texts, strict=True)
-        ]
+        bundles: dict[str, list[TextDelta]] = {}
+        entries: list[tuple[str, Message]] = []
+        for item, text in zip(items, texts, strict=True):
+            delta = self._delta(item, text)
+            if item.bundle:
+                bundle = bundles.get(item.reply_to)
+                if bundle is None:
+                    bundle = bundles[item.reply_to] = []
+                    entries.append((item.reply_to, TextDeltas(bundle)))
+                bundle.append(delta)
+            else:
+                entries.append((item.reply_to, delta))
+        outputs: list[Output] = [Outbound(stream, message) for stream, message in entries]
+        streams = dict.fromkeys(stream for stream, _ in entries)  # each once, in order
+        return outputs + [ExpireKey(stream, self.config.reply_ttl_s) for stream in streams]
 
     def _delta(self, item: TokenItem, text: str | None) -> TextDelta:
         delta = TextDelta(item.rid, item.start, item.ids, text)

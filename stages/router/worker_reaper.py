@@ -1,21 +1,23 @@
 """The worker reaper: a dead worker's jobs go back to the router, to continue elsewhere.
 
 A worker leaves every job it was handed pending on its stream (``<p>:worker:<id>``) until
-the job finishes, and appends each request's published tokens to its progress key in the
-MULTI that publishes them (bus/fenced_stream.py). So when its heartbeat lapses — it was
-killed, it crashed, or SIGTERM stopped it — its stream holds exactly the jobs it had not
-finished, and their progress keys hold exactly what their clients were sent.
+the job finishes, and logs the tokens it publishes on its progress stream
+(``<p>:progress:<id>``, jobs/progress.py) in the MULTI that publishes them
+(bus/fenced_stream.py). So when its heartbeat lapses — it was killed, it crashed, or SIGTERM
+stopped it — its stream holds exactly the jobs it had not finished, and its log exactly what
+their clients were sent.
 
 Each router replica runs a reaper thread. For a worker whose heartbeat is gone
 (bus/liveness.py: its id still in the workers set, its heartbeat key expired) on two looks a
 heartbeat interval apart (a router that read the heartbeat just before it
 expired has routed its job by then), the replica that wins the worker's ``reaping`` lock
 takes every entry of its stream (pending ones with ``XAUTOCLAIM``, unread ones with
-``XREADGROUP``) and puts each job back on the tokenized stream, acknowledging it in the same
-MULTI. The router routes it to a live worker (or holds it while none is alive, failing it
-after ``no_worker_timeout_s``), and that worker continues after the progress: no token is
+``XREADGROUP``) and puts each job back on the tokenized stream with the ids the log holds
+for it in its ``progress`` field, acknowledging it in the same MULTI. The router routes it
+to a live worker (or holds it while none is alive, failing it after
+``no_worker_timeout_s``), and that worker continues after the progress: no token is
 repeated or missing. Once the stream is empty, and the heartbeat still absent, the stream,
-the id and its routing count go in one MULTI guarded by WATCH.
+its log, the id and its routing count go in one MULTI guarded by WATCH.
 
 Each job handed to the dead worker counts one more attempt (the job's ``attempts`` field,
 jobs/job_failures.py): a job that killed its workers ``max_deliveries`` times is not handed
@@ -43,10 +45,11 @@ from bus.effects import (
     reply,
     write_dead_letters,
 )
-from bus.fenced_stream import WORKER_GROUP, fence_off
+from bus.fenced_stream import WORKER_GROUP, fence_off, read_progress_log
 from bus.liveness import read_liveness
 from bus.reconnect import REDIS_TRANSIENT
 from jobs.job_failures import malformed_reply, too_many_deliveries
+from jobs.progress import ProgressEntry, rebuild
 from jobs.protocol import ENTRY_FIELD, Abort, ProtocolError, TokenizedRequest, decode
 from observability.metrics import ProcessMetrics
 from runtime.config import BusConfig
@@ -76,6 +79,7 @@ class WorkerReaper:
         self.consumer = consumer
         self.stop = stop
         self._seen_dead: set[str] = set()
+        self._log: list[ProgressEntry] | None = None  # of the worker being reaped
         self.moved = 0  # jobs put back on the tokenized stream
         metrics = metrics or ProcessMetrics("router", consumer, enabled=False)
         self.migrated_out = metrics.counter(
@@ -104,6 +108,7 @@ class WorkerReaper:
         lock = self.config.reaping_key(worker_id)
         if not self.client.set(lock, self.consumer, nx=True, ex=LOCK_TTL_S):
             return False
+        self._log = None  # read once its fence has changed
         try:
             stream = self.config.worker_stream(worker_id)
             while not self.stop.is_set():
@@ -125,8 +130,10 @@ class WorkerReaper:
         entries, deliveries = fence_off(self.client, self.config, worker_id, self.consumer, BATCH)
         if not entries:
             return 0
+        if self._log is None:  # final: the worker can write nothing since the fence changed
+            self._log = read_progress_log(self.client, self.config, worker_id)
         pipe = self.client.pipeline(transaction=True)
-        moved = 0
+        moving: list[TokenizedRequest] = []
         for entry_id, fields in entries:
             payload = (fields or {}).get(ENTRY_FIELD)
             if payload is None:
@@ -146,8 +153,13 @@ class WorkerReaper:
                                 f"its workers died {message.attempts} times holding it",
                                 (message.reply_to, answer))  # fmt: skip
                 continue
-            Outbound(self.config.tokenized_stream(), message).apply(pipe, self.config)
-            moved += 1
+            moving.append(message)
+        carried = {job.rid: list(job.progress or []) for job in moving}
+        progress = rebuild(self._log, carried)
+        for job in moving:
+            job.progress = progress[job.rid] or None
+            Outbound(self.config.tokenized_stream(), job).apply(pipe, self.config)
+        moved = len(moving)
         pipe.xack(stream, WORKER_GROUP, *[entry_id for entry_id, _ in entries])
         execute_logging_errors(pipe, "reaper")
         self.moved += moved
@@ -175,7 +187,8 @@ class WorkerReaper:
                     pipe.unwatch()
                     return False
                 pipe.multi()
-                pipe.delete(stream, self.config.fence_key(worker_id))
+                pipe.delete(stream, self.config.fence_key(worker_id),
+                            self.config.progress_stream(worker_id))  # fmt: skip
                 pipe.srem(self.config.workers_key(), worker_id)
                 pipe.hdel(self.config.routed_key(), worker_id)
                 pipe.execute()

@@ -115,6 +115,7 @@ class ApiRequest:
                         tenant=tenant,
                         weight=weight,
                         priority=priority,
+                        bundle_replies=True,  # its reply reader reads TextDeltas
                         **prompt,
                     )
                 )

@@ -1,0 +1,76 @@
+"""The worker's side of its progress log (jobs/progress.py): what the next publish logs, and
+how far the log may be trimmed.
+
+Each publish logs, in its MULTI, one entry with every job's new output ids. The log keeps
+what a job that must resume needs: every entry from the first one about each job this life
+still holds. A job this life took back with more ids than it carries (rebuilt from the log
+after a restart) logs those ids again first, so the entries of the previous life can go.
+After a restart or a failed step the jobs are admitted again from the log: until they are,
+nothing is trimmed (`hold`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from jobs.progress import ProgressEntry
+from jobs.wire import encode
+
+
+def _id_order(entry_id: bytes) -> tuple[int, ...]:
+    return tuple(int(part) for part in entry_id.split(b"-"))
+
+
+class ProgressLog:
+    def __init__(self, worker_id: str, trim_interval_s: float) -> None:
+        self.worker_id = worker_id
+        self.trim_interval_s = trim_interval_s
+        self._segments: dict[str, list] = {}  # of the next entry, by rid
+        self._first_entry: dict[str, bytes] = {}  # of each job this life holds
+        self._in_flight: list[str] = []  # rids of the entry being written, without a first
+        self._last_entry: bytes | None = None
+        self._next_trim = 0.0
+        self.holding = False
+
+    def log(self, rid: str, start: int, ids: list[int]) -> None:
+        """The job's output ids from `start` on go in the next entry."""
+        if ids:
+            self._segments[rid] = ProgressEntry.segment(start, ids)
+
+    def take(self) -> bytes | None:
+        """The next entry's payload (None: nothing to log); `written` says where it went."""
+        if not self._segments:
+            return None
+        payload = encode(ProgressEntry(self.worker_id, self._segments))
+        self._in_flight = [rid for rid in self._segments if rid not in self._first_entry]
+        self._segments = {}
+        return payload
+
+    def written(self, entry_id: bytes | None) -> None:
+        """The entry `take` gave is on the log under `entry_id` (None: it was not written)."""
+        if entry_id is not None:
+            for rid in self._in_flight:
+                self._first_entry.setdefault(rid, entry_id)
+            self._last_entry = entry_id
+        self._in_flight = []
+
+    def forget(self, rid: str) -> None:
+        """The job ended here, or went elsewhere: the log need not keep it."""
+        self._first_entry.pop(rid, None)
+        self._segments.pop(rid, None)
+
+    def hold(self) -> None:
+        """Every job is dropped, to be admitted again from the log: keep it all until then."""
+        self._segments.clear()
+        self._first_entry.clear()
+        self.holding = True
+
+    def trim_point(self) -> bytes | None:
+        """The id below which the log may go (XTRIM MINID), at most once per trim interval."""
+        now = time.monotonic()
+        if self.holding or self._last_entry is None or now < self._next_trim:
+            return None
+        self._next_trim = now + self.trim_interval_s
+        if self._first_entry:
+            return min(self._first_entry.values(), key=_id_order)
+        return self._last_entry

@@ -1,0 +1,136 @@
+"""What a busy worker publishes, and when: its jobs' new tokens, once per interval, and its
+progress log.
+
+Each publish costs the bus one MULTI of about a dozen commands downstream, whatever it
+carries, so a busy worker publishes at most every ``publish_interval_ms``, and at once when
+its engine runs dry (a request's last tokens never wait): one TokenBatch with one item per
+request that gained tokens since the last publish (all its steps' tokens), and one entry of
+its progress log (jobs/progress.py) with the same ids for every job at once. A token waits
+at most the interval for its reader; at batch 64 a publish carries hundreds of tokens.
+
+Jobs handed back to the worker (a previous life's, or every job after the engine dropped its
+state) find their progress in the worker's own log at admission (`progress`); the log is
+not trimmed until they have (gpu_worker/progress_log.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import redis
+
+from bus.effects import ExpireKey, Outbound
+from bus.fenced_stream import Entry, FencedStream, read_progress_log
+from gpu_worker.progress_log import ProgressLog
+from gpu_worker.token_item import RunningJob, finish_of, token_item
+from gpu_worker.worker_metrics import WorkerMetrics
+from jobs.progress import rebuild
+from jobs.protocol import TokenBatch, TokenItem, TokenizedRequest
+from runtime.config import BusConfig
+
+
+class Publisher:
+    def __init__(
+        self, client: redis.Redis, config: BusConfig, worker_id: str, bus: FencedStream,
+        metrics: WorkerMetrics, finished: Callable[[RunningJob], None],
+    ) -> None:  # fmt: skip
+        self.client = client
+        self.config = config
+        self.worker_id = worker_id
+        self.bus = bus
+        self.metrics = metrics
+        self.finished = finished  # the worker's: a job's last item is queued
+        self.log = ProgressLog(worker_id, config.trim_interval_s)
+        self._gained: dict[str, None] = {}  # rids with tokens not yet published, in order
+        self._last = 0.0  # monotonic time of the last publish
+        self._taken_back: set[bytes] = set()  # entries whose progress is in our own log
+
+    # ---- when ----------------------------------------------------------------------------
+
+    def gained(self, rid: str) -> None:
+        """A step gave request `rid` tokens."""
+        self._gained[rid] = None
+
+    def due(self, has_work: bool) -> bool:
+        """Publish now: the interval since the last publish is over, or the engine ran dry."""
+        interval = self.config.publish_interval_ms / 1000
+        return not has_work or time.monotonic() - self._last >= interval
+
+    # ---- what ----------------------------------------------------------------------------
+
+    def publish(self, jobs: dict[str, RunningJob], step: int) -> None:
+        """Queue on the bus's next commit one item per request that gained tokens since the
+        last publish, and the progress log's entry for them."""
+        gained, self._gained = self._gained, {}
+        self.publish_items([self.item(jobs[rid]) for rid in gained if rid in jobs], step)
+        self.bus.progress = self.log.take()
+        self.bus.progress_trim = self.log.trim_point()
+        self._last = time.monotonic()
+
+    def publish_items(self, items: list[TokenItem], step: int) -> None:
+        if items:
+            batch = TokenBatch(self.worker_id, step, items)
+            self.bus.outbox.append(Outbound(self.config.tokens_stream(), batch))
+
+    def item(self, job: RunningJob) -> TokenItem:
+        """The job's item of the tokens it gained since its last one (with its finish, if it
+        ended: then `finished` is told)."""
+        req = job.req
+        start, end = job.reported, len(req.output_ids)
+        job.reported = end
+        self.metrics.generation_tokens.inc(end - start)
+        if end > start and not req.finished:
+            # Logged in the MULTI that publishes these tokens, for all our jobs at once.
+            self.log.log(req.rid, start, req.output_ids[start:end])
+            ttl = self.config.reply_ttl_s
+            if job.route_due(time.monotonic(), ttl):  # set by the router: outlive the job
+                self.bus.outbox.append(ExpireKey(self.config.route_key(req.rid), ttl))
+        item = token_item(req, job.reply_to, start, job.window, job.reply_version, job.bundle)
+        if req.finished:
+            self.log.forget(req.rid)
+            item.finish = finish_of(req, job.queue_seconds)
+            self.metrics.finished(item.finish)
+            self.finished(job)
+        return item
+
+    def committed(self, written: bool) -> None:
+        """The bus's commit wrote what was queued (False: it was fenced, and wrote nothing)."""
+        self.log.written(self.bus.progress_written if written else None)
+
+    # ---- jobs handed back ----------------------------------------------------------------
+
+    def dropped(self) -> None:
+        """The worker dropped every job (fenced, or a step raised): what was not published is
+        generated again; nothing is trimmed until the jobs are admitted again."""
+        self._gained.clear()
+        self.log.hold()
+
+    def handed_back(self, entries: list[Entry]) -> list[Entry]:
+        """Entries handed to us again: their progress is read from our log at admission."""
+        if entries:
+            self._taken_back.update(entry_id for entry_id, _ in entries)
+            self.log.hold()
+        return entries
+
+    def admitted(self, entries: list[Entry]) -> None:
+        """These entries were read at admission (run, refused or set aside)."""
+        self._taken_back.difference_update(entry_id for entry_id, _ in entries)
+        if not self._taken_back:
+            self.log.holding = False  # every job handed back is in hand again
+
+    def progress(self, jobs: list[tuple[bytes, TokenizedRequest]]) -> dict[str, list[int]]:
+        """Each job's published output: what it carries (from workers that died holding it),
+        and for one handed back, what our own log holds beyond that. Those extra ids are
+        logged again in our next publish, so our log may go below its older entries."""
+        carried = {job.rid: list(job.progress or []) for _, job in jobs}
+        mine = [job.rid for entry_id, job in jobs if entry_id in self._taken_back]
+        if not mine:
+            return carried
+        rebuilt = rebuild(read_progress_log(self.client, self.config, self.worker_id),
+                          carried, mine)  # fmt: skip
+        for rid, ids in rebuilt.items():
+            start = len(carried[rid])
+            self.log.log(rid, start, ids[start:])
+            carried[rid] = ids
+        return carried
