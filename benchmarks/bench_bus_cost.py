@@ -6,8 +6,11 @@ through `streamserve up` and its OpenAI API, with the server's ``INFO commandsta
 
 Prints one JSON line: commands and bytes into Redis per generated token, and the commands
 by name (per token) that make up the total. BENCHMARKS.md's ``bus-burst``. Redis's own
-housekeeping (the stages' trims, heartbeats, metrics publishing) is counted too: it is part
-of what a deployment costs its server.
+housekeeping (the stages' trims, heartbeats, metrics publishing, idle reads) is counted
+too: it is part of what a deployment costs its server. It costs per second, not per token,
+so the same system idle for ``--idle-s`` after the workload gives its rate, and
+``flow_commands_per_token`` is what the tokens cost beyond it (on a slow host the per-second
+part dominates the total). With ``--workload single`` (batch 1, no drafts) a token is a step.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from pathlib import Path
 
 import redis
@@ -36,13 +40,16 @@ def measure(args: argparse.Namespace) -> dict:
         asyncio.run(bench.run_source(options, WARM_UP))
         server = redis.Redis.from_url(redis_url)
         server.config_resetstat()
+        started = time.monotonic()
         (row,) = asyncio.run(bench.run_source(options, make_workload(args.workload)))
-        commands = {
-            name.removeprefix("cmdstat_"): stats["calls"]
-            for name, stats in server.info("commandstats").items()
-        }
+        seconds = time.monotonic() - started
+        commands = _commands(server)
         bytes_in = server.info("stats")["total_net_input_bytes"]
+        server.config_resetstat()
+        time.sleep(args.idle_s)
+        idle_per_s = sum(_commands(server).values()) / args.idle_s
     tokens = row["output_tokens"]
+    flow = sum(commands.values()) - idle_per_s * seconds
     by_command = {name: round(calls / tokens, 4) for name, calls in
                   sorted(commands.items(), key=lambda item: -item[1])}  # fmt: skip
     return {
@@ -53,7 +60,17 @@ def measure(args: argparse.Namespace) -> dict:
         "redis_commands": sum(commands.values()),
         "commands_per_token": round(sum(commands.values()) / tokens, 3),
         "bytes_in_per_token": round(bytes_in / tokens, 1),
+        "seconds": round(seconds, 2),
+        "idle_commands_per_s": round(idle_per_s, 1),
+        "flow_commands_per_token": round(max(flow, 0) / tokens, 4),
         "commands_per_token_by_name": by_command,
+    }
+
+
+def _commands(server: redis.Redis) -> dict[str, int]:
+    return {
+        name.removeprefix("cmdstat_"): stats["calls"]
+        for name, stats in server.info("commandstats").items()
     }
 
 
@@ -62,6 +79,12 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--workload", default="mixed-64", choices=WORKLOADS)
+    parser.add_argument(
+        "--idle-s",
+        type=float,
+        default=10.0,
+        help="seconds idle after the workload, for the per-second rate",
+    )
     parser.add_argument("--out", type=Path, help="also append the JSON line to this file")
     args = parser.parse_args()
     emit({**measure(args), **jsonl.machine(), "model": args.model, "dtype": args.dtype},

@@ -250,7 +250,9 @@ async def _stream_openai(
             if job.include_usage:
                 await _send(response, {**head, "choices": [], "usage": usage(choices, job.n)})
     except (ConnectionError, OSError):
-        raise  # the client left: nothing more to send (the submission aborts the rest)
+        if sub.state.draining:
+            raise  # cut by a shutdown: the submission hands it over, to resume elsewhere
+        return response  # the client left: nothing to send or log (the rest is aborted)
     except Exception as exc:
         logger.exception("stream %s failed", head["id"])
         await _send(response, error_body(_internal(exc)))
@@ -336,7 +338,9 @@ async def _stream_generate(
                 resume.event_id(sub.request_id, frontend_id, [choice]),
             )
     except (ConnectionError, OSError):
-        raise
+        if sub.state.draining:
+            raise  # cut by a shutdown: the submission hands it over, to resume elsewhere
+        return response  # the client left: nothing to send or log (the rest is aborted)
     except Exception as exc:
         logger.exception("stream %s failed", rid)
         await _send(response, error_body(_internal(exc)))
