@@ -16,7 +16,7 @@ import redis
 from bus.access import check_access
 from bus.actor import stop_on_signals
 from gpu_worker import worker as worker_module
-from gpu_worker.synthetic_engine import SyntheticEngine, add_synthetic_arguments
+from gpu_worker.synthetic_engine import add_synthetic_arguments, synthetic_engine_from
 from runtime.config import BusConfig
 from runtime.model_files import DEFAULT_MODEL
 
@@ -78,9 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     client = redis.Redis.from_url(config.redis_url)
     try:
         check_access(client, config)  # before the model loads: a typo should fail fast
-        if args.synthetic:
-            engine = SyntheticEngine(args.model, args.synthetic_step_ms, args.synthetic_batch)
-        else:
+        engine = synthetic_engine_from(args)
+        if engine is None:
             from gpu_worker.engine import Engine  # torch: only for a worker with a model
 
             engine = Engine(args.model, **options)

@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 SERVING_PATH = "synthetic engine: no model"
 NO_MODEL = "synthetic engine (no model)"
+DEFAULT_STEP_MS = 10.0
+DEFAULT_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -234,7 +236,9 @@ class SyntheticConfig:
 class SyntheticEngine:
     """What gpu_worker/worker.py's Worker reads of an `Engine`, with no model behind it."""
 
-    def __init__(self, model: str, step_ms: float = 10.0, batch: int = 64) -> None:
+    def __init__(
+        self, model: str, step_ms: float = DEFAULT_STEP_MS, batch: int = DEFAULT_BATCH
+    ) -> None:
         if step_ms <= 0 or batch < 1:
             raise ValueError("--synthetic-step-ms must be > 0 and --synthetic-batch >= 1")
         self.config = SyntheticConfig(model, step_ms, batch)
@@ -287,7 +291,19 @@ def add_synthetic_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--synthetic", action="store_true", help="run it instead of the model (never the default)"
     )
-    group.add_argument("--synthetic-step-ms", type=float, default=10.0,
-                       help="milliseconds one step takes (default 10)")  # fmt: skip
-    group.add_argument("--synthetic-batch", type=int, default=64,
-                       help="the most requests one step gives a token (default 64)")  # fmt: skip
+    step_help = f"milliseconds one step takes (default {DEFAULT_STEP_MS:g})"
+    group.add_argument("--synthetic-step-ms", type=float, default=None, help=step_help)
+    batch_help = f"the most requests a step gives a token (default {DEFAULT_BATCH})"
+    group.add_argument("--synthetic-batch", type=int, default=None, help=batch_help)
+
+
+def synthetic_engine_from(args: argparse.Namespace) -> SyntheticEngine | None:
+    """The engine those flags ask for; None without ``--synthetic``, and a ValueError for
+    its settings without it (they would be ignored, and the model served unasked)."""
+    step_ms, batch = args.synthetic_step_ms, args.synthetic_batch
+    if not args.synthetic:
+        if step_ms is not None or batch is not None:
+            raise ValueError("--synthetic-step-ms and --synthetic-batch need --synthetic")
+        return None
+    step_ms = DEFAULT_STEP_MS if step_ms is None else step_ms
+    return SyntheticEngine(args.model, step_ms, DEFAULT_BATCH if batch is None else batch)

@@ -120,6 +120,9 @@ def test_a_worker_runs_the_model_unless_started_with_synthetic(monkeypatch):
     monkeypatch.setattr(cli, "check_access", lambda *args: None)
     assert cli.main(["--redis-url", "redis://127.0.0.1:1", "--model", MODEL]) == 2
     assert made == [MODEL]
+    # Its settings alone do not make a worker synthetic: they are refused, not ignored.
+    argv = ["--redis-url", "redis://127.0.0.1:1", "--synthetic-batch", "8"]
+    assert cli.main(argv) == 2 and made == [MODEL]
 
 
 def test_a_synthetic_worker_imports_no_torch():
