@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -71,16 +71,20 @@ def started_pipeline(
     env: dict[str, str] | None = None,
     log_level: str = "INFO",
     redis_data: Path | None = None,
+    up_args: Sequence[str] = (),
 ) -> Iterator[tuple[str, str]]:
     """`streamserve up` on its own embedded Redis, healthy: yields (its URL, the Redis URL);
     stopped with SIGTERM on exit. `redis_data`: where that server keeps an append-only file
-    (None: nothing on disk)."""
+    (None: nothing on disk); `up_args`: more flags for `streamserve up`; the workers get
+    ``--dtype`` where `args` has one."""
     with EmbeddedRedis(data_dir=redis_data) as server:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "cli", "up", "--model", args.model,
                    "--redis-url", server.url, "--port", str(port), "--log-level", log_level,
-                   f"--worker-arg=--dtype={args.dtype}"]  # fmt: skip
+                   *up_args]  # fmt: skip
+        if getattr(args, "dtype", None):
+            command.append(f"--worker-arg=--dtype={args.dtype}")
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
         try:
             wait_healthy(url, process)

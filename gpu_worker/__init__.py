@@ -10,6 +10,7 @@ grammar_waits.py   jobs whose grammar compiles beside the engine
 heartbeat.py       the heartbeat thread: load figures under a key with a TTL
 worker_metrics.py  what a worker measures (vLLM's names)
 engine.py          `Engine`, the in-process API (`generate`, `generate_stream`)
+synthetic_engine.py  no model: tokens at a set rate for bus load tests (`--synthetic` only)
 request_input.py   the engine's tokenizer as the request normaliser's `PromptTokenizer`
 text_stream.py     incremental detokenization that never leaks a stop string
 config.py          `EngineConfig`: every engine option, validated

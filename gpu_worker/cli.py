@@ -1,5 +1,7 @@
 """The worker stage's command line, `python -m gpu_worker`: every EngineConfig field is a
-flag, and `--help` prints the worker's own description (gpu_worker/worker.py)."""
+flag, and `--help` prints the worker's own description (gpu_worker/worker.py). With
+``--synthetic`` the worker runs gpu_worker/synthetic_engine.py instead of the model, and
+takes that engine's flags instead of the model's (nor does it import torch)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ import redis
 from bus.access import check_access
 from bus.actor import stop_on_signals
 from gpu_worker import worker as worker_module
-from gpu_worker.config import DEFAULT_MODEL
-from gpu_worker.engine import Engine
+from gpu_worker.synthetic_engine import add_synthetic_arguments, synthetic_engine_from
 from runtime.config import BusConfig
+from runtime.model_files import DEFAULT_MODEL
+
+SYNTHETIC_OPTIONS = ("synthetic", "synthetic_step_ms", "synthetic_batch")
 
 
 def default_worker_id() -> str:
@@ -56,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--worker-id", default=None, help="default: <host>-<random>")
     parser.add_argument("--log-level", default="INFO")
-    _engine_option_arguments(parser)
+    add_synthetic_arguments(parser)
+    if "--synthetic" not in (sys.argv[1:] if argv is None else argv):
+        _engine_option_arguments(parser)  # imports torch, which a synthetic worker never needs
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
     config = BusConfig.from_env(**({"redis_url": args.redis_url} if args.redis_url else {}))
@@ -66,12 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     options = {
         key: value
         for key, value in vars(args).items()
-        if value is not None and key not in ("redis_url", "model", "worker_id", "log_level")
+        if value is not None
+        and key not in ("redis_url", "model", "worker_id", "log_level", *SYNTHETIC_OPTIONS)
     }
     client = redis.Redis.from_url(config.redis_url)
     try:
         check_access(client, config)  # before the model loads: a typo should fail fast
-        engine = Engine(args.model, **options)
+        engine = synthetic_engine_from(args)
+        if engine is None:
+            from gpu_worker.engine import Engine  # torch: only for a worker with a model
+
+            engine = Engine(args.model, **options)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

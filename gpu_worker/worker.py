@@ -39,13 +39,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import redis
 
 from bus.effects import dead_letter_fields, reply
 from bus.fenced_stream import Entry, Fenced, FencedStream
 from bus.reconnect import ReconnectingLoop
-from gpu_worker.engine import Engine
 from gpu_worker.grammar_waits import GrammarWaits, Waiting
 from gpu_worker.heartbeat import HeartbeatThread, Load
 from gpu_worker.probation import Probation
@@ -67,6 +67,8 @@ from jobs.request_bounds import request_bounds
 from observability.metrics import ProcessMetrics, start_publisher
 from runtime.config import BusConfig
 
+if TYPE_CHECKING:  # or a SyntheticEngine (gpu_worker/synthetic_engine.py), without torch
+    from gpu_worker.engine import Engine
 logger = logging.getLogger(__name__)
 
 

@@ -10,7 +10,7 @@ computed its first token.
 
 from __future__ import annotations
 
-from gpu_worker.model_executor.forward_batch import ForwardMode
+from gpu_worker.model_executor.forward_mode import ForwardMode
 from jobs.protocol import Finish
 from observability.metrics import ProcessMetrics
 

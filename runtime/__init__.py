@@ -5,4 +5,5 @@ config.py           `BusConfig`: every stream and key name, every tunable (`STRE
 embedded_server.py  the private server `streamserve up` starts (unix socket, append-only file)
 child_process.py    children that stop in their parent's order
 model_files.py      a `--model` argument resolved to its files (worker and tokenizer alike)
+gguf_header.py      a GGUF file's header metadata, read key by key without loading it
 """

@@ -3,6 +3,7 @@ would otherwise go unseen until someone measures."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +26,36 @@ def test_a_benchmark_script_imports_and_prints_its_help(script):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage" in done.stdout
+
+
+def test_the_bus_load_benchmark_measures_a_short_run_of_synthetic_workers(tmp_path):
+    out = tmp_path / "load.jsonl"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_bus_load.py"), "--workers", "1",
+         "--clients", "4", "--max-tokens", "16", "--warm-up", "1", "--seconds", "2",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(out.read_text())
+    assert row["benchmark"] == "bus-load" and row["tokens"] > 0 and row["client_errors"] == 0
+    assert row["redis_commands_per_token"] > 0 and row["redis_cpu_us_per_token"] > 0
+    assert {"ingress", "tokenizer", "router", "detokenizer", "worker", "clients"} <= set(
+        row["cpu_us_per_token"]
+    )
+    table = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bus_capacity.py"), str(out)],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert "| Redis shard |" in table and "| ingress |" in table
+
+
+def test_capacity_is_tokens_per_core_and_workers_per_core():
+    sys.path.insert(0, str(BENCHMARKS.parent))
+    from benchmarks.bus_capacity import capacity
+
+    figures = capacity({"redis": 20.0, "ingress": 8.0}, worker_tok_s=5000)
+    redis = {"cpu_us_per_token": 20.0, "tok_s_per_core": 50000, "workers_per_core": 10.0}
+    assert figures["per_core"]["redis"] == {**redis, "within_target": False}
+    assert figures["per_core"]["ingress"]["tok_s_per_core"] == 125000
+    assert figures["per_core"]["ingress"]["within_target"]

@@ -7,28 +7,14 @@ pools) reach the model through the ForwardContext, never through this object.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
 
 import torch
+
+from gpu_worker.model_executor.forward_mode import ForwardMode
 
 # The most prompt positions one request gets logits for in one forward (prompt logprobs):
 # the scheduler cuts its prefill into chunks of this many, as [rows, vocab] logits are big.
 MAX_PROMPT_LOGIT_ROWS = 512
-
-
-class ForwardMode(IntEnum):
-    # Some request computes more than one new token (prefill, a prefill chunk, or a
-    # retracted request being recomputed). Requests with one new token may ride along.
-    EXTEND = 1
-    # Every request computes exactly one new token.
-    DECODE = 2
-    # Speculative decoding: each request computes its last token and the tokens drafted
-    # after it, attending like an extend; logits come back for every new token.
-    TARGET_VERIFY = 4
-
-    def is_extend(self) -> bool:
-        """Attention runs the extend path: new tokens attend to a prefix and each other."""
-        return self in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
 
 
 @dataclass

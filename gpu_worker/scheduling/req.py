@@ -11,14 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from gpu_worker.sampling.logit_bias import LogitBias
 from jobs.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
     from llguidance import LLMatcher
 
+    from gpu_worker.sampling.logit_bias import LogitBias
     from gpu_worker.speculative.draft_state import DraftState
     from gpu_worker.text_stream import TextStream
 
@@ -54,7 +53,7 @@ class Req:
         # The grammar's matcher (sampling/grammar.py), in the state after output_ids; None
         # when the request has no grammar.
         self.matcher = matcher
-        self.logit_bias = LogitBias.of(params)  # as tensors, once (sampling/logit_bias.py)
+        self.logit_bias = _logit_bias(params)  # as tensors, once (sampling/logit_bias.py)
 
         self.req_pool_idx: int | None = None
         self.kv_len = 0
@@ -118,3 +117,13 @@ class Req:
             f"Req({self.rid!r}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)}, "
             f"kv={self.kv_len}, cached={self.cached_len})"
         )
+
+
+def _logit_bias(params: SamplingParams) -> LogitBias | None:
+    if not params.logit_bias:
+        return None
+    # Imported here, as only a bias needs torch: Req itself imports without it, so the
+    # synthetic engine (gpu_worker/synthetic_engine.py) runs with no torch loaded.
+    from gpu_worker.sampling.logit_bias import LogitBias
+
+    return LogitBias.of(params)

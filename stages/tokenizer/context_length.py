@@ -3,8 +3,8 @@ stage can refuse a prompt that cannot fit before the job reaches a worker stream
 
 A Hugging Face folder states it in config.json (``max_position_embeddings``); a GGUF file in
 its header's metadata (``<architecture>.context_length``), which comes before the tensors:
-only the header is read, key by key, until the value is found. A ``random:`` model has
-neither (None: the worker alone checks). A worker started with a smaller
+only the header is read, key by key, until the value is found (runtime/gguf_header.py). A
+``random:`` model has neither (None: the worker alone checks). A worker started with a smaller
 ``--context-length`` still refuses, later, what its own length cannot hold.
 """
 
@@ -16,15 +16,11 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
+from runtime.gguf_header import gguf_metadata
 from runtime.model_files import resolve_model
 
 logger = logging.getLogger(__name__)
 
-GGUF_MAGIC = b"GGUF"
-# GGUF value types -> struct format of a scalar of that type (8: string, 9: array).
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-            12: "d"}  # fmt: skip
-_STRING, _ARRAY = 8, 9
 CONFIG_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
@@ -53,44 +49,11 @@ def model_context_length(model: str) -> int | None:
 
 def gguf_context_length(file: BinaryIO) -> int | None:
     """``<architecture>.context_length`` from a GGUF file's header; None if absent."""
-    if file.read(4) != GGUF_MAGIC:
-        return None
-    _version, _tensors, count = struct.unpack("<IQQ", file.read(20))
     architecture = None
-    for _ in range(count):
-        key = _string(file)
-        kind = _unpack(file, "I")
-        if key == "general.architecture" and kind == _STRING:
-            architecture = _string(file)
-        elif key.endswith(".context_length") and kind in _SCALARS:
-            value = _unpack(file, _SCALARS[kind])
+    for key, value in gguf_metadata(file):
+        if key == "general.architecture" and isinstance(value, str):
+            architecture = value
+        elif key.endswith(".context_length") and isinstance(value, (int, float)):
             if architecture is None or key == f"{architecture}.context_length":
                 return int(value)
-        else:
-            _skip(file, kind)
     return None
-
-
-def _unpack(file: BinaryIO, fmt: str):
-    size = struct.calcsize("<" + fmt)
-    return struct.unpack("<" + fmt, file.read(size))[0]
-
-
-def _string(file: BinaryIO) -> str:
-    return file.read(_unpack(file, "Q")).decode("utf-8", "replace")
-
-
-def _skip(file: BinaryIO, kind: int) -> None:
-    if kind in _SCALARS:
-        file.seek(struct.calcsize("<" + _SCALARS[kind]), 1)
-    elif kind == _STRING:
-        file.seek(_unpack(file, "Q"), 1)
-    elif kind == _ARRAY:
-        item_kind, length = _unpack(file, "I"), _unpack(file, "Q")
-        if item_kind in _SCALARS:
-            file.seek(length * struct.calcsize("<" + _SCALARS[item_kind]), 1)
-        else:
-            for _ in range(length):
-                _skip(file, item_kind)
-    else:
-        raise ValueError(f"unknown GGUF value type {kind}")
