@@ -30,8 +30,7 @@ on ``max_deliveries`` times, or whose workers died holding it as often (its ``at
 the deliveries of a previous life under this id), is set aside: dead-lettered, with an error
 reply.
 
-This module turns jobs into engine requests and their tokens into items; the command line is
-gpu_worker/cli.py.
+Jobs become engine requests here, their tokens items in publishing.py; the CLI is cli.py.
 """
 
 from __future__ import annotations
@@ -69,6 +68,7 @@ from runtime.config import BusConfig
 
 if TYPE_CHECKING:  # or a SyntheticEngine (gpu_worker/synthetic_engine.py), without torch
     from gpu_worker.engine import Engine
+
 logger = logging.getLogger(__name__)
 
 
