@@ -4,7 +4,9 @@ each), how long the queue is.
 A worker is alive while its heartbeat key exists (it expires ``heartbeat_ttl_s`` after the
 last beat), as bus/liveness.py reads it. Admission reads the workers at most once per
 ``interval_s``: every request asking would cost a round trip for a figure that changes once
-a second. /health reads them fresh, once, for both its count and its attention paths.
+a second. /health reads them fresh, once, for both its count and its attention paths. The
+queue's depth is read at most every `QUEUE_CHECK_INTERVAL_S` (four commands a request, else),
+adding what this replica queued since: a bound that lags the other replicas by that much.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from bus.liveness import Liveness, read_liveness_async
 from runtime.config import BusConfig
 
 WORKERS_CHECK_INTERVAL_S = 1.0
+QUEUE_CHECK_INTERVAL_S = 0.25
 
 
 def serving_paths(liveness: Liveness) -> dict[str, str | None]:
@@ -51,6 +54,32 @@ async def queue_depth(client: aredis.Redis, config: BusConfig) -> int:
         else:
             depth += max(g["pending"] + (g.get("lag") or 0) for g in groups)
     return depth
+
+
+class QueueDepth:
+    """`queue_depth`, read at most once per `interval_s` (shared by callers), plus the jobs
+    this replica queued since that read."""
+
+    def __init__(
+        self, client: aredis.Redis, config: BusConfig, interval_s: float = QUEUE_CHECK_INTERVAL_S
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.interval_s = interval_s
+        self._depth = 0
+        self._read_at = -float("inf")
+        self._lock = asyncio.Lock()
+
+    async def depth(self) -> int:
+        async with self._lock:
+            if time.monotonic() - self._read_at >= self.interval_s:
+                self._depth = await queue_depth(self.client, self.config)
+                self._read_at = time.monotonic()
+            return self._depth
+
+    def queued(self, jobs: int) -> None:
+        """This replica queued `jobs` more since the last read."""
+        self._depth += jobs
 
 
 class WorkerHealth:

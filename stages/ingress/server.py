@@ -34,7 +34,7 @@ from stages.ingress.batches import routes as batch_api
 from stages.ingress.batches.runner import BatchRunner
 from stages.ingress.connections import BODY_TIMEOUT_S, CappedSite, body_deadline
 from stages.ingress.errors import Handler, error_middleware
-from stages.ingress.health import WorkerHealth
+from stages.ingress.health import QueueDepth, WorkerHealth
 from stages.ingress.metrics import IngressMetrics
 from stages.ingress.state import RENEWALS_PER_TTL, STATE, IngressState
 from stages.ingress.status_page import status_json, status_page
@@ -80,6 +80,7 @@ def create_app(
         redis=client,
         replies=AsyncReplyReader(client, config.reply_stream(frontend_id)),
         health=WorkerHealth(client, config),
+        queue=QueueDepth(client, config),
         openapi=openapi_document(model),
         metrics=IngressMetrics(frontend_id, config.metrics),
         tenants=tenants,

@@ -25,7 +25,7 @@ from bus.replies import AsyncReplyReader
 from jobs.protocol import GenerateRequest
 from runtime.config import BusConfig
 from stages.ingress.errors import ApiError
-from stages.ingress.health import WorkerHealth, queue_depth
+from stages.ingress.health import QueueDepth, WorkerHealth
 from stages.ingress.metrics import IngressMetrics
 from stages.ingress.tenancy.limits import TenantLimits
 from stages.ingress.tenancy.ownership import read_request_record, request_record, sees
@@ -48,6 +48,7 @@ class IngressState:
     redis: aredis.Redis
     replies: AsyncReplyReader
     health: WorkerHealth
+    queue: QueueDepth
     openapi: dict[str, Any]
     metrics: IngressMetrics
     tenants: Tenants
@@ -81,7 +82,7 @@ class IngressState:
                 None,
                 "no_worker",
             )
-        depth = await queue_depth(self.redis, self.config)
+        depth = await self.queue.depth()
         if depth >= self.max_queue:
             raise ApiError(
                 429,
@@ -103,6 +104,7 @@ class IngressState:
         pipe.set(self.config.request_key(request_id), record, ex=self.config.reply_ttl_s)
         add_requests(pipe, self.config, requests)
         await pipe.execute()
+        self.queue.queued(len(requests))
 
     async def renew_keys(self) -> None:
         """Renew the TTL of this replica's reply stream and of its live requests' keys."""

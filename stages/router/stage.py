@@ -79,6 +79,7 @@ class RouterStage:
                 for job in jobs
             ]  # fmt: skip
         outputs: list[Output] = []
+        routed: dict[str, int] = {}
         # The lower priority classes first, to the least loaded workers (a stable sort:
         # arrival order within a class).
         for job in sorted(jobs, key=lambda job: job.priority or 0):
@@ -88,7 +89,9 @@ class RouterStage:
             outputs.append(Outbound(worker.stream, job))
             outputs.append(SetKey(self.config.route_key(job.rid), worker.worker_id,
                                   self.config.reply_ttl_s))  # fmt: skip
-            outputs.append(IncrHash(self.config.routed_key(), worker.worker_id))
+            routed[worker.worker_id] = routed.get(worker.worker_id, 0) + 1
+        # One count per worker per batch, not one per job.
+        outputs += [IncrHash(self.config.routed_key(), w, n) for w, n in routed.items()]
         return outputs
 
     def _wait_for_workers(self, entry_ids: list[bytes]) -> list[WorkerLoad]:
