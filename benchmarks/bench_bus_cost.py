@@ -9,7 +9,8 @@ by name (per token) that make up the total. BENCHMARKS.md's ``bus-burst``. Redis
 housekeeping (the stages' trims, heartbeats, metrics publishing, idle reads) is counted
 too: it is part of what a deployment costs its server. It costs per second, not per token,
 so the same system idle for ``--idle-s`` after the workload gives its rate, and
-``flow_commands_per_token`` is what the tokens cost beyond it (on a slow host the per-second
+``flow_commands_per_token`` and ``flow_bytes_in_per_token`` are what the tokens cost beyond
+it (on a slow host the per-second
 part dominates the total). With ``--workload single`` (batch 1, no drafts) a token is a step.
 """
 
@@ -48,8 +49,10 @@ def measure(args: argparse.Namespace) -> dict:
         server.config_resetstat()
         time.sleep(args.idle_s)
         idle_per_s = sum(_commands(server).values()) / args.idle_s
+        idle_bytes_per_s = server.info("stats")["total_net_input_bytes"] / args.idle_s
     tokens = row["output_tokens"]
     flow = sum(commands.values()) - idle_per_s * seconds
+    flow_bytes = bytes_in - idle_bytes_per_s * seconds
     by_command = {name: round(calls / tokens, 4) for name, calls in
                   sorted(commands.items(), key=lambda item: -item[1])}  # fmt: skip
     return {
@@ -63,6 +66,8 @@ def measure(args: argparse.Namespace) -> dict:
         "seconds": round(seconds, 2),
         "idle_commands_per_s": round(idle_per_s, 1),
         "flow_commands_per_token": round(max(flow, 0) / tokens, 4),
+        "idle_bytes_in_per_s": round(idle_bytes_per_s),
+        "flow_bytes_in_per_token": round(max(flow_bytes, 0) / tokens, 1),
         "commands_per_token_by_name": by_command,
     }
 
