@@ -33,7 +33,7 @@ from jobs.field_error import FieldError
 from jobs.request_normaliser import (
     ModelLimits,
     check_request,
-    check_token_ids,
+    check_resumed_ids,
     encode_prompts,
     sampling_maps,
     split_prompts,
@@ -139,7 +139,7 @@ class Engine:
         req = self._make_req(input_ids, params, rid, detokenize or bool(params.stop))
         req.matcher = self.grammars.matcher(params)
         if output_ids:
-            check_token_ids(output_ids, "output_ids", self.vocab_size)
+            check_resumed_ids(output_ids, params, self.vocab_size)
             if req.matcher is not None and not req.matcher.consume_tokens(list(output_ids)):
                 raise FieldError(
                     "output_ids", f"output_ids do not match the grammar: {req.matcher.get_error()}"

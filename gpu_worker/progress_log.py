@@ -30,6 +30,7 @@ class ProgressLog:
         self._in_flight: list[str] = []  # rids of the entry being written, without a first
         self._last_entry: bytes | None = None
         self._next_trim = 0.0
+        self._trimmed_to: bytes | None = None
         self.holding = False
 
     def log(self, rid: str, start: int, ids: list[int]) -> None:
@@ -66,11 +67,16 @@ class ProgressLog:
         self.holding = True
 
     def trim_point(self) -> bytes | None:
-        """The id below which the log may go (XTRIM MINID), at most once per trim interval."""
+        """The id below which the log may go (XTRIM MINID), at most once per trim interval,
+        and at once when the last job this life holds ended (an idle worker publishes no
+        more, so its log would keep them until its next job)."""
         now = time.monotonic()
-        if self.holding or self._last_entry is None or now < self._next_trim:
+        if self.holding or self._last_entry is None:
+            return None
+        idle = not self._first_entry and self._trimmed_to != self._last_entry
+        if now < self._next_trim and not idle:
             return None
         self._next_trim = now + self.trim_interval_s
-        if self._first_entry:
-            return min(self._first_entry.values(), key=_id_order)
-        return self._last_entry
+        point = min(self._first_entry.values(), key=_id_order) if self._first_entry else None
+        self._trimmed_to = point or self._last_entry
+        return self._trimmed_to

@@ -47,7 +47,7 @@ from gpu_worker.model_executor.forward_mode import ForwardMode
 from gpu_worker.scheduling.req import FinishReason, Req
 from jobs.field_error import FieldError
 from jobs.grammar import grammar_field
-from jobs.request_normaliser import ModelLimits, check_request, check_token_ids
+from jobs.request_normaliser import ModelLimits, check_request, check_resumed_ids
 from jobs.request_normaliser import sampling_params as params_with_defaults
 from jobs.sampling_params import SamplingParams
 from runtime.gguf_header import gguf_metadata
@@ -275,7 +275,7 @@ class SyntheticEngine:
         # A bias is checked (above) but has nothing to bias; dropped, so no torch is loaded.
         req = Req(rid, input_ids, replace(params, logit_bias={}), self.eos_ids)
         if output_ids:
-            check_token_ids(output_ids, "output_ids", self.vocab_size)
+            check_resumed_ids(output_ids, params, self.vocab_size)
             req.output_ids = list(output_ids)
             req.logprobs = [0.0] * len(output_ids)
             req.top_logprobs = [[] for _ in output_ids]

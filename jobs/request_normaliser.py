@@ -187,6 +187,15 @@ def check_prompt(
     check_fits(len(ids), None if asked is None else max(asked, 0), field, limits)
 
 
+def check_resumed_ids(ids: Sequence[int], params: SamplingParams, vocab_size: int | None) -> None:
+    """The output ids a job resumes after (published by a worker that died): token ids, and
+    no more than the job may generate (a job carrying more was not written by a worker)."""
+    check_token_ids(ids, "output_ids", vocab_size)
+    if params.max_new_tokens is not None and len(ids) > params.max_new_tokens:
+        raise FieldError("output_ids", f"output_ids: {len(ids)} tokens resumed, more than "
+                                       f"max_new_tokens ({params.max_new_tokens})")  # fmt: skip
+
+
 def check_token_ids(ids: Sequence[int], field: str, vocab_size: int | None = None) -> None:
     """Token ids are integers in ``[0, vocab_size)`` (the wire's int32 where it is unknown)."""
     if len(ids) == 0:

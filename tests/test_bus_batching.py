@@ -21,6 +21,7 @@ from gpu_worker.worker import Worker
 from jobs.progress import rebuild
 from jobs.protocol import (
     ENTRY_FIELD,
+    ErrorReply,
     TextDelta,
     TextDeltas,
     TokenBatch,
@@ -209,3 +210,29 @@ def test_the_detokenizer_bundles_a_busy_workers_replies_end_to_end(redis_client,
         thread.join(timeout=30)
     assert all(len(ids) == 30 for ids in outputs.values())
     assert redis_client.xlen("t:replies") < deltas
+
+
+def test_a_job_carrying_progress_continues_after_it_and_one_carrying_too_much_is_refused(
+    redis_client, config
+):
+    sampling = {**GREEDY, "max_new_tokens": 12}
+    expected = Engine(MODEL, dtype="float32").generate(input_ids=PROMPT, sampling_params=sampling)
+    done = expected["output_ids"][:5]
+    jobs = [
+        TokenizedRequest("moved", "t:replies", PROMPT, sampling, progress=done),
+        TokenizedRequest("forged", "t:replies", PROMPT, sampling, progress=[1] * 13),
+    ]
+    worker, thread = _start(redis_client, config, "w")
+    try:
+        for job in jobs:
+            redis_client.xadd(config.worker_stream("w"), {ENTRY_FIELD: encode(job)})
+        _wait(lambda: any(i.finish for b in _batches(redis_client, config) for i in b.items)
+              and redis_client.xlen("t:replies") > 0)  # fmt: skip
+    finally:
+        worker.stop.set()
+        thread.join(timeout=30)
+    items = [i for b in _batches(redis_client, config) for i in b.items if i.rid == "moved"]
+    assert items[0].start == 5  # after what it carried
+    assert sum((i.ids for i in items), done) == expected["output_ids"]
+    (refusal,) = [decode(f[ENTRY_FIELD], ErrorReply) for _, f in redis_client.xrange("t:replies")]
+    assert (refusal.rid, refusal.status, refusal.param) == ("forged", 400, "output_ids")

@@ -77,3 +77,18 @@ def test_trims_wait_for_the_interval():
     log.written(b"1-0")
     assert log.trim_point() == b"1-0"
     assert log.trim_point() is None  # within the interval
+
+
+def test_trims_wait_for_the_interval_while_jobs_run():
+    log = ProgressLog("w", trim_interval_s=60.0)
+    log.log("a", 0, [1])
+    log.take()
+    log.written(b"1-0")
+    assert log.trim_point() == b"1-0"
+    log.log("a", 1, [2])
+    log.take()
+    log.written(b"2-0")
+    assert log.trim_point() is None  # "a" still runs: within the interval
+    log.forget("a")
+    assert log.trim_point() == b"2-0"  # the last job ended: at once (the worker may go idle)
+    assert log.trim_point() is None  # and once
