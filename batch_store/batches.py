@@ -86,15 +86,14 @@ class BatchStore:
         self.config = config
         self.owner = owner
         self.files = files if files is not None else FileStore(client, config, owner)
-        prefix = config.stream_prefix
-        self.index = f"{prefix}:batches"
-        self.active = f"{prefix}:batches:active"
+        self.index = config.key_name("batches")
+        self.active = config.key_name("batches", "active")
 
     def key(self, batch_id: str, part: str = "") -> str:
-        return f"{self.config.stream_prefix}:batch:{batch_id}{':' + part if part else ''}"
+        return self.config.key_name("batch", batch_id, *([part] if part else []))
 
     def owner_index(self, owner: str) -> str:
-        return f"{self.config.stream_prefix}:owner:{owner}:batches"
+        return self.config.key_name("owner", owner, "batches")
 
     # ---- what a user does -----------------------------------------------------------------
 

@@ -93,16 +93,16 @@ class FileStore:
         self.config = config
         self.owner = owner
         self.max_bytes = config.max_file_bytes
-        self.index = f"{config.stream_prefix}:files"
+        self.index = config.key_name("files")
 
     def key(self, file_id: str) -> str:
-        return f"{self.config.stream_prefix}:file:{file_id}"
+        return self.config.key_name("file", file_id)
 
     def owner_index(self, owner: str) -> str:
-        return f"{self.config.stream_prefix}:owner:{owner}:files"
+        return self.config.key_name("owner", owner, "files")
 
     def owner_sizes(self, owner: str) -> str:
-        return f"{self.config.stream_prefix}:owner:{owner}:file-sizes"
+        return self.config.key_name("owner", owner, "file-sizes")
 
     def create(self, content: bytes, filename: str, purpose: str,
                expires_after: Any = None) -> dict[str, Any]:  # fmt: skip

@@ -6,16 +6,25 @@ unreachable server, would retry it forever. An ACL user without the commands or 
 bus needs (``NoPermissionError``) would fail much later, mid-request. Both are checked here
 before a process starts its work. An unreachable server is not: under compose Redis may
 still be starting, and the reconnect loops wait for it.
+
+On a Redis Cluster the first check runs on the node the URL names, where the probe key may
+hash to another node's slot: the MOVED reply still proves the user may write (a server checks
+ACLs before it redirects). `attach_checked` then checks again on the shard the process
+attached to (runtime/cluster.py), under that shard's names.
 """
 
 from __future__ import annotations
 
+import logging
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
-from redis.exceptions import AuthorizationError, NoPermissionError
+from redis.exceptions import AskError, AuthorizationError, MovedError, NoPermissionError
 
+from runtime.cluster import attach
 from runtime.config import BusConfig
+
+logger = logging.getLogger(__name__)
 
 PROBE_TTL_MS = 10_000
 
@@ -26,7 +35,7 @@ class BusAccessError(ValueError):
 
 def check_access(client: redis.Redis, config: BusConfig) -> None:
     """One PING and one write under the stream prefix, as the configured user."""
-    probe = f"{config.stream_prefix}:access-probe"
+    probe = config.key_name("access-probe")
     try:
         client.ping()
         client.set(probe, b"1", px=PROBE_TTL_MS)
@@ -43,6 +52,22 @@ def check_access(client: redis.Redis, config: BusConfig) -> None:
         ) from exc
     except (redis.ConnectionError, redis.TimeoutError):
         pass  # not up yet: the reconnect loops wait for it
+    except (MovedError, AskError):
+        pass  # a cluster node that does not own the probe's slot: allowed, and redirected
+
+
+def attach_checked(config: BusConfig, role: str) -> BusConfig:
+    """The config a process of `role` runs with (`runtime.cluster.attach`: its shard's on a
+    cluster, else `config`), its access checked before and after attaching."""
+    with redis.Redis.from_url(config.redis_url) as client:
+        check_access(client, config)
+    attached = attach(config, role)
+    if attached is not config:
+        with redis.Redis.from_url(attached.redis_url) as client:
+            check_access(client, attached)
+        logger.info("%s: attached to cluster shard %s at %s", role, attached.shard,
+                    redacted(attached.redis_url))  # fmt: skip
+    return attached
 
 
 def redacted(url: str | None) -> str:

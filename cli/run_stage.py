@@ -1,4 +1,8 @@
-"""Start one replica of a CPU stage against a Redis URL (what `streamserve stage` runs)."""
+"""Start one replica of a CPU stage against a Redis URL (what `streamserve stage` runs).
+
+On a Redis Cluster a tokenizer, router or detokenizer attaches to one shard by itself
+(runtime/cluster.py); if that shard's slots move while it runs, it exits with one line
+saying so (`EXIT_SHARD_MOVED`), for its supervisor to start it again on the new layout."""
 
 from __future__ import annotations
 
@@ -7,14 +11,16 @@ import threading
 
 import redis
 
-from bus.access import check_access
+from bus.access import attach_checked, check_access, redacted
 from bus.actor import Actor, stop_on_signals
 from observability.metrics import start_publisher
+from runtime.cluster import is_slot_moved
 from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
 
 STAGES = ("ingress", "tokenizer", "router", "detokenizer")
+EXIT_SHARD_MOVED = 3  # the shard's slots moved: start again (a supervisor's restart does)
 
 
 def run_stage(
@@ -32,13 +38,14 @@ def run_stage(
         raise ValueError(f"unknown stage {name!r}; the stages are {', '.join(STAGES)}")
     if config.redis_url is None:
         raise ValueError("a stage needs a Redis URL: give --redis-url or set REDIS_URL")
-    check_access(redis.Redis.from_url(config.redis_url), config)
     if name == "ingress":
+        check_access(redis.Redis.from_url(config.redis_url), config)
         from stages.ingress.server import run
 
         run(config, host=host, port=port, model=model, max_body_bytes=max_body_bytes,
             max_queue=max_queue)  # fmt: skip
         return
+    config = attach_checked(config, name)
     client = redis.Redis.from_url(config.redis_url)
     stop = threading.Event()
     stop_on_signals(stop)
@@ -67,6 +74,12 @@ def run_stage(
     publisher = start_publisher(client, config, actor.metrics.process)
     try:
         actor.run()
+    except redis.ResponseError as exc:
+        if not is_slot_moved(exc):
+            raise
+        logger.error("%s: shard %s moved off %s (%s); exiting to attach again", name,
+                     config.shard, redacted(config.redis_url), exc)  # fmt: skip
+        raise SystemExit(EXIT_SHARD_MOVED) from None
     finally:
         if publisher is not None:
             publisher.close()

@@ -1,7 +1,12 @@
 """The worker stage's command line, `python -m gpu_worker`: every EngineConfig field is a
 flag, and `--help` prints the worker's own description (gpu_worker/worker.py). With
 ``--synthetic`` the worker runs gpu_worker/synthetic_engine.py instead of the model, and
-takes that engine's flags instead of the model's (nor does it import torch)."""
+takes that engine's flags instead of the model's (nor does it import torch).
+
+On a Redis Cluster the worker attaches to one shard by itself (runtime/cluster.py: the one
+with the fewest live workers, or ``STREAMSERVE_SHARD``'s), and exits with
+`EXIT_SHARD_MOVED` if that shard's slots move while it runs, for its supervisor to start it
+again on the new layout."""
 
 from __future__ import annotations
 
@@ -13,14 +18,17 @@ import sys
 
 import redis
 
-from bus.access import check_access
+from bus.access import attach_checked, redacted
 from bus.actor import stop_on_signals
 from gpu_worker import worker as worker_module
 from gpu_worker.synthetic_engine import add_synthetic_arguments, synthetic_engine_from
+from runtime.cluster import is_slot_moved
 from runtime.config import BusConfig
 from runtime.model_files import DEFAULT_MODEL
 
 SYNTHETIC_OPTIONS = ("synthetic", "synthetic_step_ms", "synthetic_batch")
+EXIT_SHARD_MOVED = 3  # as a CPU stage's (cli/run_stage.py)
+logger = logging.getLogger(__name__)
 
 
 def default_worker_id() -> str:
@@ -75,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None
         and key not in ("redis_url", "model", "worker_id", "log_level", *SYNTHETIC_OPTIONS)
     }
-    client = redis.Redis.from_url(config.redis_url)
     try:
-        check_access(client, config)  # before the model loads: a typo should fail fast
+        # Before the model loads: a typo should fail fast.
+        config = attach_checked(config, "worker")
         engine = synthetic_engine_from(args)
         if engine is None:
             from gpu_worker.engine import Engine  # torch: only for a worker with a model
@@ -86,9 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    client = redis.Redis.from_url(config.redis_url)
     worker = worker_module.Worker(
         engine, client, config, args.worker_id or default_worker_id(), args.model
     )
     stop_on_signals(worker.stop)
-    worker.run()
+    try:
+        worker.run()
+    except redis.ResponseError as exc:
+        if not is_slot_moved(exc):
+            raise
+        logger.error("worker: shard %s moved off %s (%s); exiting to attach again",
+                     config.shard, redacted(config.redis_url), exc)  # fmt: skip
+        return EXIT_SHARD_MOVED
     return 0

@@ -82,7 +82,7 @@ def read_status(client: redis.Redis, config: BusConfig) -> dict[str, Any]:
     ingresses = by_role.get("ingress", [])
     return {
         "time": time.time(),
-        "stream_prefix": config.stream_prefix,
+        "stream_prefix": config.key_prefix,  # what every name starts with
         "stages": stages,
         "workers": workers,
         "throughput": {

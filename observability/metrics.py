@@ -124,12 +124,12 @@ class RateHistory:
 
 
 def snapshot_key(config: BusConfig, role: str, replica: str) -> str:
-    return f"{config.stream_prefix}:metrics:{role}:{replica}"
+    return config.key_name("metrics", role, replica)
 
 
 def index_key(config: BusConfig) -> str:
     """Sorted set of the snapshot keys, scored by when each expires (unix seconds)."""
-    return f"{config.stream_prefix}:metrics"
+    return config.key_name("metrics")
 
 
 class MetricsPublisher(threading.Thread):

@@ -6,6 +6,10 @@ Environment variables read by ``BusConfig.from_env``:
   empty: start the embedded server.
 - ``STREAMSERVE_STREAM_PREFIX``: prefix of every stream and key name (default
   ``streamserve``).
+- ``STREAMSERVE_SHARD``: the Redis Cluster shard this process works on (runtime/cluster.py
+  finds one by itself; set it to pin a process). Every stream and key name then carries it
+  as a hash tag, ``<prefix>:{<shard>}:...``, so all of one shard's names hash to one slot
+  and live on one primary. Unset: no tag (a plain server).
 - ``STREAMSERVE_STREAM_MAXLEN``: approximate ``MAXLEN`` of the dead-letter stream (it is for
   people). The streams that carry work are never cut by a count: they are trimmed only below
   what every consumer group has acknowledged (bus/stream_trim.py).
@@ -96,6 +100,7 @@ _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
 class BusConfig:
     redis_url: str | None = None  # None: start the embedded server
     stream_prefix: str = "streamserve"
+    shard: str | None = None  # a Redis Cluster shard's tag (runtime/cluster.py); None: none
     stream_maxlen: int = 100_000
     read_count: int = 64
     block_ms: int = 100
@@ -152,6 +157,12 @@ class BusConfig:
             raise ValueError(
                 f"stream_prefix must be non-empty without whitespace; got {self.stream_prefix!r}"
             )
+        if self.shard is not None:
+            _require_id("shard", self.shard, forbidden=":{}")
+            if "{" in self.stream_prefix:  # Redis would hash the prefix's braces instead
+                raise ValueError(
+                    f"stream_prefix must not hold '{{' with a shard; got {self.stream_prefix!r}"
+                )
         for name in (
             "stream_maxlen",
             "read_count",
@@ -239,10 +250,22 @@ class BusConfig:
     def uses_embedded_server(self) -> bool:
         return self.redis_url is None
 
-    def _name(self, *parts: str) -> str:
-        """``<stream_prefix>:<part>:...``: every stream and key of one deployment is named so
-        (an id in a name is checked by `_require_id` first: a ':' in it would be ambiguous)."""
-        return ":".join((self.stream_prefix, *parts))
+    @property
+    def key_prefix(self) -> str:
+        """What every name starts with: ``<stream_prefix>``, or ``<stream_prefix>:{<shard>}``
+        on a cluster shard (the braces make Redis hash only the shard, so every name of one
+        shard is in one slot, and a MULTI over any of them is allowed)."""
+        if self.shard is None:
+            return self.stream_prefix
+        return f"{self.stream_prefix}:{{{self.shard}}}"
+
+    def key_name(self, *parts: str) -> str:
+        """``<key_prefix>:<part>:...``: every stream and key of one deployment is named so
+        (an id in a name is checked by `_require_id` first: a ':' in it would be ambiguous).
+        Code outside this class that needs a name of its own builds it here."""
+        return ":".join((self.key_prefix, *parts))
+
+    _name = key_name
 
     def requests_stream(self) -> str:
         return self._name("requests")
@@ -319,10 +342,12 @@ def _require_int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
 
 
-def _require_id(name: str, value: str) -> str:
-    # A ':' inside an id would make one worker's stream name look like another's.
-    if not value or ":" in value or any(c.isspace() for c in value):
-        raise ValueError(f"{name} must be non-empty, without ':' or whitespace; got {value!r}")
+def _require_id(name: str, value: str, forbidden: str = ":") -> str:
+    # A ':' inside an id would make one worker's stream name look like another's; a brace
+    # in a shard would end its hash tag early.
+    if not isinstance(value, str) or not value or any(c in forbidden or c.isspace() for c in value):
+        shown = " or ".join(repr(c) for c in forbidden)
+        raise ValueError(f"{name} must be non-empty, without {shown} or whitespace; got {value!r}")
     return value
 
 

@@ -88,7 +88,7 @@ class TenantLimits:
         self._tally: Counter[str] = Counter()  # tokens key -> charged, not yet in Redis
 
     def _key(self, tenant: Tenant, what: str) -> str:
-        return f"{self.config.stream_prefix}:tenant:{tenant.id}:{what}"
+        return self.config.key_name("tenant", tenant.id, what)
 
     async def admit(self, tenant: Tenant, rids: Sequence[str]) -> None:
         """Take a running slot for each of a request's sub-requests `rids`, or raise: a 400

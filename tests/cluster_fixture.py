@@ -1,0 +1,95 @@
+"""A three-primary Redis Cluster of the embedded binary (valkey-server in cluster mode), for
+the tests that run the bus on a cluster: `running_cluster(tmp_path)` yields its node URLs.
+
+Slots are assigned by hand (0-5460, 5461-10922, 10923-16383, as `valkey-cli --cluster
+create` would) and the nodes introduced with CLUSTER MEET: no replicas, nothing on disk but
+each node's cluster config file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import redis
+
+from runtime.embedded_server import find_server_binary
+from tests.pipeline_harness import free_port
+
+SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
+READY_TIMEOUT_S = 30.0
+
+
+@contextlib.contextmanager
+def running_cluster(tmp_path: Path) -> Iterator[list[str]]:
+    """Three primaries on 127.0.0.1, each owning a third of the slots, until the block ends."""
+    binary = str(find_server_binary())
+    processes: list[subprocess.Popen[bytes]] = []
+    ports: list[int] = []
+    bus_ports: list[int] = []
+    try:
+        for index in range(len(SLOT_RANGES)):
+            port, bus_port = free_port(), free_port()
+            node_dir = tmp_path / f"node-{index}"
+            node_dir.mkdir(parents=True, exist_ok=True)
+            log = open(node_dir / "server.log", "wb")  # noqa: SIM115 - the process holds it
+            processes.append(subprocess.Popen(
+                # A bus port of its own: the default, port + 10000, may be past 65535.
+                [binary, "--port", str(port), "--cluster-port", str(bus_port),
+                 "--bind", "127.0.0.1", "--dir", str(node_dir),
+                 "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{index}.conf",
+                 "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            ))  # fmt: skip
+            log.close()
+            ports.append(port)
+            bus_ports.append(bus_port)
+        clients = [
+            _wait_for_ping(port, process) for port, process in zip(ports, processes, strict=True)
+        ]
+        for client, (first, last) in zip(clients, SLOT_RANGES, strict=True):
+            client.execute_command("CLUSTER ADDSLOTSRANGE", first, last)
+        for port, bus_port in zip(ports[1:], bus_ports[1:], strict=True):
+            clients[0].execute_command("CLUSTER MEET", "127.0.0.1", port, bus_port)
+        _wait_until_ok(clients)
+        for client in clients:
+            client.close()
+        yield [f"redis://127.0.0.1:{port}" for port in ports]
+    finally:
+        for process in processes:
+            process.kill()
+        for process in processes:
+            process.wait()
+
+
+def _wait_for_ping(port: int, process: subprocess.Popen[bytes]) -> redis.Redis:
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2.0)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the cluster node on port {port} exited: {process.returncode}")
+        try:
+            client.ping()
+            return client
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def _wait_until_ok(clients: list[redis.Redis]) -> None:
+    """Every node sees every slot assigned (cluster_state:ok) and knows all three primaries."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        infos = [client.cluster("INFO") for client in clients]  # redis-py parses it
+        if all(
+            i["cluster_state"] == "ok" and int(i["cluster_known_nodes"]) == len(clients)
+            for i in infos
+        ):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the cluster did not come up: {infos}")
+        time.sleep(0.05)
