@@ -35,6 +35,7 @@ from bus.access import BusAccessError, check_access, redacted
 from bus.liveness import read_liveness
 from cli.worker_command import worker_command
 from runtime.child_process import owned_child
+from runtime.cluster import shard_configs
 from runtime.config import BusConfig
 from runtime.embedded_server import EmbeddedRedis, EmbeddedServerError, default_data_dir
 
@@ -65,6 +66,7 @@ class Launcher:
         self.stop = threading.Event()
         self.server: EmbeddedRedis | None = None
         self.server_restarts: list[float] = []  # monotonic times
+        self.shards: list[BusConfig] = [config]  # a Redis Cluster's: one pipeline on each
 
     def run(self) -> int:
         # SIGHUP: the terminal closed. The replicas, in sessions of their own, do not get it.
@@ -76,10 +78,18 @@ class Launcher:
                     logger.warning("--redis-data and --no-redis-persistence are for the "
                                    "embedded server: ignored with a Redis URL")  # fmt: skip
                 try:
-                    check_access(redis.Redis.from_url(self.config.redis_url), self.config)
+                    self.shards = shard_configs(self.config)
+                    for shard in self.shards:
+                        check_access(redis.Redis.from_url(shard.redis_url), shard)
                 except BusAccessError as exc:
                     logger.error("%s", exc)  # once, rather than from every replica
                     return 2
+                if len(self.shards) > 1:
+                    logger.info(
+                        "a Redis Cluster of %d shards: one pipeline on each (%s)",
+                        len(self.shards),
+                        ", ".join(s.shard or "" for s in self.shards),
+                    )
             try:
                 url = self.config.redis_url or self._start_embedded_server()
             except EmbeddedServerError as exc:
@@ -133,34 +143,43 @@ class Launcher:
         return True
 
     def _start_stages(self, url: str) -> None:
+        """Every replica asked for, on each shard: a shard's stages serve the requests its
+        ingress replicas submit there (all listen on one port, SO_REUSEPORT spreading the
+        connections) with its workers."""
         a = self.args
+        # The URL goes in the environment, not argv, where `ps` would show its password.
         env = {**os.environ, "REDIS_URL": url}
         common = ["--model", a.model, "--log-level", a.log_level]
-        # Workers first: loading the model is the slow part.
+        workers = a.workers * len(self.shards)
         worker_env = dict(env)
-        if a.workers > 1 and "OMP_NUM_THREADS" not in env:
+        if workers > 1 and "OMP_NUM_THREADS" not in env:
             # Workers on a CPU share its cores: each taking all of them (torch's default)
             # oversubscribes the machine, and spinning threads then slow every step manyfold.
             cores = len(os.sched_getaffinity(0))
-            worker_env["OMP_NUM_THREADS"] = str(max(1, cores // a.workers))
-        for i in range(a.workers):
-            # The URL goes in the environment, not argv, where `ps` would show its password.
-            command = worker_command(None, a.model, [*a.worker_arg, "--log-level", a.log_level])
-            self._spawn(f"worker-{i}", command, worker_env)
+            worker_env["OMP_NUM_THREADS"] = str(max(1, cores // workers))
         stages = (
+            ("worker", a.workers),  # first: loading the model is the slow part
             ("tokenizer", a.tokenizers),
             ("router", a.routers),
             ("detokenizer", a.detokenizers),
             ("ingress", a.ingress),
         )
         for name, count in stages:
-            for i in range(count):
-                command = [sys.executable, "-m", "cli", "stage", name, *common]
-                if name == "ingress":
-                    command += ["--host", a.host, "--port", str(a.port),
-                                "--max-body-bytes", str(a.max_body_bytes),
-                                "--max-queue", str(a.max_queue)]  # fmt: skip
-                self._spawn(f"{name}-{i}", command, env)
+            for shard in self.shards:
+                on_shard = {} if len(self.shards) == 1 else {"STREAMSERVE_SHARD": shard.shard}
+                for i in range(count):
+                    label = f"{name}-{shard.shard}-{i}" if on_shard else f"{name}-{i}"
+                    if name == "worker":
+                        args = [*a.worker_arg, "--log-level", a.log_level]
+                        command = worker_command(None, a.model, args)
+                        self._spawn(label, command, {**worker_env, **on_shard})
+                        continue
+                    command = [sys.executable, "-m", "cli", "stage", name, *common]
+                    if name == "ingress":
+                        command += ["--host", a.host, "--port", str(a.port),
+                                    "--max-body-bytes", str(a.max_body_bytes),
+                                    "--max-queue", str(a.max_queue)]  # fmt: skip
+                    self._spawn(label, command, {**env, **on_shard})
 
     def _spawn(self, label: str, command: list[str], env: dict[str, str]) -> None:
         process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, **owned_child())
@@ -190,22 +209,24 @@ class Launcher:
 
     def _wait_for_workers(self, url: str) -> bool:
         """/health is 200 with one live worker; "up" means every worker started is live."""
-        client = redis.Redis.from_url(url)
+        shards = [(redis.Redis.from_url(s.redis_url or url), s) for s in self.shards]
         deadline = time.monotonic() + self.args.ready_timeout
         try:
             while not self.stop.is_set():
                 if self._first_dead() is not None:
                     return False
-                if len(read_liveness(client, self.config).beats) >= self.args.workers:
+                if all(len(read_liveness(c, s).beats) >= self.args.workers for c, s in shards):
                     return True
                 if time.monotonic() > deadline:
-                    logger.error("fewer than %d workers live after %g s; stopping",
-                                 self.args.workers, self.args.ready_timeout)  # fmt: skip
+                    logger.error("fewer than %d workers live on each of %d shards after %g s; "
+                                 "stopping", self.args.workers, len(shards),
+                                 self.args.ready_timeout)  # fmt: skip
                     return False
                 self.stop.wait(POLL_S)
             return False
         finally:
-            client.close()
+            for client, _ in shards:
+                client.close()
 
     def _announce(self, url: str) -> None:
         base = self._health_url()

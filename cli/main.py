@@ -113,7 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("--detokenizers", "detokenizer"),
         ("--workers", "worker"),
     ):
-        up.add_argument(flag, type=int, default=1, help=f"replicas of the {what} (default 1)")
+        up.add_argument(
+            flag,
+            type=int,
+            default=1,
+            help=f"replicas of the {what} (default 1; on a Redis Cluster, per shard)",
+        )
     up.add_argument(
         "--worker-arg",
         action="append",

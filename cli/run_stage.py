@@ -11,7 +11,7 @@ import threading
 
 import redis
 
-from bus.access import attach_checked, check_access, redacted
+from bus.access import attach_checked, redacted
 from bus.actor import Actor, stop_on_signals
 from observability.metrics import start_publisher
 from runtime.cluster import is_slot_moved
@@ -38,14 +38,13 @@ def run_stage(
         raise ValueError(f"unknown stage {name!r}; the stages are {', '.join(STAGES)}")
     if config.redis_url is None:
         raise ValueError("a stage needs a Redis URL: give --redis-url or set REDIS_URL")
+    config = attach_checked(config, name)
     if name == "ingress":
-        check_access(redis.Redis.from_url(config.redis_url), config)
         from stages.ingress.server import run
 
         run(config, host=host, port=port, model=model, max_body_bytes=max_body_bytes,
             max_queue=max_queue)  # fmt: skip
         return
-    config = attach_checked(config, name)
     client = redis.Redis.from_url(config.redis_url)
     stop = threading.Event()
     stop_on_signals(stop)

@@ -30,7 +30,8 @@ from rich.table import Table
 from rich.text import Text
 
 from bus.access import redacted
-from observability.deployment_status import read_status
+from observability.cluster_status import read_deployment_status
+from runtime.cluster import shard_configs
 from runtime.config import BusConfig
 from stages.ingress.tenancy.auth import api_keys_from_env
 
@@ -87,19 +88,24 @@ def choose_reader(
 
 def redis_reader(config: BusConfig) -> Reader:
     assert config.redis_url is not None
-    client = redis.Redis.from_url(
-        config.redis_url, socket_connect_timeout=TIMEOUT_S, socket_timeout=TIMEOUT_S
-    )
+    shards: list[tuple[redis.Redis, BusConfig]] = []
 
     def read() -> dict[str, Any]:
         try:
-            return read_status(client, config)
+            if not shards:  # a Redis Cluster: every shard's pipeline (runtime/cluster.py)
+                shards.extend((_client(shard.redis_url), shard) for shard in shard_configs(config))
+            return read_deployment_status(shards)
         except redis.RedisError as exc:
             raise StatusUnavailable(
                 f"cannot read Redis at {redacted(config.redis_url)}: {exc}"
             ) from None
 
     return read
+
+
+def _client(url: str | None) -> redis.Redis:
+    assert url is not None
+    return redis.Redis.from_url(url, socket_connect_timeout=TIMEOUT_S, socket_timeout=TIMEOUT_S)
 
 
 def ingress_reader(url: str, environ: Mapping[str, str]) -> Reader:
@@ -182,8 +188,9 @@ def render(status: dict[str, Any], source: str) -> RenderableType:
         _stages_table(status["stages"], prefix),
         _workers_table(status["workers"]),
         _throughput(status),
-        _redis_server(status.get("redis")),
-    )
+        *([_redis_server(status.get("redis"))] if "shards" not in status else
+          [_redis_server(s["redis"], f"shard {s['shard']}") for s in status["shards"]]),
+    )  # fmt: skip
 
 
 def _stages_table(stages: list[dict[str, Any]], prefix: str) -> Table:
@@ -251,16 +258,16 @@ def _throughput(status: dict[str, Any]) -> Group:
     )
 
 
-def _redis_server(figures: dict[str, Any] | None) -> Text:
-    """The bus's own server: how close it is to its limits (memory against maxmemory, past
-    which it refuses writes)."""
+def _redis_server(figures: dict[str, Any] | None, name: str = "redis") -> Text:
+    """The bus's own server (or a Cluster's shard): how close it is to its limits (memory
+    against maxmemory, past which it refuses writes)."""
     if figures is None:
-        return Text("redis: no figures (INFO refused)", style="dim")
+        return Text(f"{name}: no figures (INFO refused)", style="dim")
     used, limit = figures["memory_bytes"], figures["maxmemory_bytes"]
     memory = f"{used / 2**20:.1f} MiB" + (f" of {limit / 2**20:.0f} MiB" if limit else "")
     full = limit and used >= 0.9 * limit
     return Text.assemble(
-        "redis: ",
+        f"{name}: ",
         (f"{figures['ops_per_second']:.0f} ops/s", "bold"),
         f", {figures['commands_processed']} commands, {figures['cpu_seconds']:.1f} CPU s, ",
         (memory, "bold red" if full else ""),

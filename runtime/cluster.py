@@ -47,6 +47,7 @@ ROLE_INPUTS: dict[str, tuple[Callable[[BusConfig], str], str]] = {
     "detokenizer": (BusConfig.tokens_stream, "detokenizer"),
 }
 WORKER_ROLE = "worker"
+INGRESS_ROLE = "ingress"  # counted by its replicas' liveness keys (frontend_key)
 
 SlotRanges = list[tuple[int, int]]
 
@@ -147,9 +148,9 @@ def attach(config: BusConfig, role: str, wait_s: float | None = None) -> BusConf
     ``config.shard``, else the one where `role` has the fewest live replicas, the first
     of those on a tie). An unreachable server, or a cluster with slots not yet served, is
     waited for (`wait_s` at most; None: as long as it takes, as the reconnect loops do)."""
-    if role != WORKER_ROLE and role not in ROLE_INPUTS:
+    if role not in (WORKER_ROLE, INGRESS_ROLE) and role not in ROLE_INPUTS:
         raise ValueError(f"attach: unknown role {role!r}; the roles are "
-                         f"{', '.join((WORKER_ROLE, *ROLE_INPUTS))}")  # fmt: skip
+                         f"{', '.join((WORKER_ROLE, INGRESS_ROLE, *ROLE_INPUTS))}")  # fmt: skip
     shards = _wait_for_shards(config, wait_s)
     if len(shards) == 1 and shards[0] is config:
         return config  # a plain server
@@ -198,6 +199,8 @@ def live_replicas(shard: BusConfig, role: str) -> int:
             if not ids:
                 return 0
             return sum(client.exists(shard.heartbeat_key(worker_id)) for worker_id in ids)
+        if role == INGRESS_ROLE:
+            return sum(1 for _ in client.scan_iter(match=shard.frontend_key("*"), count=1000))
         stream_of, group = ROLE_INPUTS[role]
         try:
             consumers = client.xinfo_consumers(stream_of(shard), group)

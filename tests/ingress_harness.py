@@ -118,8 +118,8 @@ class Upstream:
 
 
 class RunningIngress:
-    def __init__(self, redis_url: str, **options: Any) -> None:
-        self.config = BusConfig(redis_url=redis_url)
+    def __init__(self, redis_url: str, config: BusConfig | None = None, **options: Any) -> None:
+        self.config = config or BusConfig(redis_url=redis_url)  # a config: a Cluster's shard
         self.options = {"model": MODEL, **options}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -8,6 +8,7 @@ them, so the launcher, every stage and the worker are the real processes users r
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -17,10 +18,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import redis
 
+from runtime.cluster import shard_configs
 from runtime.config import BusConfig
 from runtime.embedded_server import EmbeddedRedis
 from stages.router.stage import live_workers
@@ -91,8 +94,9 @@ class Pipeline:
         return self
 
     def _wait_until_healthy(self) -> None:
-        """/health answers 200 with one live worker; wait for all of them."""
-        client = redis.Redis.from_url(self.redis_url)
+        """/health answers 200 with one live worker; wait for all of them (on a Redis
+        Cluster, on every shard)."""
+        shards = [(redis.Redis.from_url(s.redis_url), s) for s in shard_configs(self.config)]
         workers = int(self.replicas.get("workers", 1))
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -101,7 +105,9 @@ class Pipeline:
                 raise RuntimeError(f"streamserve up exited with {self.process.returncode}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
-                    if reply.status == 200 and len(live_workers(client, self.config)) >= workers:
+                    if reply.status == 200 and all(
+                        len(live_workers(client, config)) >= workers for client, config in shards
+                    ):
                         return
             except (urllib.error.URLError, OSError):
                 pass
@@ -157,3 +163,71 @@ class Pipeline:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def post_on_new_connection(
+    pipeline: Pipeline, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> http.client.HTTPResponse:
+    """A POST on a connection of its own (behind SO_REUSEPORT: to any ingress replica)."""
+    connection = http.client.HTTPConnection("127.0.0.1", pipeline.port, timeout=120)
+    connection.request("POST", path, json.dumps(body),
+                       {"Content-Type": "application/json", **(headers or {})})  # fmt: skip
+    return connection.getresponse()
+
+
+def sse_events(response: http.client.HTTPResponse) -> Iterator[tuple[str | None, str]]:
+    """(id, data) of each server-sent event until the stream ends (or breaks)."""
+    event: dict[str, str] = {}
+    while True:
+        try:
+            line = response.readline()
+        except (http.client.HTTPException, OSError):
+            return
+        if not line:
+            return
+        line = line.decode().rstrip("\n")
+        if line:
+            key, _, value = line.partition(": ")
+            event[key] = value
+        elif event:
+            yield event.get("id"), event["data"]
+            event = {}
+
+
+def resume_stream(
+    pipeline: Pipeline, path: str, body: dict[str, Any], last_event_id: str, timeout_s: float = 60
+) -> http.client.HTTPResponse:
+    """The stream resumed after `last_event_id` once a replica can (its killed ingress's
+    liveness key expired; until then: connection refused, or 409)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert time.monotonic() < deadline, "could not resume"
+        try:
+            response = post_on_new_connection(pipeline, path, body,
+                                              {"Last-Event-ID": last_event_id})  # fmt: skip
+        except OSError:
+            time.sleep(0.5)
+            continue
+        if response.status == 200:
+            return response
+        assert response.status == 409, response.read()
+        response.read()
+        time.sleep(0.5)
+
+
+def stream_then_kill_its_ingress(
+    pipeline: Pipeline, path: str, body: dict[str, Any], after_chars: int = 20
+) -> tuple[str, str]:
+    """Stream a completion until it has `after_chars` of text, then kill -9 the ingress
+    replica serving it (named in the event ids); the text and the last event id."""
+    text, last_id, killed = "", None, False
+    for event_id, data in sse_events(post_on_new_connection(pipeline, path, body)):
+        assert not killed, "the stream went on after its ingress was killed"
+        text += json.loads(data)["choices"][0]["text"]
+        last_id = event_id
+        if len(text) > after_chars:
+            frontend = event_id.split("/")[1]  # ingress-<host>-<pid>-<random>
+            os.kill(int(frontend.rsplit("-", 2)[1]), signal.SIGKILL)
+            killed = True
+    assert killed and last_id is not None, "the stream ended before the kill"
+    return text, last_id

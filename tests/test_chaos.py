@@ -11,7 +11,6 @@ lands while requests are in flight, so the survivors' claims (CPU stages) and th
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import os
 import signal
@@ -20,7 +19,12 @@ import urllib.request
 
 import pytest
 
-from tests.pipeline_harness import Pipeline
+from tests.pipeline_harness import (
+    Pipeline,
+    resume_stream,
+    sse_events,
+    stream_then_kill_its_ingress,
+)
 from tests.prometheus_text import total
 
 pytestmark = pytest.mark.slow
@@ -100,60 +104,13 @@ def test_every_request_completes_once_with_the_same_text_when_a_replica_is_kille
         assert text == expected
 
 
-def _sse_events(response: http.client.HTTPResponse):
-    """(id, data) of each event until the stream ends (or breaks)."""
-    event: dict[str, str] = {}
-    while True:
-        try:
-            line = response.readline()
-        except (http.client.HTTPException, OSError):
-            return
-        if not line:
-            return
-        line = line.decode().rstrip("\n")
-        if line:
-            key, _, value = line.partition(": ")
-            event[key] = value
-        elif event:
-            yield event.get("id"), event["data"]
-            event = {}
-
-
 def test_a_stream_whose_ingress_is_killed_resumes_with_last_event_id(pipeline, undisturbed):
     body = {"model": pipeline.model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
             "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
-    text, last_id, killed = "", None, False
-    connection = http.client.HTTPConnection("127.0.0.1", pipeline.port, timeout=120)
-    connection.request("POST", "/v1/completions", json.dumps(body),
-                       {"Content-Type": "application/json"})  # fmt: skip
-    for event_id, data in _sse_events(connection.getresponse()):
-        assert not killed, "the stream went on after its ingress was killed"
-        text += json.loads(data)["choices"][0]["text"]
-        last_id = event_id
-        if len(text) > 20:
-            frontend = event_id.split("/")[1]  # ingress-<host>-<pid>-<random>
-            os.kill(int(frontend.rsplit("-", 2)[1]), signal.SIGKILL)
-            killed = True
-    assert killed
-    # Any replica (here the one the launcher starts again) resumes it once the dead one's
-    # liveness key has expired; until then: connection refused, or 409.
-    headers = {"Content-Type": "application/json", "Last-Event-ID": last_id}
-    deadline = time.monotonic() + 60
-    while True:
-        assert time.monotonic() < deadline, "could not resume"
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", pipeline.port, timeout=120)
-            connection.request("POST", "/v1/completions", json.dumps(body), headers)
-            response = connection.getresponse()
-        except OSError:
-            time.sleep(0.5)
-            continue
-        if response.status == 200:
-            break
-        assert response.status == 409, response.read()
-        response.read()
-        time.sleep(0.5)
-    events = list(_sse_events(response))
+    text, last_id = stream_then_kill_its_ingress(pipeline, "/v1/completions", body)
+    # Any replica (here the one the launcher starts again) resumes it.
+    response = resume_stream(pipeline, "/v1/completions", body, last_id)
+    events = list(sse_events(response))
     assert events[-1][1] == "[DONE]"
     text += "".join(json.loads(data)["choices"][0]["text"] for _, data in events[:-1])
     assert text == undisturbed[0][0]

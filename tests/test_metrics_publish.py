@@ -26,7 +26,7 @@ def test_two_processes_of_one_family_are_one_family_labelled_by_process(redis_cl
         process.counter("stage_entries", "Entries handled.").inc(handled)
         publishers.append(MetricsPublisher(redis_client, config, process))
     publishers[0].publish()
-    text = render(deployment_registry(redis_client, config, publishers[1])).decode()
+    text = render(deployment_registry([(redis_client, config)], publishers[1])).decode()
     # Parsed by prometheus-client: one TYPE per family, each series with its process.
     assert total(text, "streamserve:stage_entries_total", replica="tokenizer-a") == 3
     assert total(text, "streamserve:stage_entries_total", replica="tokenizer-b") == 5

@@ -40,7 +40,7 @@ def test_the_servers_figures_are_read_from_one_info(redis_client):
 
 def test_metrics_and_status_show_the_server(redis_client, redis_url):
     config = BusConfig(redis_url=redis_url)
-    text = render_metrics(deployment_registry(redis_client, config, None)).decode()
+    text = render_metrics(deployment_registry([(redis_client, config)], None)).decode()
     assert all(total(text, name) is not None for name in FAMILIES), text
     assert total(text, "streamserve:redis_commands_processed_total") > 0
     assert text.count("# TYPE streamserve:redis_cpu_seconds_total counter") == 1
@@ -58,7 +58,7 @@ def test_a_user_refused_info_gets_no_server_figures_and_nothing_fails(redis_clie
         refused = redis.Redis.from_url(url)
         assert read_server_figures(refused) is None
         config = BusConfig(redis_url=url)
-        text = render_metrics(deployment_registry(refused, config, None)).decode()
+        text = render_metrics(deployment_registry([(refused, config)], None)).decode()
         assert total(text, "streamserve:redis_commands_processed_total") is None
         assert total(text, "streamserve:live_workers") == 0  # the rest still served
         status = read_status(refused, config)

@@ -36,6 +36,7 @@ from stages.ingress.connections import BODY_TIMEOUT_S, CappedSite, body_deadline
 from stages.ingress.errors import Handler, error_middleware
 from stages.ingress.health import QueueDepth, WorkerHealth
 from stages.ingress.metrics import IngressMetrics
+from stages.ingress.shards import Shards
 from stages.ingress.state import RENEWALS_PER_TTL, STATE, IngressState
 from stages.ingress.status_page import status_json, status_page
 from stages.ingress.streaming.resume import announce_alive
@@ -69,9 +70,10 @@ def create_app(
         raise ValueError("the ingress needs a Redis URL: give --redis-url or set REDIS_URL")
     frontend_id = frontend_id or unique_consumer_name("ingress")
     tenants = tenants or Tenants()
-    client = async_redis(
-        config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=SOCKET_TIMEOUT_S
-    )
+    shards = Shards.connect(config, lambda url: async_redis(
+        url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=SOCKET_TIMEOUT_S
+    ))  # fmt: skip
+    client = shards.own.redis
     state = IngressState(
         config=config,
         model=model,
@@ -84,7 +86,8 @@ def create_app(
         openapi=openapi_document(model),
         metrics=IngressMetrics(frontend_id, config.metrics),
         tenants=tenants,
-        tenant_limits=TenantLimits(client, config),
+        tenant_limits=TenantLimits(shards.home.redis, shards.home.config),
+        shards=shards,
     )
     middlewares = [metrics_middleware, error_middleware, body_deadline]  # the 408 inside
     if api_keys:
@@ -115,9 +118,8 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     state.replies.start()
     # A blocking client for threads: the metrics' publisher and /metrics' collector, and
     # the file and batch stores' calls on the executor.
-    state.sync_redis = redis.Redis.from_url(state.config.redis_url,
-                                            socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                            socket_timeout=SOCKET_TIMEOUT_S)  # fmt: skip
+    state.sync_redis = _sync_client(state.config)
+    state.other_sync_redis = {s.config.shard: _sync_client(s.config) for s in state.shards.others}
     publisher = start_publisher(state.sync_redis, state.config, state.metrics.process)
     state.metrics_publisher = publisher
     alive = asyncio.get_running_loop().create_task(
@@ -158,8 +160,15 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
                     state.frontend_id, state.handed_over)  # fmt: skip
     if publisher is not None:
         await asyncio.get_running_loop().run_in_executor(None, publisher.close)
-    state.sync_redis.close()
+    for client in (state.sync_redis, *state.other_sync_redis.values()):
+        client.close()
     await state.redis.aclose()
+    await state.shards.aclose()
+
+
+def _sync_client(config: BusConfig) -> redis.Redis:
+    return redis.Redis.from_url(config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                socket_timeout=SOCKET_TIMEOUT_S)  # fmt: skip
 
 
 async def _renew_tenant_slots(state: IngressState) -> None:
@@ -251,7 +260,8 @@ def run(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_queue: int = DEFAULT_MAX_QUEUE,
 ) -> None:
-    """Serve until SIGTERM or SIGINT."""
+    """Serve until SIGTERM or SIGINT; `config` attached to its shard on a Redis Cluster
+    (runtime/cluster.py), as `streamserve stage ingress` does."""
     app = create_app(config, model=model, max_body_bytes=max_body_bytes, max_queue=max_queue,
                      api_keys=api_keys_from_env(), tenants=tenants_from_env())  # fmt: skip
 

@@ -27,6 +27,7 @@ from runtime.config import BusConfig
 from stages.ingress.errors import ApiError
 from stages.ingress.health import QueueDepth, WorkerHealth
 from stages.ingress.metrics import IngressMetrics
+from stages.ingress.shards import Shard, Shards
 from stages.ingress.tenancy.limits import TenantLimits
 from stages.ingress.tenancy.ownership import read_request_record, request_record, sees
 from stages.ingress.tenancy.tenants import Tenant, Tenants
@@ -53,7 +54,10 @@ class IngressState:
     metrics: IngressMetrics
     tenants: Tenants
     tenant_limits: TenantLimits
+    shards: Shards  # `redis` and `config` are its own shard's (stages/ingress/shards.py)
     sync_redis: redis.Redis | None = None  # for the metrics' threads; set at start-up
+    # Blocking clients of the other shards, by tag, set at start-up (`sync_shards`).
+    other_sync_redis: dict[str | None, redis.Redis] = field(default_factory=dict)
     deployment_metrics: Any = None  # the registry /metrics renders, made at its first scrape
     metrics_publisher: Any = None  # observability.metrics.MetricsPublisher, None with metrics off
     started: int = field(default_factory=lambda: int(time.time()))
@@ -71,6 +75,22 @@ class IngressState:
     @property
     def reply_stream(self) -> str:
         return self.replies.stream
+
+    @property
+    def sync_shards(self) -> list[tuple[redis.Redis, BusConfig]]:
+        """A blocking client of every shard, in the shards' order, with its names: for
+        /metrics, /status, and the home shard's files and batches."""
+        assert self.sync_redis is not None
+        return [(self.sync_redis if shard is self.shards.own
+                 else self.other_sync_redis[shard.config.shard], shard.config)
+                for shard in self.shards.all]  # fmt: skip
+
+    @property
+    def home_sync_redis(self) -> redis.Redis | None:
+        """The home shard's blocking client (stages/ingress/shards.py)."""
+        if self.shards.home is self.shards.own:
+            return self.sync_redis
+        return self.other_sync_redis.get(self.shards.home.config.shard)
 
     async def admit(self, count: int) -> None:
         """Refuse new work with 503 while no worker is alive, 429 while the queue is full."""
@@ -140,36 +160,40 @@ class IngressState:
         self.settling.add(task)
         task.add_done_callback(self.settling.discard)
 
-    def finish_soon(self, request_id: str, unfinished: list[str]) -> None:
-        """Forget `request_id` and abort its `unfinished` sub-requests, from a task of its
-        own: the handler asking may be being cancelled."""
-        self._in_background(self._finish(request_id, unfinished))
+    def finish_soon(self, request_id: str, unfinished: list[str], shard: Shard | None) -> None:
+        """Forget `request_id` and abort its `unfinished` sub-requests on the shard it was
+        submitted to (None: this replica's), from a task of its own: the handler asking may
+        be being cancelled."""
+        self._in_background(self._finish(request_id, unfinished, shard or self.shards.own))
 
-    async def _finish(self, request_id: str, unfinished: list[str]) -> None:
+    async def _finish(self, request_id: str, unfinished: list[str], shard: Shard) -> None:
         try:
-            await self.redis.delete(self.config.request_key(request_id))
+            await shard.redis.delete(shard.config.request_key(request_id))
             if unfinished:
-                await publish_aborts_async(self.redis, self.config, unfinished)
+                await publish_aborts_async(shard.redis, shard.config, unfinished)
                 logger.debug("aborted %s", unfinished)
         except REDIS_TRANSIENT as exc:
             logger.warning("could not abort %d requests: %s", len(unfinished), exc)
 
-    async def sub_requests(self, request_id: str, caller: str | None = None) -> list[str]:
-        """The rids of a request some ingress replica is serving for `caller`'s owner: all
-        of them for its id, one for a sub-request's rid; none if it is unknown, done or
-        another owner's."""
-        raw = await self.redis.get(self.config.request_key(request_id))
-        if raw is not None:
-            count, owner = read_request_record(raw)
-            return [f"{request_id}-{i}" for i in range(count)] if sees(caller, owner) else []
+    async def sub_requests(
+        self, request_id: str, caller: str | None = None
+    ) -> tuple[Shard, list[str]] | None:
+        """The shard and rids of a request some ingress replica is serving for `caller`'s
+        owner: all of them for its id, one for a sub-request's rid; None if it is unknown,
+        done or another owner's."""
+        found = await self.shards.read(lambda config: config.request_key(request_id))
+        if found is not None:
+            count, owner = read_request_record(found[1])
+            rids = [f"{request_id}-{i}" for i in range(count)]
+            return (found[0], rids) if sees(caller, owner) else None
         parent, _, index = request_id.rpartition("-")
         if parent and index.isdigit():
-            raw = await self.redis.get(self.config.request_key(parent))
-            if raw is not None:
-                count, owner = read_request_record(raw)
+            found = await self.shards.read(lambda config: config.request_key(parent))
+            if found is not None:
+                count, owner = read_request_record(found[1])
                 if int(index) < count and sees(caller, owner):
-                    return [request_id]
-        return []
+                    return found[0], [request_id]
+        return None
 
     def model_card(self) -> dict[str, Any]:
         return {

@@ -15,7 +15,7 @@ from pathlib import Path
 import redis
 from aiohttp import web
 
-from observability.deployment_status import read_status
+from observability.cluster_status import read_deployment_status
 from stages.ingress.errors import redis_unavailable
 from stages.ingress.state import STATE
 
@@ -30,8 +30,8 @@ async def status_page(request: web.Request) -> web.FileResponse:
 async def status_json(request: web.Request) -> web.Response:
     state = request.app[STATE]
     loop = asyncio.get_running_loop()
-    try:  # read_status's Redis calls are blocking: off the event loop
-        status = await loop.run_in_executor(None, read_status, state.sync_redis, state.config)
+    try:  # its Redis calls are blocking: off the event loop
+        status = await loop.run_in_executor(None, read_deployment_status, state.sync_shards)
     except redis.RedisError as exc:
         raise redis_unavailable(exc) from exc
     return web.json_response(status, headers={"Cache-Control": "no-store"})

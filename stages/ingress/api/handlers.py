@@ -39,6 +39,7 @@ from stages.ingress.api.params import (
 from stages.ingress.api.tool_call_parser import ToolCallParser
 from stages.ingress.body import read_object
 from stages.ingress.errors import ApiError, error_body, redis_full, redis_unavailable
+from stages.ingress.shards import Shard
 from stages.ingress.state import STATE, IngressState
 from stages.ingress.streaming import resume
 from stages.ingress.streaming.submission import Submission
@@ -77,20 +78,23 @@ async def _send(response: web.StreamResponse, data: Any, event_id: str | None = 
 
 async def _resume_point(
     request: web.Request, state: IngressState, job: ApiRequest, choices: int
-) -> resume.ResumePoint | None:
-    """A streamed request with Last-Event-ID resumes another replica's stream."""
+) -> tuple[resume.ResumePoint, Shard] | None:
+    """A streamed request with Last-Event-ID resumes another replica's stream, on the shard
+    that replica submitted it to."""
     last_event_id = request.headers.get(resume.HEADER) if job.stream else None
-    return await resume.resume_point(state.redis, state.config, last_event_id, choices,
+    return await resume.resume_point(state.shards, last_event_id, choices,
                                      owner_of(request, state.tenants))  # fmt: skip
 
 
-def _resumed(state: IngressState, job: ApiRequest, point: resume.ResumePoint) -> Submission:
+def _resumed(
+    state: IngressState, job: ApiRequest, point: resume.ResumePoint, shard: Shard
+) -> Submission:
     """The submission of a request another (dead) replica began, read from its stream."""
     state.metrics.resumes.inc()
-    reader = AsyncReplyReader(state.redis, state.config.reply_stream(point.frontend_id),
+    reader = AsyncReplyReader(shard.redis, shard.config.reply_stream(point.frontend_id),
                               trim=False)  # fmt: skip
     return Submission(state, point.request_id, job.requests(point.request_id, reader.stream),
-                      resumed=reader, resumable=True)  # fmt: skip
+                      resumed=reader, resumable=True, shard=shard)  # fmt: skip
 
 
 async def _submit(
@@ -131,11 +135,12 @@ async def _openai(
 ) -> web.StreamResponse:
     request_id = fmt.id_prefix + uuid.uuid4().hex
     head = _head(state, fmt, request_id)
-    point = await _resume_point(request, state, job, len(job.prompts) * job.n)
+    resumed = await _resume_point(request, state, job, len(job.prompts) * job.n)
+    point = None if resumed is None else resumed[0]
     head["id"] = request_id if point is None else point.request_id
     choices = _choices(job, head["id"])
-    if point is not None:
-        async with _resumed(state, job, point) as sub:
+    if resumed is not None:
+        async with _resumed(state, job, *resumed) as sub:
             return await _stream_openai(request, sub, job, fmt, head, choices, point)
     owner = owner_of(request, state.tenants)
     async with await _submit(state, job, request_id, _tenant(request, state), owner) as sub:
@@ -277,10 +282,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     job = parse_generate(await read_object(request), state.model)
     await job.compile_grammar()
     request_id = uuid.uuid4().hex
-    point = await _resume_point(request, state, job, 1)
-    if point is not None:
-        async with _resumed(state, job, point) as sub:
-            return await _stream_generate(request, sub, job, sub.requests[0].rid, point)
+    resumed = await _resume_point(request, state, job, 1)
+    if resumed is not None:
+        async with _resumed(state, job, *resumed) as sub:
+            return await _stream_generate(request, sub, job, sub.requests[0].rid, resumed[0])
     owner = owner_of(request, state.tenants)
     async with await _submit(state, job, request_id, _tenant(request, state), owner) as sub:
         rid = sub.requests[0].rid

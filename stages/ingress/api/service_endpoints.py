@@ -37,12 +37,13 @@ async def abort(request: web.Request) -> web.Response:
     finish_reason "abort". Another owner's request is as unknown as a finished one."""
     state = request.app[STATE]
     request_id = request.match_info["id"]
-    rids = await state.sub_requests(request_id, owner_of(request, state.tenants))
-    if not rids:
+    found = await state.sub_requests(request_id, owner_of(request, state.tenants))
+    if found is None:
         raise ApiError(
             404, f"no request {request_id!r} is running", param="id", code="request_not_found"
         )
-    await publish_aborts_async(state.redis, state.config, rids)
+    shard, rids = found
+    await publish_aborts_async(shard.redis, shard.config, rids)
     state.metrics.aborts.inc(len(rids))
     return web.json_response({"id": request_id, "object": "abort", "aborted": len(rids)})
 
@@ -73,9 +74,8 @@ async def metrics(request: web.Request) -> web.Response:
     while Redis cannot be read."""
     state = request.app[STATE]
     if state.deployment_metrics is None:
-        state.deployment_metrics = deployment_registry(
-            state.sync_redis, state.config, state.metrics_publisher
-        )
+        state.deployment_metrics = deployment_registry(state.sync_shards,
+                                                       state.metrics_publisher)  # fmt: skip
     loop = asyncio.get_running_loop()
     try:  # the collector's Redis calls are blocking: off the event loop
         body = await loop.run_in_executor(None, render, state.deployment_metrics)

@@ -31,10 +31,11 @@ EXPIRES_AFTER_PARTS = {"expires_after[anchor]": "anchor", "expires_after[seconds
 def _stores(request: web.Request) -> tuple[FileStore, BatchStore]:
     """The stores as the request's owner sees them."""
     state = request.app[STATE]
-    assert state.sync_redis is not None
+    assert state.home_sync_redis is not None  # files and batches live on the home shard
     owner = owner_of(request, state.tenants)
-    files = FileStore(state.sync_redis, state.config, owner)
-    return files, BatchStore(state.sync_redis, state.config, files, owner)
+    client, config = state.home_sync_redis, state.shards.home.config
+    files = FileStore(client, config, owner)
+    return files, BatchStore(client, config, files, owner)
 
 
 async def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

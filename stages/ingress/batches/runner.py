@@ -46,10 +46,11 @@ T = TypeVar("T")
 
 class BatchRunner:
     def __init__(self, state: IngressState) -> None:
-        assert state.sync_redis is not None
+        assert state.home_sync_redis is not None
         self.state = state
         self.config = state.config
-        self.store = BatchStore(state.sync_redis, state.config)
+        # Batches live on the home shard; their lines run on this replica's (shards.py).
+        self.store = BatchStore(state.home_sync_redis, state.shards.home.config)
         self.owner = f"{state.frontend_id}-{uuid.uuid4().hex[:8]}"
         self.lease_ms = int(self.config.batch_lease_s * 1000)
         self.batches: dict[str, asyncio.Task[None]] = {}
@@ -120,8 +121,9 @@ class BatchRunner:
             await self._call(self.store.begin, batch_id, len(lines) + len(bad), errors)
         stale = await self._call(self.store.stale_requests, batch_id)
         if stale:  # an earlier runner's requests: stop them, their lines run again here
-            await publish_aborts_async(self.state.redis, self.config,
-                                       [rid for _, rids in stale for rid in rids])  # fmt: skip
+            rids = [rid for _, rids in stale for rid in rids]
+            for shard in self.state.shards.all:  # that runner's replica's shard, unknown here
+                await publish_aborts_async(shard.redis, shard.config, rids)
         done = await self._call(self.store.done_lines, batch_id)
         todo = [line for line in lines if line.line not in done]
         logger.info("batch %s: %d of %d lines to run", batch_id, len(todo), len(lines))

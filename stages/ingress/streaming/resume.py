@@ -30,6 +30,7 @@ from jobs.protocol import TextDelta
 from runtime.config import BusConfig
 from stages.ingress.api.openai_format import Choice
 from stages.ingress.errors import ApiError
+from stages.ingress.shards import Shard, Shards
 from stages.ingress.tenancy.ownership import read_request_record, sees
 
 HEADER = "Last-Event-ID"
@@ -77,16 +78,18 @@ def parse_event_id(value: str, choices: int) -> ResumePoint:
 
 
 async def resume_point(
-    client: aredis.Redis, config: BusConfig, last_event_id: str | None, choices: int,
-    caller: str | None = None,
-) -> ResumePoint | None:  # fmt: skip
-    """Where `caller`'s request with this ``Last-Event-ID`` resumes; None without one. An id
-    that cannot be resumed is an ApiError saying why."""
+    shards: Shards, last_event_id: str | None, choices: int, caller: str | None = None
+) -> tuple[ResumePoint, Shard] | None:
+    """Where `caller`'s request with this ``Last-Event-ID`` resumes, and the shard it was
+    submitted to (stages/ingress/shards.py); None without one. An id that cannot be resumed
+    is an ApiError saying why."""
     if not last_event_id:
         return None
     point = parse_event_id(last_event_id, choices)
-    await check_resumable(client, config, point, caller)
-    return point
+    found = await shards.read(lambda config: config.request_key(point.request_id))
+    shard = shards.own if found is None else found[0]
+    await check_resumable(shard.redis, shard.config, point, caller)
+    return point, shard
 
 
 async def check_resumable(

@@ -35,6 +35,7 @@ from typing import Any
 from bus.replies import AsyncReplyReader, Reply, is_terminal
 from jobs.protocol import ErrorReply, Finish, GenerateRequest, TextDelta
 from stages.ingress.errors import ApiError
+from stages.ingress.shards import Shard
 from stages.ingress.state import IngressState
 from stages.ingress.tenancy.tenants import Tenant
 
@@ -55,8 +56,10 @@ class Submission:
         resumable: bool = False,
         tenant: Tenant | None = None,
         owner: str | None = None,
+        shard: Shard | None = None,
     ) -> None:
         self.state = state
+        self.shard = shard  # a resumed request's, where another replica submitted it
         self.resumable = resumable  # streamed: its client can resume it elsewhere
         self.request_id = request_id
         self.reader = resumed if resumed is not None else state.replies
@@ -97,7 +100,7 @@ class Submission:
             self._release()
             self._unregister()
             if isinstance(exc, asyncio.CancelledError):  # the jobs may be queued already
-                self.state.finish_soon(self.request_id, list(self.index))
+                self.state.finish_soon(self.request_id, list(self.index), self.shard)
             raise
         return self
 
@@ -122,7 +125,7 @@ class Submission:
             return
         if unfinished:
             self.state.metrics.aborts.inc(len(unfinished))
-        self.state.finish_soon(self.request_id, unfinished)
+        self.state.finish_soon(self.request_id, unfinished, self.shard)
         if settling:
             self.state.settle_soon(self._settle(set(unfinished)))
 
