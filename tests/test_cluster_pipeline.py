@@ -2,7 +2,8 @@
 tokenizer, router, detokenizer and workers started as users start them, with the URL of any
 node and no flag saying it is a cluster; jobs put on the shard with `bus.client.Client`.
 Greedy float32 tokens equal transformers', also when the worker running a job is killed
-with SIGKILL mid-generation and the job moves to the shard's other worker."""
+with SIGKILL mid-generation and the job moves to the shard's other worker. A stage whose
+shard's slot moves to another primary (a reshard) exits with one line and code 3."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import pytest
 import redis
 
 from bus.client import Client
+from cli.run_stage import EXIT_SHARD_MOVED
 from cli.worker_command import worker_command
 from gpu_worker.hf_reference import hf_greedy
-from runtime.cluster import shard_configs
+from runtime.cluster import key_slot, shard_configs
 from runtime.config import BusConfig
 from stages.router.stage import live_workers
 from tests.cluster_fixture import running_cluster
@@ -168,3 +170,42 @@ def test_a_job_whose_worker_is_killed_finishes_on_the_shards_other_worker(
     for node in (nodes[0], nodes[2]):
         with redis.Redis.from_url(node) as other:
             assert other.dbsize() == 0
+
+
+def test_a_stage_whose_shard_slot_moves_to_another_primary_exits_saying_so(nodes, processes_on):
+    shards = shard_configs(BusConfig(redis_url=nodes[0]))
+    shard = shards[2]
+    processes = processes_on(nodes[0], {"STREAMSERVE_SHARD": shard.shard})
+    processes._spawn("router", [sys.executable, "-m", "cli", "stage", "router",
+                                "--redis-url", nodes[0]])  # fmt: skip
+    router = processes.processes["router"]
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while "attached to cluster shard" not in processes.log("router"):
+        assert router.poll() is None and time.monotonic() < deadline, processes.log("router")
+        time.sleep(0.1)
+    time.sleep(1.0)  # reading its stream
+    _move_slot(key_slot(shard.key_prefix), source=nodes[2], target=nodes[1], every=nodes)
+    assert router.wait(timeout=60) == EXIT_SHARD_MOVED
+    assert f"router: shard {shard.shard} moved off" in processes.log("router")
+
+
+def _move_slot(slot: int, source: str, target: str, every: list[str]) -> None:
+    """A reshard of one slot, as valkey-cli does it: importing and migrating, the keys
+    moved, then the slot given to the target on every node."""
+    src, dst = redis.Redis.from_url(source), redis.Redis.from_url(target)
+    src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
+    dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+    src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+    host, port = (
+        dst.connection_pool.connection_kwargs["host"],
+        dst.connection_pool.connection_kwargs["port"],
+    )
+    while True:
+        while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+            src.execute_command("MIGRATE", host, port, "", 0, 5000, "KEYS", *keys)
+        try:
+            for node in (target, source, *(u for u in every if u not in (source, target))):
+                redis.Redis.from_url(node).execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+            return
+        except redis.ResponseError:
+            continue  # a key written meanwhile: move it too
