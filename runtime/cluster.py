@@ -29,6 +29,7 @@ from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.crc import key_slot as _redis_key_slot
 
 from runtime.config import BusConfig
 
@@ -51,8 +52,9 @@ WORKER_ROLE = "worker"
 SlotRanges = list[tuple[int, int]]
 
 
-class ClusterError(RuntimeError):
-    """The cluster does not have the shard asked for, or cannot be read."""
+class ClusterError(ValueError):
+    """The cluster does not have the shard asked for (a setting to fix), or has no shard
+    tag for a primary."""
 
 
 class ClusterNotReady(ClusterError):
@@ -61,9 +63,7 @@ class ClusterNotReady(ClusterError):
 
 def key_slot(name: str) -> int:
     """The cluster slot of a key name (CRC16 of its hash tag, if it has one, mod 16384)."""
-    from redis.crc import key_slot as redis_key_slot
-
-    return redis_key_slot(name.encode())
+    return _redis_key_slot(name.encode())
 
 
 def is_cluster(client: redis.Redis) -> bool:
@@ -218,9 +218,15 @@ def live_replicas(shard: BusConfig, role: str) -> int:
 
 
 def is_slot_moved(exc: BaseException) -> bool:
-    """Whether a Redis error says this shard's slots are no longer on the node we talk to
-    (MOVED, ASK; inside a MULTI, redis-py reports it in the failing command's message)."""
-    if isinstance(exc, redis.exceptions.MovedError | redis.exceptions.AskError):
+    """Whether a Redis error says this shard is no longer served by the node we talk to:
+    MOVED or ASK (inside a MULTI, redis-py may report it in the failing command's message),
+    or CLUSTERDOWN (its slot has no primary for now: attaching again waits for one)."""
+    redirected = (
+        redis.exceptions.MovedError,
+        redis.exceptions.AskError,
+        redis.exceptions.ClusterDownError,
+    )
+    if isinstance(exc, redirected):
         return True
     message = str(exc)
     return isinstance(exc, redis.ResponseError) and (

@@ -24,7 +24,6 @@ from gpu_worker.hf_reference import hf_greedy
 from runtime.cluster import key_slot, shard_configs
 from runtime.config import BusConfig
 from stages.router.stage import live_workers
-from tests.cluster_fixture import running_cluster
 from tests.pipeline_harness import QUICK_RECOVERY_ENV
 
 pytestmark = pytest.mark.slow
@@ -46,14 +45,14 @@ class ShardProcesses:
 
     def start_stages(self) -> None:
         for name in CPU_STAGES:
-            self._spawn(name, [sys.executable, "-m", "cli", "stage", name, "--model", MODEL,
+            self.spawn(name, [sys.executable, "-m", "cli", "stage", name, "--model", MODEL,
                                "--redis-url", self.redis_url])  # fmt: skip
 
     def start_worker(self, worker_id: str) -> None:
         extra = ["--worker-id", worker_id, "--dtype=float32"]
-        self._spawn(worker_id, worker_command(self.redis_url, MODEL, extra))
+        self.spawn(worker_id, worker_command(self.redis_url, MODEL, extra))
 
-    def _spawn(self, name: str, command: list[str]) -> None:
+    def spawn(self, name: str, command: list[str]) -> None:
         with open(self.log_dir / f"{name}.log", "wb") as log:
             self.processes[name] = subprocess.Popen(
                 command, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
@@ -84,20 +83,6 @@ class ShardProcesses:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with running_cluster(tmp_path_factory.mktemp("cluster")) as urls:
-        yield urls
-
-
-@pytest.fixture
-def nodes(cluster):
-    for url in cluster:
-        with redis.Redis.from_url(url) as client:
-            client.flushall()
-    return cluster
 
 
 @pytest.fixture
@@ -176,7 +161,7 @@ def test_a_stage_whose_shard_slot_moves_to_another_primary_exits_saying_so(nodes
     shards = shard_configs(BusConfig(redis_url=nodes[0]))
     shard = shards[2]
     processes = processes_on(nodes[0], {"STREAMSERVE_SHARD": shard.shard})
-    processes._spawn("router", [sys.executable, "-m", "cli", "stage", "router",
+    processes.spawn("router", [sys.executable, "-m", "cli", "stage", "router",
                                 "--redis-url", nodes[0]])  # fmt: skip
     router = processes.processes["router"]
     deadline = time.monotonic() + READY_TIMEOUT_S

@@ -5,6 +5,7 @@ three-primary cluster of the embedded binary, tests/cluster_fixture.py)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import redis
@@ -24,7 +25,8 @@ from runtime.cluster import (
     shard_tags,
 )
 from runtime.config import BusConfig
-from tests.cluster_fixture import SLOT_RANGES, running_cluster
+from tests.cluster_fixture import SLOT_RANGES
+from tests.pipeline_harness import free_port
 
 # Every name-making method of BusConfig: its arguments and its name without a shard (as
 # every deployment before clusters named it).
@@ -38,21 +40,6 @@ NAMES = {
     "route_key": (("r1",), "route:r1"), "request_key": (("q1",), "request:q1"),
     "frontend_key": (("f1",), "frontend:f1"), "abort_key": (("r1",), "abort:r1"),
 }  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with running_cluster(tmp_path_factory.mktemp("cluster")) as urls:
-        yield urls
-
-
-@pytest.fixture
-def nodes(cluster):
-    """The cluster's node URLs, every node emptied first."""
-    for url in cluster:
-        with redis.Redis.from_url(url) as client:
-            client.flushall()
-    return cluster
 
 
 def test_a_plain_server_is_not_a_cluster_and_a_cluster_node_is(redis_client, nodes):
@@ -162,6 +149,14 @@ def test_a_shard_named_in_the_environment_is_the_one_attached(nodes):
         attach(dataclasses.replace(pinned, shard="nowhere"), "worker")
     with pytest.raises(ValueError, match="unknown role"):
         attach(pinned, "ingress-ish")
+
+
+def test_an_unreachable_server_is_waited_for_up_to_the_given_time():
+    config = BusConfig(redis_url=f"redis://127.0.0.1:{free_port()}")
+    started = time.monotonic()
+    with pytest.raises(redis.ConnectionError):
+        attach(config, "tokenizer", wait_s=0.5)
+    assert 0.5 <= time.monotonic() - started < 5
 
 
 def test_a_name_of_another_shard_is_a_slot_moved_error_even_inside_a_multi(nodes):
