@@ -48,6 +48,9 @@ ROLE_INPUTS: dict[str, tuple[Callable[[BusConfig], str], str]] = {
     "detokenizer": (BusConfig.tokens_stream, "detokenizer"),
 }
 WORKER_ROLE = "worker"
+# A stage's or worker's exit code when its shard moved off the node it attached to: its
+# supervisor starts it again, and it attaches afresh.
+EXIT_SHARD_MOVED = 3
 
 SlotRanges = list[tuple[int, int]]
 

@@ -18,10 +18,9 @@ import pytest
 import redis
 
 from bus.client import Client
-from cli.run_stage import EXIT_SHARD_MOVED
 from cli.worker_command import worker_command
 from gpu_worker.hf_reference import hf_greedy
-from runtime.cluster import key_slot, shard_configs
+from runtime.cluster import EXIT_SHARD_MOVED, key_slot, shard_configs
 from runtime.config import BusConfig
 from stages.router.stage import live_workers
 from tests.pipeline_harness import QUICK_RECOVERY_ENV
@@ -48,8 +47,8 @@ class ShardProcesses:
             self.spawn(name, [sys.executable, "-m", "cli", "stage", name, "--model", MODEL,
                                "--redis-url", self.redis_url])  # fmt: skip
 
-    def start_worker(self, worker_id: str) -> None:
-        extra = ["--worker-id", worker_id, "--dtype=float32"]
+    def start_worker(self, worker_id: str, *options: str) -> None:
+        extra = ["--worker-id", worker_id, *(options or ["--dtype=float32"])]
         self.spawn(worker_id, worker_command(self.redis_url, MODEL, extra))
 
     def spawn(self, name: str, command: list[str]) -> None:
@@ -120,6 +119,18 @@ def test_a_pipeline_started_with_any_nodes_url_runs_on_one_shard(
     for node in nodes[1:]:  # nothing of the deployment anywhere else
         with redis.Redis.from_url(node) as other:
             assert other.dbsize() == 0
+
+
+def test_workers_started_one_after_another_spread_over_the_shards(nodes, processes_on):
+    shards = shard_configs(BusConfig(redis_url=nodes[1]))
+    processes = processes_on(nodes[1], {})
+    for index, shard in enumerate(shards):
+        processes.start_worker(f"w{index}", "--synthetic")
+        processes.wait_for_workers(shard, 1)
+    processes.start_worker("w3", "--synthetic")
+    processes.wait_for_workers(shards[0], 2)  # every shard had one: a tie, the first
+    for index, shard in enumerate(shards):
+        assert f"attached to cluster shard {shard.shard}" in processes.log(f"w{index}")
 
 
 def test_a_job_whose_worker_is_killed_finishes_on_the_shards_other_worker(
