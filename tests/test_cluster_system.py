@@ -19,7 +19,6 @@ import redis
 
 from runtime.cluster import shard_configs
 from runtime.config import BusConfig
-from tests.cluster_fixture import running_cluster
 from tests.pipeline_harness import (
     Pipeline,
     resume_stream,
@@ -35,12 +34,6 @@ MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 24
 BODY = {"model": MODEL, "prompt": "Once upon a time, in a city of streams,", "temperature": 0,
         "max_tokens": MAX_TOKENS, "ignore_eos": True}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with running_cluster(tmp_path_factory.mktemp("cluster")) as nodes:
-        yield nodes
 
 
 @pytest.fixture(scope="module")
