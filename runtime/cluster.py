@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
@@ -178,6 +179,18 @@ def attach(config: BusConfig, role: str, wait_s: float | None = None) -> BusConf
     chosen = shards[counts.index(min(counts))]
     logger.debug("%s: live replicas per shard %s", role, counts)
     return chosen
+
+
+def client_shards(config: BusConfig) -> tuple[BusConfig, BusConfig]:
+    """Where a program putting jobs straight on Redis (bus/client.py) sends them, and the
+    home shard (batches and files): both `config` on a plain server; on a cluster, a shard
+    picked at random among those with a live worker (any shard if none has one: the jobs
+    wait there as on a server with no worker), so many clients spread over the shards."""
+    shards = shard_configs(config)
+    if len(shards) == 1:
+        return shards[0], shards[0]
+    served = [shard for shard in shards if live_replicas(shard, WORKER_ROLE)]
+    return random.choice(served or shards), shards[0]
 
 
 def _wait_for_shards(config: BusConfig, wait_s: float | None) -> list[BusConfig]:

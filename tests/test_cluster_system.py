@@ -138,3 +138,16 @@ def test_a_batch_runs_on_the_cluster_and_its_files_are_seen_from_every_replica(p
                .splitlines()]  # fmt: skip
     assert sorted(r["custom_id"] for r in results) == [f"line-{i}" for i in range(4)]
     assert all(r["response"]["status_code"] == 200 for r in results)
+
+
+def test_direct_clients_spread_over_the_shards_and_answer_alike(pipeline, undisturbed):
+    from bus.client import Client
+
+    sampling = {"temperature": 0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True}
+    shards = set()
+    for _ in range(6):
+        with Client(pipeline.redis_url) as client:  # any node's URL
+            shards.add(client.config.shard)
+            assert client.generate(BODY["prompt"], sampling=sampling)["text"] == undisturbed
+            assert client.home_config.shard == shard_configs(client.config)[0].shard
+    assert len(shards) >= 2  # at random among the shards with a worker: all three here
