@@ -43,9 +43,14 @@ class IngressMetrics:
 
     def token_times(self, first: bool, seconds: float, tokens: int) -> None:
         """A delta of `tokens` tokens, `seconds` after the request's arrival (`first`) or
-        after its previous tokens; a delta of several (speculation) spreads the gap."""
+        after its previous tokens; a delta of several (a publish of several steps, a
+        speculation) spreads the gap over them, and the first delta's tokens past its first
+        came with it (0 s). So a request's tokens but its first are each observed once, and
+        their sum is the time from its first token to its last."""
         if first:
             self.ttft.observe(seconds)
+            for _ in range(tokens - 1):
+                self.itl.observe(0.0)
             return
         for _ in range(tokens):
             self.itl.observe(seconds / tokens)
