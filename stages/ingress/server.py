@@ -140,6 +140,8 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     runner.cancel()
     await asyncio.gather(runner, return_exceptions=True)
     # Handlers cancelled at shutdown have queued their aborts: let them reach Redis.
+    for writes in state.request_writes.values():
+        await writes.drain(CONNECT_TIMEOUT_S)
     if state.background:
         await asyncio.wait(list(state.background), timeout=CONNECT_TIMEOUT_S)
     for task in list(state.settling):

@@ -18,8 +18,6 @@ import redis
 import redis.asyncio as aredis
 from aiohttp import web
 
-from bus.aborts import publish_aborts_async
-from bus.client import add_requests
 from bus.reconnect import REDIS_TRANSIENT
 from bus.replies import AsyncReplyReader
 from jobs.protocol import GenerateRequest
@@ -27,6 +25,7 @@ from runtime.config import BusConfig
 from stages.ingress.errors import ApiError
 from stages.ingress.health import QueueDepth, WorkerHealth
 from stages.ingress.metrics import IngressMetrics
+from stages.ingress.request_writes import RequestWrites
 from stages.ingress.shards import Shard, Shards
 from stages.ingress.tenancy.limits import TenantLimits
 from stages.ingress.tenancy.ownership import read_request_record, request_record, sees
@@ -71,6 +70,8 @@ class IngressState:
     running_tenants: dict[str, Tenant] = field(default_factory=dict)
     # Requests submitted here and not yet done: their request keys are renewed.
     live_requests: set[str] = field(default_factory=set)
+    # Their starts and ends, per shard (request_writes.py).
+    request_writes: dict[str | None, RequestWrites] = field(default_factory=dict)
 
     @property
     def reply_stream(self) -> str:
@@ -117,14 +118,21 @@ class IngressState:
         self, request_id: str, requests: Sequence[GenerateRequest], owner: str | None = None
     ) -> None:
         """Queue the request's jobs, recorded with their `owner` (tenancy/ownership.py),
-        all or none: a MULTI, so a Redis that fills up midway (OOM) leaves no choice running
-        that its 503 said was refused."""
-        pipe = self.redis.pipeline(transaction=True)
+        all or none: in a MULTI (with the other requests of this turn: request_writes.py),
+        so a Redis that fills up midway (OOM) leaves no choice running that its 503 said
+        was refused."""
         record = request_record(len(requests), owner)
-        pipe.set(self.config.request_key(request_id), record, ex=self.config.reply_ttl_s)
-        add_requests(pipe, self.config, requests)
-        await pipe.execute()
+        await self.writes(self.shards.own).start(request_id, record, requests)
         self.queue.queued(len(requests))
+
+    def writes(self, shard: Shard) -> RequestWrites:
+        """The requests' starts and ends on `shard`, gathered per turn."""
+        writes = self.request_writes.get(shard.config.shard)
+        if writes is None:
+            writes = self.request_writes[shard.config.shard] = RequestWrites(
+                shard.redis, shard.config
+            )
+        return writes
 
     async def renew_keys(self) -> None:
         """Renew the TTL of this replica's reply stream and of its live requests' keys."""
@@ -162,18 +170,9 @@ class IngressState:
 
     def finish_soon(self, request_id: str, unfinished: list[str], shard: Shard | None) -> None:
         """Forget `request_id` and abort its `unfinished` sub-requests on the shard it was
-        submitted to (None: this replica's), from a task of its own: the handler asking may
-        be being cancelled."""
-        self._in_background(self._finish(request_id, unfinished, shard or self.shards.own))
-
-    async def _finish(self, request_id: str, unfinished: list[str], shard: Shard) -> None:
-        try:
-            await shard.redis.delete(shard.config.request_key(request_id))
-            if unfinished:
-                await publish_aborts_async(shard.redis, shard.config, unfinished)
-                logger.debug("aborted %s", unfinished)
-        except REDIS_TRANSIENT as exc:
-            logger.warning("could not abort %d requests: %s", len(unfinished), exc)
+        submitted to (None: this replica's), with the other ends of this turn, from a task
+        of their own: the handler asking may be being cancelled."""
+        self.writes(shard or self.shards.own).end(request_id, unfinished)
 
     async def sub_requests(
         self, request_id: str, caller: str | None = None

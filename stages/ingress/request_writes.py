@@ -1,0 +1,102 @@
+"""The requests' own writes, gathered per turn of the event loop: one round trip, and one
+command where Redis takes many keys, for every handler that asks in the same turn.
+
+A request costs the bus, besides its tokens, a MULTI at its start (the SET of its request
+key, the XADD of each of its jobs, EXEC) and a DEL at its end. Under load many handlers
+ask in one turn: their starts go in one MULTI (the SETs and XADDs, one MULTI and EXEC for
+all) and their ends in one DEL of all their keys (and one pipeline of their aborts). Each
+request is still all or none: a MULTI that Redis refuses (OOM) fails every request in it,
+each answering its own 503, and none of them is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import redis.asyncio as aredis
+
+from bus.aborts import publish_aborts_async
+from bus.client import add_requests
+from bus.reconnect import REDIS_TRANSIENT
+from jobs.protocol import GenerateRequest
+from runtime.config import BusConfig
+
+logger = logging.getLogger(__name__)
+
+Start = tuple[str, bytes, Sequence[GenerateRequest], "asyncio.Future[None]"]
+
+
+class RequestWrites:
+    """The starts and ends of the requests on one shard (its client and names)."""
+
+    def __init__(self, client: aredis.Redis, config: BusConfig) -> None:
+        self.client = client
+        self.config = config
+        self._starts: list[Start] = []
+        self._ends: list[tuple[str, list[str]]] = []
+        self._writing: set[asyncio.Task[None]] = set()
+
+    async def start(self, request_id: str, record: bytes,
+                    requests: Sequence[GenerateRequest]) -> None:  # fmt: skip
+        """Set the request's key to `record` and queue its jobs, in the next MULTI; raises
+        what that MULTI raised."""
+        done = asyncio.get_running_loop().create_future()
+        self._starts.append((request_id, record, requests, done))
+        if len(self._starts) == 1:
+            asyncio.get_running_loop().call_soon(self._write, self._start_all)
+        await done
+
+    def end(self, request_id: str, unfinished: list[str]) -> None:
+        """Delete the request's key and abort its `unfinished` sub-requests, with the next
+        ends (an error is logged: the key expires, as an abort's flag would)."""
+        self._ends.append((request_id, unfinished))
+        if len(self._ends) == 1:
+            asyncio.get_running_loop().call_soon(self._write, self._end_all)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Let the writes under way reach Redis (shutdown)."""
+        await asyncio.sleep(0)  # the turn that queued the last ones has scheduled them
+        if self._writing:
+            await asyncio.wait(list(self._writing), timeout=timeout_s)
+
+    def _write(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work())
+        self._writing.add(task)
+        task.add_done_callback(self._writing.discard)
+
+    async def _start_all(self) -> None:
+        starts, self._starts = self._starts, []
+        pipe = self.client.pipeline(transaction=True)
+        for request_id, record, requests, _ in starts:
+            pipe.set(self.config.request_key(request_id), record, ex=self.config.reply_ttl_s)
+            add_requests(pipe, self.config, requests)
+        try:
+            await pipe.execute()
+        except BaseException as exc:  # every request of the MULTI failed, each says so
+            for *_, done in starts:
+                if done.done():
+                    continue
+                if isinstance(exc, asyncio.CancelledError):
+                    done.cancel()  # shutdown: queued or not, their handlers abort them
+                else:
+                    done.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for *_, done in starts:
+            if not done.done():  # its handler may have been cancelled meanwhile
+                done.set_result(None)
+
+    async def _end_all(self) -> None:
+        ends, self._ends = self._ends, []
+        aborted = [rid for _, unfinished in ends for rid in unfinished]
+        try:
+            await self.client.delete(*(self.config.request_key(r) for r, _ in ends))
+            if aborted:
+                await publish_aborts_async(self.client, self.config, aborted)
+                logger.debug("aborted %s", aborted)
+        except REDIS_TRANSIENT as exc:
+            logger.warning("could not end %d requests (%d aborts): %s",
+                           len(ends), len(aborted), exc)  # fmt: skip
