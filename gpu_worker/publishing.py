@@ -11,6 +11,9 @@ at most the interval for its reader; at batch 64 a publish carries hundreds of t
 Jobs handed back to the worker (a previous life's, or every job after the engine dropped its
 state) find their progress in the worker's own log at admission (`progress`); the log is
 not trimmed until they have (gpu_worker/progress_log.py).
+
+The same publish carries, when the prefix cache changed, one `KvEvents` entry of the blocks
+it stored and removed (gpu_worker/cached_blocks.py): what the routers route by.
 """
 
 from __future__ import annotations
@@ -22,18 +25,19 @@ import redis
 
 from bus.effects import ExpireKey, Outbound
 from bus.fenced_stream import Entry, FencedStream, read_progress_log
+from gpu_worker.cached_blocks import watch_prefix_cache
 from gpu_worker.progress_log import ProgressLog
 from gpu_worker.token_item import RunningJob, finish_of, token_item
 from gpu_worker.worker_metrics import WorkerMetrics
 from jobs.progress import rebuild
-from jobs.protocol import TokenBatch, TokenItem, TokenizedRequest
+from jobs.protocol import TokenBatch, TokenItem, TokenizedRequest, encode
 from runtime.config import BusConfig
 
 
 class Publisher:
     def __init__(
         self, client: redis.Redis, config: BusConfig, worker_id: str, bus: FencedStream,
-        metrics: WorkerMetrics, finished: Callable[[RunningJob], None],
+        metrics: WorkerMetrics, finished: Callable[[RunningJob], None], scheduler: object = None,
     ) -> None:  # fmt: skip
         self.client = client
         self.config = config
@@ -45,6 +49,9 @@ class Publisher:
         self._gained: dict[str, None] = {}  # rids with tokens not yet published, in order
         self._last = 0.0  # monotonic time of the last publish
         self._taken_back: set[bytes] = set()  # entries whose progress is in our own log
+        # What the prefix cache holds (None: the engine has none, and publishes no events).
+        self.blocks = watch_prefix_cache(scheduler, worker_id, config.kv_block_tokens,
+                                         config.kv_snapshot_interval_s)  # fmt: skip
 
     # ---- when ----------------------------------------------------------------------------
 
@@ -66,6 +73,8 @@ class Publisher:
         self.publish_items([self.item(jobs[rid]) for rid in gained if rid in jobs], step)
         self.bus.progress = self.log.take()
         self.bus.progress_trim = self.log.trim_point()
+        events = self.blocks.take() if self.blocks is not None else None
+        self.bus.kv_events = encode(events) if events is not None else None
         self._last = time.monotonic()
 
     def publish_items(self, items: list[TokenItem], step: int) -> None:
@@ -97,6 +106,8 @@ class Publisher:
     def committed(self, written: bool) -> None:
         """The bus's commit wrote what was queued (False: it was fenced, and wrote nothing)."""
         self.log.written(self.bus.progress_written if written else None)
+        if not written and self.blocks is not None:
+            self.blocks.resend()  # the changes were not written: say everything next time
 
     # ---- jobs handed back ----------------------------------------------------------------
 

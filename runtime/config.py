@@ -61,6 +61,22 @@ Environment variables read by ``BusConfig.from_env``:
 - ``STREAMSERVE_INGRESS_MAX_CONNECTIONS``: open connections one ingress replica serves at
   once; one more gets a 503 with Retry-After and is closed.
 
+KV-aware routing (stages/router/kv_routing.py, docs/ARCHITECTURE.md):
+
+- ``STREAMSERVE_ROUTER_POLICY``: ``kv`` (default) scores each live worker by the prompt
+  prefix its cache holds against its load; ``load`` routes by load alone.
+- ``STREAMSERVE_KV_BLOCK_TOKENS``: tokens per hashed block (jobs/kv_blocks.py); a multiple
+  of the workers' page size, or only the blocks a page boundary ends are ever reported.
+- ``STREAMSERVE_KV_CACHE_WEIGHT``, ``STREAMSERVE_KV_LOAD_WEIGHT``: a worker's score is
+  cache weight x the prompt tokens it would reuse - load weight x its load in tokens.
+- ``STREAMSERVE_KV_JOB_LOAD_TOKENS``: what one queued or running job counts in that load.
+- ``STREAMSERVE_KV_BALANCE_JOBS``: when the best-scoring worker has more than this many
+  jobs above the least loaded one, the job goes to the least loaded (which then holds the
+  prefix too: a hot prefix is replicated rather than piled onto one worker).
+- ``STREAMSERVE_KV_EVENTS_MAXLEN``: approximate cap of the ``kv-events`` stream.
+- ``STREAMSERVE_KV_SNAPSHOT_INTERVAL_S``: seconds between a busy worker's full snapshots of
+  its cached blocks on that stream (what a router reading a trimmed stream converges on).
+
 Request bounds (docs/BOUNDS.md), each a 400 naming the field it is about:
 
 - ``STREAMSERVE_MAX_STOP_STRINGS``, ``STREAMSERVE_MAX_STOP_CHARS``,
@@ -92,6 +108,7 @@ REDIS_URL_ENV = "REDIS_URL"
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
 # valkey's memory units; 0 (no limit) is refused: an unbounded Redis is what this guards.
 _MEMORY = re.compile(r"[1-9][0-9]*(b|k|kb|m|mb|g|gb)?", re.IGNORECASE)
+ROUTER_POLICIES = ("kv", "load")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}  # fmt: skip
 
@@ -146,6 +163,15 @@ class BusConfig:
     grammar_compile_timeout_s: float = 10.0
     max_choices: int = 128
     max_request_prompt_tokens: int = 2**20
+    # KV-aware routing (stages/router/kv_routing.py).
+    router_policy: str = "kv"  # or "load"
+    kv_block_tokens: int = 32
+    kv_cache_weight: float = 1.0
+    kv_load_weight: float = 1.0
+    kv_job_load_tokens: int = 256  # about a multi-turn prompt's uncached part
+    kv_balance_jobs: int = 4
+    kv_events_maxlen: int = 10_000
+    kv_snapshot_interval_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.redis_url is not None and not self.redis_url.startswith(_URL_SCHEMES):
@@ -187,11 +213,22 @@ class BusConfig:
             "max_grammar_depth",
             "max_choices",
             "max_request_prompt_tokens",
+            "kv_block_tokens",
+            "kv_events_maxlen",
         ):
             _require_int(name, getattr(self, name), minimum=1)
         # 0 would mean "block forever" to XREADGROUP, and a stage must stay responsive.
         _require_int("block_ms", self.block_ms, minimum=1)
         _require_int("publish_interval_ms", self.publish_interval_ms, minimum=0)
+        _require_int("kv_job_load_tokens", self.kv_job_load_tokens, minimum=0)
+        _require_int("kv_balance_jobs", self.kv_balance_jobs, minimum=0)
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy must be one of {', '.join(ROUTER_POLICIES)}; "
+                             f"got {self.router_policy!r}")  # fmt: skip
+        for name in ("kv_cache_weight", "kv_load_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0; got {value!r}")
         for name in (
             "heartbeat_interval_s",
             "heartbeat_ttl_s",
@@ -204,6 +241,7 @@ class BusConfig:
             "trim_interval_s",
             "reply_timeout_s",
             "grammar_compile_timeout_s",
+            "kv_snapshot_interval_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
@@ -298,6 +336,11 @@ class BusConfig:
         carried, per job, written in the MULTI that publishes them; where a job that must
         resume (moved off the worker when it died) finds what it had published."""
         return self._name("progress", _require_id("worker_id", worker_id))
+
+    def kv_events_stream(self) -> str:
+        """What the workers' prefix caches stored and removed (jobs/kv_events.py), capped at
+        about ``kv_events_maxlen`` entries; every router replica reads all of it."""
+        return self._name("kv-events")
 
     def reaping_key(self, worker_id: str) -> str:
         """A lock: the router replica moving a dead worker's jobs holds it."""
