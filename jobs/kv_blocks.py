@@ -24,18 +24,23 @@ MAX_HASH = 2**64 - 1
 
 
 def block_hashes(
-    token_ids: Sequence[int], block_tokens: int, start: int = 0, parent: int = ROOT_HASH
+    token_ids: Sequence[int], block_tokens: int, start: int = 0, parent: int | None = None
 ) -> list[int]:
     """The chained hashes of the full blocks of `token_ids`, from block `start` on.
 
-    `parent` is the hash of block ``start - 1`` (ROOT_HASH when `start` is 0): a caller that
-    knows it hashes only the new blocks of a longer sequence.
+    `parent` is the hash of block ``start - 1``: a caller that knows it hashes only the
+    blocks from `start` on; without it the blocks before `start` are hashed too (the chain
+    needs them) and left out of the answer.
     """
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1; got {block_tokens}")
     full = len(token_ids) // block_tokens
     if start >= full:
         return []
+    if parent is None:
+        if start > 0:
+            return block_hashes(token_ids, block_tokens)[start:]
+        parent = ROOT_HASH
     tokens = np.asarray(token_ids[start * block_tokens : full * block_tokens], dtype=_TOKEN_DTYPE)
     raw = tokens.tobytes()
     step = block_tokens * _TOKEN_DTYPE.itemsize

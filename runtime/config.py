@@ -61,21 +61,14 @@ Environment variables read by ``BusConfig.from_env``:
 - ``STREAMSERVE_INGRESS_MAX_CONNECTIONS``: open connections one ingress replica serves at
   once; one more gets a 503 with Retry-After and is closed.
 
-KV-aware routing (stages/router/kv_routing.py, docs/ARCHITECTURE.md):
-
-- ``STREAMSERVE_ROUTER_POLICY``: ``kv`` (default) scores each live worker by the prompt
-  prefix its cache holds against its load; ``load`` routes by load alone.
-- ``STREAMSERVE_KV_BLOCK_TOKENS``: tokens per hashed block (jobs/kv_blocks.py); a multiple
-  of the workers' page size, or only the blocks a page boundary ends are ever reported.
-- ``STREAMSERVE_KV_CACHE_WEIGHT``, ``STREAMSERVE_KV_LOAD_WEIGHT``: a worker's score is
-  cache weight x the prompt tokens it would reuse - load weight x its load in tokens.
-- ``STREAMSERVE_KV_JOB_LOAD_TOKENS``: what one queued or running job counts in that load.
-- ``STREAMSERVE_KV_BALANCE_JOBS``: when the best-scoring worker has more than this many
-  jobs above the least loaded one, the job goes to the least loaded (which then holds the
-  prefix too: a hot prefix is replicated rather than piled onto one worker).
-- ``STREAMSERVE_KV_EVENTS_MAXLEN``: approximate cap of the ``kv-events`` stream.
-- ``STREAMSERVE_KV_SNAPSHOT_INTERVAL_S``: seconds between a busy worker's full snapshots of
-  its cached blocks on that stream (what a router reading a trimmed stream converges on).
+KV-aware routing (stages/router/kv_routing.py says how the weights combine):
+``STREAMSERVE_ROUTER_POLICY`` (``kv`` by the prefix each worker's cache holds against its
+load, or ``load`` alone); ``STREAMSERVE_KV_BLOCK_TOKENS`` (tokens per hashed block, a multiple
+of the workers' page size); ``STREAMSERVE_KV_CACHE_WEIGHT``, ``STREAMSERVE_KV_LOAD_WEIGHT``,
+``STREAMSERVE_KV_JOB_LOAD_TOKENS`` (what a queued job weighs in tokens),
+``STREAMSERVE_KV_BALANCE_JOBS`` (a hot prefix's holder this many jobs ahead of the least
+loaded worker hands on); ``STREAMSERVE_KV_EVENTS_MAXLEN`` (cap of the ``kv-events`` stream)
+and ``STREAMSERVE_KV_SNAPSHOT_INTERVAL_S`` (between a busy worker's full snapshots on it).
 
 Request bounds (docs/BOUNDS.md), each a 400 naming the field it is about:
 
@@ -163,7 +156,6 @@ class BusConfig:
     grammar_compile_timeout_s: float = 10.0
     max_choices: int = 128
     max_request_prompt_tokens: int = 2**20
-    # KV-aware routing (stages/router/kv_routing.py).
     router_policy: str = "kv"  # or "load"
     kv_block_tokens: int = 32
     kv_cache_weight: float = 1.0
@@ -223,8 +215,7 @@ class BusConfig:
         _require_int("kv_job_load_tokens", self.kv_job_load_tokens, minimum=0)
         _require_int("kv_balance_jobs", self.kv_balance_jobs, minimum=0)
         if self.router_policy not in ROUTER_POLICIES:
-            raise ValueError(f"router_policy must be one of {', '.join(ROUTER_POLICIES)}; "
-                             f"got {self.router_policy!r}")  # fmt: skip
+            raise ValueError(f"router_policy must be kv or load; got {self.router_policy!r}")
         for name in ("kv_cache_weight", "kv_load_weight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
@@ -338,8 +329,7 @@ class BusConfig:
         return self._name("progress", _require_id("worker_id", worker_id))
 
     def kv_events_stream(self) -> str:
-        """What the workers' prefix caches stored and removed (jobs/kv_events.py), capped at
-        about ``kv_events_maxlen`` entries; every router replica reads all of it."""
+        """The blocks the workers' prefix caches store and remove (jobs/kv_events.py)."""
         return self._name("kv-events")
 
     def reaping_key(self, worker_id: str) -> str:
