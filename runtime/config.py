@@ -160,7 +160,7 @@ class BusConfig:
     kv_block_tokens: int = 32
     kv_cache_weight: float = 1.0
     kv_load_weight: float = 1.0
-    kv_job_load_tokens: int = 256  # about a multi-turn prompt's uncached part
+    kv_job_load_tokens: int = 64  # a few turns' history outweighs a job or two queued
     kv_balance_jobs: int = 4
     kv_events_maxlen: int = 10_000
     kv_snapshot_interval_s: float = 30.0
