@@ -49,6 +49,8 @@ class Publisher:
         self._gained: dict[str, None] = {}  # rids with tokens not yet published, in order
         self._last = 0.0  # monotonic time of the last publish
         self._taken_back: set[bytes] = set()  # entries whose progress is in our own log
+        # rid -> why the router sent the job here and what it expected cached, for its Finish.
+        self._routes: dict[str, tuple[str, int]] = {}
         # What the prefix cache holds (None: the engine has none, and publishes no events).
         self.blocks = watch_prefix_cache(scheduler, worker_id, config.kv_block_tokens,
                                          config.kv_snapshot_interval_s)  # fmt: skip
@@ -70,6 +72,8 @@ class Publisher:
         """Queue on the bus's next commit one item per request that gained tokens since the
         last publish, and the progress log's entry for them."""
         gained, self._gained = self._gained, {}
+        if len(self._routes) > 2 * len(jobs) + 64:
+            self._routes = {rid: route for rid, route in self._routes.items() if rid in jobs}
         self.publish_items([self.item(jobs[rid]) for rid in gained if rid in jobs], step)
         self.bus.progress = self.log.take()
         self.bus.progress_trim = self.log.trim_point()
@@ -99,6 +103,9 @@ class Publisher:
         if req.finished:
             self.log.forget(req.rid)
             item.finish = finish_of(req, job.queue_seconds)
+            route = self._routes.pop(req.rid, None)
+            if route is not None:
+                item.finish.route_reason, item.finish.expected_cached_tokens = route
             self.metrics.finished(item.finish)
             self.finished(job)
         return item
@@ -130,11 +137,19 @@ class Publisher:
         if not self._taken_back:
             self.log.holding = False  # every job handed back is in hand again
 
+    def _note_routes(self, jobs: list[TokenizedRequest]) -> None:
+        """Keep each job's route figures for its Finish (`publish` drops those of jobs that
+        never ran here: refused, or aborted on arrival)."""
+        for job in jobs:
+            if job.route_reason is not None:
+                self._routes[job.rid] = (job.route_reason, job.expected_cached or 0)
+
     def progress(self, jobs: list[tuple[bytes, TokenizedRequest]]) -> dict[str, list[int]]:
         """Each job's published output: what it carries (from workers that died holding it),
         and for one handed back, what our own log holds beyond that. Those extra ids are
         logged again in our next publish, so our log may go below its older entries."""
         carried = {job.rid: list(job.progress or []) for _, job in jobs}
+        self._note_routes([job for _, job in jobs])
         mine = [job.rid for entry_id, job in jobs if entry_id in self._taken_back]
         if not mine:
             return carried

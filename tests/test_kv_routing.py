@@ -265,6 +265,17 @@ def test_greedy_output_is_the_same_whichever_worker_the_router_picks(redis_clien
             thread.join(timeout=30)
     outputs = _finished(redis_client, config)
     assert [outputs[f"r{i}"] for i in range(4)] == [expected] * 4
+    # Each Finish says why the router chose its worker, and what it expected cached there.
+    finishes = {
+        item.rid: item.finish
+        for _, f in redis_client.xrange(config.tokens_stream())
+        for item in decode(f[ENTRY_FIELD], TokenBatch).items
+        if item.finish is not None
+    }
+    assert finishes["r0"].route_reason == "load" and finishes["r0"].expected_cached_tokens == 0
+    later = [finishes[f"r{i}"] for i in range(1, 4)]
+    assert all(f.route_reason == "prefix" and f.expected_cached_tokens == 32 for f in later)
+    assert all(f.cached_tokens >= f.expected_cached_tokens for f in later)
     holder = [w.worker_id for w in workers if w.jobs == {} and w.admitted >= 3]
     assert holder, [w.admitted for w in workers]  # the later turns went to the prefix holder
 

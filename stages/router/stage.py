@@ -12,8 +12,10 @@ with a 503 reply after ``no_worker_timeout_s``.
 
 What the workers' caches hold comes from the ``kv-events`` stream, read into an index before
 each batch (stages/router/kv_index.py). Why each job went where it did, and the cached tokens
-expected there, are counted in the router's metrics (stages/router/router_metrics.py); the
-route key keeps holding just the worker id, which aborts read.
+expected there, travel with the job (its ``route_reason`` and ``expected_cached``, which the
+worker reports in its Finish) and are counted in the router's metrics
+(stages/router/router_metrics.py); the route key keeps holding just the worker id, which
+aborts read.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class RouterStage:
             worker.queued += 1
             worker.batch_prefill_tokens += len(ids) - choice.expected_cached
             self.metrics.decided(choice, len(ids))
+            job.route_reason, job.expected_cached = choice.reason, choice.expected_cached
             outputs.append(Outbound(worker.stream, job))
             outputs.append(SetKey(self.config.route_key(job.rid), worker.worker_id,
                                   self.config.reply_ttl_s))  # fmt: skip
