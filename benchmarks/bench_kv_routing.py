@@ -7,7 +7,10 @@ pipeline with several workers, each policy in the same run.
 Each conversation opens with one of a few shared system prompts; each turn carries the
 whole history (the previous turn's prompt and answer, as token ids, so a cache holding them
 matches exactly) and a new user message. Conversations run concurrently, each turn after the
-previous one's answer. Every policy gets a fresh ``streamserve up`` (empty caches) and runs:
+previous one's answer and a think time (uniform in ``[0, --think-ms]``, the same draws for
+every policy: without it the turns arrive in lockstep and load-only routing happens to send
+each conversation back to the same worker). Every policy gets a fresh ``streamserve up``
+(empty caches) and runs:
 
 - ``shared``: the workload over ``--system-prompts`` system prompts;
 - ``hot``: then every conversation opens with one new system prompt (a hot prefix).
@@ -96,7 +99,9 @@ async def run_workload(client: AsyncClient, bus: redis.Redis, config: BusConfig,
         finished.append(prompt + ids[:-1])  # the last token's KV is never computed
 
     async def talk(conversation: Conversation) -> None:
-        for _ in range(args.turns):
+        for index in range(args.turns):
+            if index:
+                await asyncio.sleep(conversation.rng.uniform(0, args.think_ms) / 1000)
             await turn(conversation)
 
     began = time.perf_counter()
@@ -145,6 +150,7 @@ def main() -> None:
     parser.add_argument("--system-prompts", type=int, default=3)
     parser.add_argument("--system-tokens", type=int, default=512)
     parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--think-ms", type=float, default=200.0)
     parser.add_argument("--policies", default="load,kv")
     parser.add_argument("--seed", type=int, default=28)
     parser.add_argument("--out", type=Path)
@@ -168,6 +174,7 @@ def main() -> None:
                   "conversations": args.conversations, "turns": args.turns,
                   "system_prompts": args.system_prompts if row["workload"] == "shared" else 1,
                   "system_tokens": args.system_tokens, "max_new_tokens": args.max_new_tokens,
+                  "think_ms": args.think_ms,
                   "model": args.model, **row, **machine()}, args.out)  # fmt: skip
 
 
