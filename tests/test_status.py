@@ -166,7 +166,7 @@ def test_status_once_draws_the_stages_workers_and_throughput(pipeline):
     done = run_status("--url", pipeline.url, "--once")
     assert done.returncode == 0, done.stderr
     worker_ids = [worker["id"] for worker in read_from_redis(pipeline)["workers"]]
-    for expected in [*STAGES, *worker_ids, "req/s", "gen tok/s", "dead letters"]:
+    for expected in [*STAGES, *worker_ids, "req/s", "gen tok/s", "dead letters", "routing: "]:
         assert expected in done.stdout, (expected, done.stdout)
 
 
