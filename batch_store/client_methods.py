@@ -59,17 +59,18 @@ def jsonl_lines(content: bytes) -> list[dict[str, Any]]:
 
 
 class BatchMethods:
-    """The batch half of `Client`: needs its `redis` connection and `config`."""
+    """The batch half of `Client`: needs a connection to the home shard (`home_redis`, a
+    Redis Cluster's first; the server itself otherwise) and its names (`home_config`)."""
 
-    redis: redis.Redis
-    config: BusConfig
+    home_redis: redis.Redis
+    home_config: BusConfig
     batch_owner: str | None = None  # None: every owner's (see the module docstring)
 
     def _files(self) -> FileStore:
-        return FileStore(self.redis, self.config, self.batch_owner)
+        return FileStore(self.home_redis, self.home_config, self.batch_owner)
 
     def _batches(self) -> BatchStore:
-        return BatchStore(self.redis, self.config, owner=self.batch_owner)
+        return BatchStore(self.home_redis, self.home_config, owner=self.batch_owner)
 
     def upload_batch_file(
         self,

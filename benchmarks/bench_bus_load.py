@@ -2,16 +2,20 @@
 model: gpu_worker/synthetic_engine.py), so every CPU cycle measured is the bus's.
 
     python benchmarks/bench_bus_load.py --workers 2 --step-ms 10 --batch 64 \
-        --ingress 1 --detokenizers 1 --clients 16 --max-tokens 64 --seconds 10 [--out f.jsonl]
+        --ingress 1 --detokenizers 1 --clients 16 --max-tokens 64 --seconds 10 \
+        [--shards 3] [--out f.jsonl]
 
-Starts `streamserve up` on its own embedded Redis server with N synthetic workers, M ingress
-and M detokenizer replicas, one tokenizer and one router; K clients in this process run
-streaming /v1/chat/completions requests back to back (the ingress replicas share a port,
-and the kernel spreads the clients' connections over them). After ``--warm-up`` seconds,
-``CONFIG RESETSTAT``; ``--seconds`` later, the figures of that window:
+Starts `streamserve up` on its own embedded Redis server (with ``--shards S``: a Redis
+Cluster of S primaries of the embedded binary, one pipeline on each) with N synthetic
+workers, M ingress and M detokenizer replicas, one tokenizer and one router (each per
+shard); K clients in this process run streaming /v1/chat/completions requests back to back
+(the ingress replicas share a port, and the kernel spreads the clients' connections over
+them). After ``--warm-up`` seconds, ``CONFIG RESETSTAT``; ``--seconds`` later, the figures
+of that window:
 
 - tok_s: tokens delivered to the clients, counted from their SSE streams
-- Redis: commands (and by name), bytes in and out, CPU-µs (``INFO cpu``), per token
+- Redis: commands (and by name), bytes in and out, CPU-µs (``INFO cpu``), per token, summed
+  over the shards; the busiest shard's cores
 - cpu_us_per_token: each kind of process's CPU-µs (utime + stime from /proc) per token,
   summed over its replicas: ingress, tokenizer, router, detokenizer, worker, clients (this
   process), launcher
@@ -30,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -47,7 +52,9 @@ from benchmarks.jsonl import emit  # noqa: E402
 from benchmarks.process_cpu import find_child, self_cpu, tree_cpu_by_kind  # noqa: E402
 from bus.liveness import read_liveness  # noqa: E402
 from cli.bench import sse_events  # noqa: E402
+from runtime.cluster import shard_configs  # noqa: E402
 from runtime.config import BusConfig  # noqa: E402
+from tests.cluster_fixture import running_cluster  # noqa: E402
 
 WORKERS_TIMEOUT_S = 120.0
 STOP_GRACE_S = 30.0
@@ -85,30 +92,62 @@ async def client_loop(session, url: str, body: dict, counts: Counts, stop: async
             await asyncio.sleep(0.1)
 
 
-def wait_for_workers(redis_url: str, count: int) -> None:
-    client, config = redis.Redis.from_url(redis_url), BusConfig(redis_url=redis_url)
+class Servers:
+    """The Redis server, or every primary of a Redis Cluster (one per shard), as one: their
+    counts summed."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.shards = shard_configs(BusConfig(redis_url=redis_url))
+        self.clients = [redis.Redis.from_url(shard.redis_url) for shard in self.shards]
+
+    def live_workers(self) -> int:
+        return sum(len(read_liveness(client, shard).beats)
+                   for client, shard in zip(self.clients, self.shards, strict=True))  # fmt: skip
+
+    def reset_stats(self) -> None:
+        for client in self.clients:
+            client.config_resetstat()
+
+    def cpu(self) -> list[float]:
+        """Each server's CPU seconds (user + system)."""
+        return [(lambda c: c["used_cpu_sys"] + c["used_cpu_user"])(client.info("cpu"))
+                for client in self.clients]  # fmt: skip
+
+    def commands(self) -> dict[str, int]:
+        calls: dict[str, int] = {}
+        for client in self.clients:
+            for name, stats in client.info("commandstats").items():
+                name = name.removeprefix("cmdstat_")
+                calls[name] = calls.get(name, 0) + stats["calls"]
+        return calls
+
+    def stats(self) -> dict[str, int]:
+        keys = ("total_net_input_bytes", "total_net_output_bytes")
+        infos = [client.info("stats") for client in self.clients]
+        return {key: sum(info[key] for info in infos) for key in keys}
+
+
+def wait_for_workers(servers: Servers, count: int) -> None:
     deadline = time.monotonic() + WORKERS_TIMEOUT_S
-    while len(read_liveness(client, config).beats) < count:
+    while servers.live_workers() < count:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{count} workers did not beat within {WORKERS_TIMEOUT_S} s")
         time.sleep(0.25)
 
 
-def snapshot(server: redis.Redis, launcher: int, counts: Counts) -> dict:
-    cpu = server.info("cpu")
+def snapshot(servers: Servers, launcher: int, counts: Counts) -> dict:
     return {
         "at": time.perf_counter(),
         "tokens": counts.tokens,
         "requests": counts.requests,
-        "redis_cpu": cpu["used_cpu_sys"] + cpu["used_cpu_user"],
+        "redis_cpu": servers.cpu(),
         "cpu": {**tree_cpu_by_kind(launcher), "clients": self_cpu()},
     }
 
 
-async def drive(args: argparse.Namespace, url: str, redis_url: str) -> dict:
+async def drive(args: argparse.Namespace, url: str, servers: Servers) -> dict:
     import aiohttp
 
-    server = redis.Redis.from_url(redis_url)
     launcher = find_child("cli up")
     assert launcher is not None, "streamserve up is not a child of this process"
     body = {
@@ -127,15 +166,12 @@ async def drive(args: argparse.Namespace, url: str, redis_url: str) -> dict:
             for _ in range(args.clients)
         ]
         await asyncio.sleep(args.warm_up)
-        server.config_resetstat()
-        before = snapshot(server, launcher, counts)
+        servers.reset_stats()
+        before = snapshot(servers, launcher, counts)
         await asyncio.sleep(args.seconds)
-        after = snapshot(server, launcher, counts)
-        commands = {
-            name.removeprefix("cmdstat_"): stats["calls"]
-            for name, stats in server.info("commandstats").items()
-        }
-        stats = server.info("stats")
+        after = snapshot(servers, launcher, counts)
+        commands = servers.commands()
+        stats = servers.stats()
         # Clients finish the request under way (one cut off would only be noise in the
         # ingress's log); any still running after that are cancelled.
         stop.set()
@@ -162,12 +198,14 @@ def figures(
         kind: round((after["cpu"][kind] - before["cpu"].get(kind, 0.0)) / wall, 3)
         for kind in sorted(after["cpu"])
     }
-    redis_us = 1e6 * (after["redis_cpu"] - before["redis_cpu"]) / tokens
+    redis_cpu = [b - a for a, b in zip(before["redis_cpu"], after["redis_cpu"], strict=True)]
+    redis_us = 1e6 * sum(redis_cpu) / tokens
     worker_tok_s = args.worker_tok_s or args.batch * 1000 / args.step_ms
     stage_us = {kind: us for kind, us in per_token.items() if kind not in ("clients", "launcher")}
     return {
         "benchmark": "bus-load",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "shards": args.shards,
         "workers": args.workers,
         "step_ms": args.step_ms,
         "batch": args.batch,
@@ -185,7 +223,9 @@ def figures(
         "redis_bytes_in_per_token": round(stats["total_net_input_bytes"] / tokens, 1),
         "redis_bytes_out_per_token": round(stats["total_net_output_bytes"] / tokens, 1),
         "redis_cpu_us_per_token": round(redis_us, 2),
-        "redis_cores": round((after["redis_cpu"] - before["redis_cpu"]) / wall, 3),
+        "redis_cores": round(sum(redis_cpu) / wall, 3),
+        # A shard runs its commands on one core: the busiest is the one that bounds.
+        "redis_cores_busiest_shard": round(max(redis_cpu) / wall, 3),
         "cpu_us_per_token": per_token,
         "cores": cores,
         "capacity": capacity({"redis": redis_us, **stage_us}, worker_tok_s),
@@ -200,7 +240,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct",
                         help="names the vocabulary only (no weights are loaded)")  # fmt: skip
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--shards", type=int, default=1,
+                        help="primaries of a Redis Cluster of the embedded binary, each a "
+                        "pipeline of its own (1: one plain server)")  # fmt: skip
+    parser.add_argument("--workers", type=int, default=2, help="per shard")
     parser.add_argument("--step-ms", type=float, default=10.0)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--ingress", type=int, default=1)
@@ -225,9 +268,16 @@ def main(argv: list[str] | None = None) -> None:
         "--detokenizers", str(args.detokenizers), "--tokenizers", "1", "--routers", "1",
         *(f"--worker-arg={flag}" for flag in synthetic),
     ]  # fmt: skip
-    with started_pipeline(args, log_level="WARNING", up_args=up_args) as (url, redis_url):
-        wait_for_workers(redis_url, args.workers)
-        row = asyncio.run(drive(args, url, redis_url))
+    with contextlib.ExitStack() as stack:
+        node = None
+        if args.shards > 1:
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="bus-load-"))
+            node = stack.enter_context(running_cluster(Path(folder), args.shards))[0]
+        url, redis_url = stack.enter_context(started_pipeline(
+            args, log_level="WARNING", up_args=up_args, redis_url=node))  # fmt: skip
+        servers = Servers(redis_url)
+        wait_for_workers(servers, args.workers * len(servers.shards))
+        row = asyncio.run(drive(args, url, servers))
     emit({**row, **jsonl.machine(), "model": args.model}, args.out)
 
 

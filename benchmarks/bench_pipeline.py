@@ -72,23 +72,27 @@ def started_pipeline(
     log_level: str = "INFO",
     redis_data: Path | None = None,
     up_args: Sequence[str] = (),
+    redis_url: str | None = None,
 ) -> Iterator[tuple[str, str]]:
-    """`streamserve up` on its own embedded Redis, healthy: yields (its URL, the Redis URL);
-    stopped with SIGTERM on exit. `redis_data`: where that server keeps an append-only file
-    (None: nothing on disk); `up_args`: more flags for `streamserve up`; the workers get
-    ``--dtype`` where `args` has one."""
-    with EmbeddedRedis(data_dir=redis_data) as server:
+    """`streamserve up` on its own embedded Redis (or on `redis_url`'s server, a Redis
+    Cluster's node too), healthy: yields (its URL, the Redis URL); stopped with SIGTERM on
+    exit. `redis_data`: where that server keeps an append-only file (None: nothing on
+    disk); `up_args`: more flags for `streamserve up`; the workers get ``--dtype`` where
+    `args` has one."""
+    with contextlib.ExitStack() as stack:
+        if redis_url is None:
+            redis_url = stack.enter_context(EmbeddedRedis(data_dir=redis_data)).url
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "cli", "up", "--model", args.model,
-                   "--redis-url", server.url, "--port", str(port), "--log-level", log_level,
+                   "--redis-url", redis_url, "--port", str(port), "--log-level", log_level,
                    *up_args]  # fmt: skip
         if getattr(args, "dtype", None):
             command.append(f"--worker-arg=--dtype={args.dtype}")
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
         try:
             wait_healthy(url, process)
-            yield url, server.url
+            yield url, redis_url
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=60)

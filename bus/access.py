@@ -7,10 +7,10 @@ bus needs (``NoPermissionError``) would fail much later, mid-request. Both are c
 before a process starts its work. An unreachable server is not: under compose Redis may
 still be starting, and the reconnect loops wait for it.
 
-On a Redis Cluster the first check runs on the node the URL names, where the probe key may
-hash to another node's slot: the MOVED reply still proves the user may write (a server checks
-ACLs before it redirects). `attach_checked` then checks again on the shard the process
-attached to (runtime/cluster.py), under that shard's names.
+On a Redis Cluster a process checks on the shard it attached to (`attach_checked`,
+runtime/cluster.py), under that shard's names. A check made on a node by a URL alone may hash
+its probe to another node's slot: the MOVED reply still proves the user may write (a server
+checks ACLs before it redirects).
 """
 
 from __future__ import annotations
@@ -58,13 +58,17 @@ def check_access(client: redis.Redis, config: BusConfig) -> None:
 
 def attach_checked(config: BusConfig, role: str) -> BusConfig:
     """The config a process of `role` runs with (`runtime.cluster.attach`: its shard's on a
-    cluster, else `config`), its access checked before and after attaching."""
-    with redis.Redis.from_url(config.redis_url) as client:
-        check_access(client, config)
-    attached = attach(config, role)
+    cluster, else `config`), its access checked there; refused credentials are explained
+    as `check_access` explains them."""
+    try:
+        attached = attach(config, role)
+    except (redis.AuthenticationError, AuthorizationError, NoPermissionError):
+        with redis.Redis.from_url(config.redis_url) as client:
+            check_access(client, config)  # raises BusAccessError saying what to do
+        raise
+    with redis.Redis.from_url(attached.redis_url) as client:
+        check_access(client, attached)
     if attached is not config:
-        with redis.Redis.from_url(attached.redis_url) as client:
-            check_access(client, attached)
         logger.info("%s: attached to cluster shard %s at %s", role, attached.shard,
                     redacted(attached.redis_url))  # fmt: skip
     return attached

@@ -41,6 +41,7 @@ from jobs.errors import RequestError
 from jobs.protocol import ENTRY_FIELD, MAX_TOKEN_ID, ErrorReply, GenerateRequest, decode, encode
 from jobs.requests import lift_priority
 from jobs.sampling_params import wire_sampling
+from runtime.cluster import client_shards
 from runtime.config import REDIS_URL_ENV, BusConfig
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11+; annotations are never evaluated here
@@ -140,7 +141,9 @@ class ClientCore:
     """
 
     def __init__(self, redis_url: str | None, config: BusConfig | None) -> None:
-        self.config = resolve_config(redis_url, config)
+        # On a Redis Cluster (the one look at the server): the shard its jobs go to, and
+        # the home shard, where batches and files are (runtime/cluster.py).
+        self.config, self.home = client_shards(resolve_config(redis_url, config))
         self.reply_stream = self.config.reply_stream(f"client-{uuid.uuid4().hex}")
 
     def requests(self, jobs: Iterable[JobSpec]) -> list[GenerateRequest]:
@@ -215,6 +218,12 @@ class Client(BatchMethods):
             self.config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S
         )
         self.replies = ReplyReader(self.redis, self.reply_stream)
+        self.home_config = self.core.home
+        self.home_redis = self.redis
+        if self.home_config is not self.config:
+            self.home_redis = redis.Redis.from_url(
+                self.home_config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S
+            )
 
     def submit(self, prompt: str | None = None, **options: Unpack[JobOptions]) -> str:
         """Queue one job; returns its rid. ValueError for a malformed job.
@@ -272,6 +281,8 @@ class Client(BatchMethods):
     def close(self) -> None:
         self.replies.close()
         self.redis.close()
+        if self.home_redis is not self.redis:
+            self.home_redis.close()
 
     def __enter__(self) -> Client:
         return self

@@ -48,8 +48,9 @@ from jobs.protocol import (
 logger = logging.getLogger(__name__)
 
 READ_COUNT = 1024  # one XREAD drains a busy stream; entries are small
-# XREAD returns as soon as a reply lands, so this bounds only how long a stop can take.
-BLOCK_MS = 250
+# XREAD returns as soon as a reply lands, so this bounds only how long a stop can take, and
+# how often an idle reader asks Redis (once a second).
+BLOCK_MS = 1000
 TRIM_INTERVAL_S = 1.0
 START_ID = "0-0"
 

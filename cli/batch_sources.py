@@ -69,35 +69,40 @@ def choose_source(
 
 class RedisSource:
     def __init__(self, config: BusConfig) -> None:
-        self.client = Client(config=config)
+        self.config = config
         self.where = redacted(config.redis_url)
+        # Made at the first call: it looks at the server (a Redis Cluster's shards), and
+        # a command's own arguments are checked before anything is reached.
+        self._client: Client | None = None
 
-    def _call(self, fn: Any, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any) -> Any:
         try:
-            return fn(*args)
+            if self._client is None:
+                self._client = Client(config=self.config)
+            return getattr(self._client, method)(*args)
         except RequestError as exc:
             raise BatchUnavailable(exc.message) from None
         except redis.RedisError as exc:
             raise BatchUnavailable(f"cannot reach Redis at {self.where}: {exc}", True) from None
 
     def upload(self, content: bytes, filename: str) -> dict[str, Any]:
-        return self._call(self.client.upload_batch_file, content, filename)
+        return self._call("upload_batch_file", content, filename)
 
     def create(self, file_id: str, endpoint: str, window: str,
                metadata: dict[str, str] | None) -> dict[str, Any]:  # fmt: skip
-        return self._call(self.client.create_batch, file_id, endpoint, window, metadata)
+        return self._call("create_batch", file_id, endpoint, window, metadata)
 
     def get(self, batch_id: str) -> dict[str, Any]:
-        return self._call(self.client.batch, batch_id)
+        return self._call("batch", batch_id)
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
-        return self._call(self.client.cancel_batch, batch_id)
+        return self._call("cancel_batch", batch_id)
 
     def list(self, limit: int, after: str | None) -> dict[str, Any]:
-        return self._call(self.client.list_batches, after, limit)
+        return self._call("list_batches", after, limit)
 
     def content(self, file_id: str) -> bytes:
-        return self._call(self.client.file_content, file_id)
+        return self._call("file_content", file_id)
 
 
 class IngressSource:

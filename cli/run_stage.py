@@ -14,13 +14,12 @@ import redis
 from bus.access import attach_checked, redacted
 from bus.actor import Actor, stop_on_signals
 from observability.metrics import start_publisher
-from runtime.cluster import is_slot_moved
+from runtime.cluster import EXIT_SHARD_MOVED, is_slot_moved
 from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
 
 STAGES = ("ingress", "tokenizer", "router", "detokenizer")
-EXIT_SHARD_MOVED = 3  # the shard's slots moved: start again (a supervisor's restart does)
 
 
 def run_stage(

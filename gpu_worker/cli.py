@@ -22,12 +22,11 @@ from bus.access import attach_checked, redacted
 from bus.actor import stop_on_signals
 from gpu_worker import worker as worker_module
 from gpu_worker.synthetic_engine import add_synthetic_arguments, synthetic_engine_from
-from runtime.cluster import is_slot_moved
+from runtime.cluster import EXIT_SHARD_MOVED, is_slot_moved
 from runtime.config import BusConfig
 from runtime.model_files import DEFAULT_MODEL
 
 SYNTHETIC_OPTIONS = ("synthetic", "synthetic_step_ms", "synthetic_batch")
-EXIT_SHARD_MOVED = 3  # as a CPU stage's (cli/run_stage.py)
 logger = logging.getLogger(__name__)
 
 
@@ -83,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None
         and key not in ("redis_url", "model", "worker_id", "log_level", *SYNTHETIC_OPTIONS)
     }
+    requested = config
     try:
         # Before the model loads: a typo should fail fast.
         config = attach_checked(config, "worker")
@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             from gpu_worker.engine import Engine  # torch: only for a worker with a model
 
             engine = Engine(args.model, **options)
+        if requested.shard is None and config.shard is not None:
+            # Picked again now: workers started together were all loading until now, none
+            # beating, so the first pick put them all on one shard.
+            config = attach_checked(requested, "worker")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

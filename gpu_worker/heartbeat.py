@@ -77,12 +77,11 @@ class HeartbeatThread(threading.Thread):
             free_kv_tokens=load.free_kv_tokens, admitted=load.admitted, time=time.time(),
         )  # fmt: skip
         pipe = self.client.pipeline(transaction=True)
-        pipe.sismember(self.config.workers_key(), self.worker_id)
         pipe.set(self.config.heartbeat_key(self.worker_id), encode(heartbeat),
                  px=int(self.config.heartbeat_ttl_s * 1000))  # fmt: skip
-        pipe.sadd(self.config.workers_key(), self.worker_id)
-        was_member = pipe.execute()[0]
-        if self._registered and not was_member:
+        pipe.sadd(self.config.workers_key(), self.worker_id)  # 1: we were not a member
+        added = pipe.execute()[1]
+        if self._registered and added:
             logger.warning("worker %s: was taken for dead (heartbeat lapsed); registered "
                            "again", self.worker_id)  # fmt: skip
         self._registered = True

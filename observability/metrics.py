@@ -38,6 +38,10 @@ PREFIX = "streamserve:"
 RATE_WINDOW_S = 60.0
 # A snapshot outlives this many publication intervals, so one late beat does not drop it.
 TTL_INTERVALS = 3
+# A process lists its snapshot key in the index for this many snapshot TTLs at a time, so it
+# writes the index (and prunes it) once in that long rather than at every publish: an entry
+# outliving its process only costs a reader one missing key in its MGET.
+INDEX_TTLS = 10
 
 # `_created` series double every counter and histogram, and no dashboard reads them.
 prometheus_client.disable_created_metrics()
@@ -128,7 +132,8 @@ def snapshot_key(config: BusConfig, role: str, replica: str) -> str:
 
 
 def index_key(config: BusConfig) -> str:
-    """Sorted set of the snapshot keys, scored by when each expires (unix seconds)."""
+    """Sorted set of the snapshot keys, scored by when each stops being listed (unix
+    seconds; the snapshot itself may expire before)."""
     return config.key_name("metrics")
 
 
@@ -143,6 +148,7 @@ class MetricsPublisher(threading.Thread):
         self.key = snapshot_key(config, metrics.role, metrics.replica)
         self.stop = threading.Event()
         self._rates = RateHistory()
+        self._listed_until = 0.0  # our score in the index
         self._lock = threading.Lock()  # the thread and a scrape (an ingress's) both publish
 
     def publish(self) -> None:
@@ -160,9 +166,14 @@ class MetricsPublisher(threading.Thread):
         ttl_s = TTL_INTERVALS * self.config.metrics_interval_s
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self.key, msgpack.packb(snapshot), px=int(ttl_s * 1000))
-        pipe.zadd(index_key(self.config), {self.key: now + ttl_s})
-        pipe.zremrangebyscore(index_key(self.config), "-inf", now - ttl_s)
+        relist = now + ttl_s > self._listed_until
+        if relist:
+            until = now + INDEX_TTLS * ttl_s
+            pipe.zadd(index_key(self.config), {self.key: until})
+            pipe.zremrangebyscore(index_key(self.config), "-inf", now)
         pipe.execute()
+        if relist:
+            self._listed_until = until
 
     def run(self) -> None:
         while not self.stop.wait(self.config.metrics_interval_s):

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.crc import key_slot as _redis_key_slot
 
 from runtime.config import BusConfig
 
@@ -48,12 +50,16 @@ ROLE_INPUTS: dict[str, tuple[Callable[[BusConfig], str], str]] = {
 }
 WORKER_ROLE = "worker"
 INGRESS_ROLE = "ingress"  # counted by its replicas' liveness keys (frontend_key)
+# A stage's or worker's exit code when its shard moved off the node it attached to: its
+# supervisor starts it again, and it attaches afresh.
+EXIT_SHARD_MOVED = 3
 
 SlotRanges = list[tuple[int, int]]
 
 
-class ClusterError(RuntimeError):
-    """The cluster does not have the shard asked for, or cannot be read."""
+class ClusterError(ValueError):
+    """The cluster does not have the shard asked for (a setting to fix), or has no shard
+    tag for a primary."""
 
 
 class ClusterNotReady(ClusterError):
@@ -62,17 +68,24 @@ class ClusterNotReady(ClusterError):
 
 def key_slot(name: str) -> int:
     """The cluster slot of a key name (CRC16 of its hash tag, if it has one, mod 16384)."""
-    from redis.crc import key_slot as redis_key_slot
-
-    return redis_key_slot(name.encode())
+    return _redis_key_slot(name.encode())
 
 
 def is_cluster(client: redis.Redis) -> bool:
-    """Whether the server runs in cluster mode (``INFO cluster``: ``cluster_enabled:1``)."""
+    """Whether the server runs in cluster mode. CLUSTER INFO is asked, not INFO: ACL users
+    made as bus/access.py suggests (``-@dangerous``) may not run INFO."""
     try:
-        return bool(int(client.info("cluster").get("cluster_enabled", 0)))
-    except redis.ResponseError:
-        return False  # a server without the section: not a cluster
+        client.execute_command("CLUSTER INFO")
+        return True
+    except redis.exceptions.NoPermissionError:
+        try:  # a user without CLUSTER may still have INFO
+            return bool(int(client.info("cluster").get("cluster_enabled", 0)))
+        except redis.exceptions.NoPermissionError:
+            return False  # neither: a cluster would refuse its jobs at once, and say why
+    except redis.ResponseError as exc:
+        if "cluster support disabled" in str(exc):
+            return False
+        raise
 
 
 def node_url_for(url: str, host: str, port: int) -> str:
@@ -143,10 +156,10 @@ def shard_configs(config: BusConfig) -> list[BusConfig]:
 
 
 def attach(config: BusConfig, role: str, wait_s: float | None = None) -> BusConfig:
-    """The config a process of `role` (``worker``, or a CPU stage in `ROLE_INPUTS`) runs
-    with: unchanged on a plain server; on a cluster, its shard's (the one in
-    ``config.shard``, else the one where `role` has the fewest live replicas, the first
-    of those on a tie). An unreachable server, or a cluster with slots not yet served, is
+    """The config a process of `role` (``worker``, ``ingress``, or a CPU stage in
+    `ROLE_INPUTS`) runs with: unchanged on a plain server; on a cluster, its shard's (the
+    one in ``config.shard``, else the one where `role` has the fewest live replicas, the
+    first of those on a tie). An unreachable server, or a cluster with slots not yet served, is
     waited for (`wait_s` at most; None: as long as it takes, as the reconnect loops do)."""
     if role not in (WORKER_ROLE, INGRESS_ROLE) and role not in ROLE_INPUTS:
         raise ValueError(f"attach: unknown role {role!r}; the roles are "
@@ -166,6 +179,18 @@ def attach(config: BusConfig, role: str, wait_s: float | None = None) -> BusConf
     chosen = shards[counts.index(min(counts))]
     logger.debug("%s: live replicas per shard %s", role, counts)
     return chosen
+
+
+def client_shards(config: BusConfig) -> tuple[BusConfig, BusConfig]:
+    """Where a program putting jobs straight on Redis (bus/client.py) sends them, and the
+    home shard (batches and files): both `config` on a plain server; on a cluster, a shard
+    picked at random among those with a live worker (any shard if none has one: the jobs
+    wait there as on a server with no worker), so many clients spread over the shards."""
+    shards = shard_configs(config)
+    if len(shards) == 1:
+        return shards[0], shards[0]
+    served = [shard for shard in shards if live_replicas(shard, WORKER_ROLE)]
+    return random.choice(served or shards), shards[0]
 
 
 def _wait_for_shards(config: BusConfig, wait_s: float | None) -> list[BusConfig]:
@@ -212,9 +237,15 @@ def live_replicas(shard: BusConfig, role: str) -> int:
 
 
 def is_slot_moved(exc: BaseException) -> bool:
-    """Whether a Redis error says this shard's slots are no longer on the node we talk to
-    (MOVED, ASK; inside a MULTI, redis-py reports it in the failing command's message)."""
-    if isinstance(exc, redis.exceptions.MovedError | redis.exceptions.AskError):
+    """Whether a Redis error says this shard is no longer served by the node we talk to:
+    MOVED or ASK (inside a MULTI, redis-py may report it in the failing command's message),
+    or CLUSTERDOWN (its slot has no primary for now: attaching again waits for one)."""
+    redirected = (
+        redis.exceptions.MovedError,
+        redis.exceptions.AskError,
+        redis.exceptions.ClusterDownError,
+    )
+    if isinstance(exc, redirected):
         return True
     message = str(exc)
     return isinstance(exc, redis.ResponseError) and (

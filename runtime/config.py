@@ -19,7 +19,9 @@ Environment variables read by ``BusConfig.from_env``:
   ``512mb``, ``1gb``); it runs with ``noeviction``, so a full Redis refuses writes (the
   ingress answers 503 with Retry-After) rather than dropping keys a job needs.
 - ``STREAMSERVE_READ_COUNT``: most entries one ``XREADGROUP`` returns.
-- ``STREAMSERVE_BLOCK_MS``: how long one ``XREADGROUP`` blocks waiting for entries.
+- ``STREAMSERVE_BLOCK_MS``: how long one ``XREADGROUP`` blocks waiting for entries. A new
+  entry ends the wait at once, so this bounds only how often an idle stage polls Redis and
+  how long it takes to notice a stop.
 - ``STREAMSERVE_CLAIM_IDLE_MS``: how long an entry stays pending before another consumer
   takes it over with ``XAUTOCLAIM``.
 - ``STREAMSERVE_MAX_DELIVERIES``: deliveries after which an entry (or a job whose workers
@@ -113,7 +115,7 @@ class BusConfig:
     shard: str | None = None  # a Redis Cluster shard's tag (runtime/cluster.py); None: none
     stream_maxlen: int = 100_000
     read_count: int = 64
-    block_ms: int = 100
+    block_ms: int = 1_000
     claim_idle_ms: int = 5_000
     max_deliveries: int = 3
     heartbeat_interval_s: float = 1.0

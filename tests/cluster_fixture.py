@@ -1,9 +1,10 @@
-"""A three-primary Redis Cluster of the embedded binary (valkey-server in cluster mode), for
-the tests that run the bus on a cluster: `running_cluster(tmp_path)` yields its node URLs.
+"""A Redis Cluster of the embedded binary (valkey-server in cluster mode), for the tests
+that run the bus on a cluster and benchmarks/bench_bus_load.py's ``--shards``:
+`running_cluster(tmp_path)` yields its node URLs (three primaries unless asked otherwise).
 
-Slots are assigned by hand (0-5460, 5461-10922, 10923-16383, as `valkey-cli --cluster
-create` would) and the nodes introduced with CLUSTER MEET: no replicas, nothing on disk but
-each node's cluster config file.
+Slots are assigned by hand (even shares: 0-5460, 5461-10922, 10923-16383 for three, as
+`valkey-cli --cluster create` would) and the nodes introduced with CLUSTER MEET: no
+replicas, nothing on disk but each node's cluster config file.
 """
 
 from __future__ import annotations
@@ -19,19 +20,30 @@ import redis
 from runtime.embedded_server import find_server_binary
 from tests.pipeline_harness import free_port
 
-SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
+SLOTS = 16384
+
+
+def slot_ranges(primaries: int) -> list[tuple[int, int]]:
+    """The slots split evenly, as `valkey-cli --cluster create` splits them."""
+    bounds = [round(i * SLOTS / primaries) for i in range(primaries + 1)]
+    return [(bounds[i], bounds[i + 1] - 1) for i in range(primaries)]
+
+
+SLOT_RANGES = tuple(slot_ranges(3))  # (0, 5460), (5461, 10922), (10923, 16383)
 READY_TIMEOUT_S = 30.0
 
 
 @contextlib.contextmanager
-def running_cluster(tmp_path: Path) -> Iterator[list[str]]:
-    """Three primaries on 127.0.0.1, each owning a third of the slots, until the block ends."""
+def running_cluster(tmp_path: Path, primaries: int = 3) -> Iterator[list[str]]:
+    """`primaries` nodes on 127.0.0.1, each owning an even share of the slots, until the
+    block ends."""
     binary = str(find_server_binary())
     processes: list[subprocess.Popen[bytes]] = []
     ports: list[int] = []
     bus_ports: list[int] = []
     try:
-        for index in range(len(SLOT_RANGES)):
+        ranges = slot_ranges(primaries)
+        for index in range(primaries):
             port, bus_port = free_port(), free_port()
             node_dir = tmp_path / f"node-{index}"
             node_dir.mkdir(parents=True, exist_ok=True)
@@ -50,7 +62,7 @@ def running_cluster(tmp_path: Path) -> Iterator[list[str]]:
         clients = [
             _wait_for_ping(port, process) for port, process in zip(ports, processes, strict=True)
         ]
-        for client, (first, last) in zip(clients, SLOT_RANGES, strict=True):
+        for client, (first, last) in zip(clients, ranges, strict=True):
             client.execute_command("CLUSTER ADDSLOTSRANGE", first, last)
         for port, bus_port in zip(ports[1:], bus_ports[1:], strict=True):
             clients[0].execute_command("CLUSTER MEET", "127.0.0.1", port, bus_port)

@@ -58,6 +58,27 @@ def redis_client(redis_url):
 
 
 @pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A Redis Cluster of three primaries (tests/cluster_fixture.py), one per test module:
+    its node URLs, in slot order."""
+    from tests.cluster_fixture import running_cluster
+
+    with running_cluster(tmp_path_factory.mktemp("cluster")) as urls:
+        yield urls
+
+
+@pytest.fixture
+def nodes(cluster):
+    """`cluster`'s node URLs, every node emptied first."""
+    import redis
+
+    for url in cluster:
+        with redis.Redis.from_url(url) as client:
+            client.flushall()
+    return cluster
+
+
+@pytest.fixture(scope="module")
 def float32_pipeline():
     """`streamserve up` on the default model in float32 (greedy answers do not depend on the
     batch), one per test module that asks for it."""

@@ -50,6 +50,20 @@ def test_the_bus_load_benchmark_measures_a_short_run_of_synthetic_workers(tmp_pa
     assert "| Redis shard |" in table and "| ingress |" in table
 
 
+def test_the_bus_load_benchmark_runs_on_a_redis_cluster_of_two_shards(tmp_path):
+    out = tmp_path / "load.jsonl"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_bus_load.py"), "--shards", "2",
+         "--workers", "1", "--clients", "4", "--max-tokens", "16", "--warm-up", "2",
+         "--seconds", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(out.read_text())
+    assert (row["shards"], row["client_errors"]) == (2, 0) and row["tokens"] > 0
+    assert 0 < row["redis_cores_busiest_shard"] <= row["redis_cores"]
+
+
 def test_capacity_is_tokens_per_core_and_workers_per_core():
     sys.path.insert(0, str(BENCHMARKS.parent))
     from benchmarks.bus_capacity import capacity

@@ -13,7 +13,6 @@ import redis
 from jobs.protocol import ENTRY_FIELD, encode
 from runtime.cluster import shard_configs
 from runtime.config import BusConfig
-from tests.cluster_fixture import running_cluster
 from tests.ingress_harness import MODEL, RunningIngress, add_worker, deltas, post_raw
 from tests.prometheus_text import total
 
@@ -22,15 +21,14 @@ PIECES = [("Once", [1]), (" upon", [2, 3]), (" a", [4]), (" time", [5])]
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    with running_cluster(tmp_path_factory.mktemp("cluster")) as nodes:
-        configs = shard_configs(BusConfig(redis_url=nodes[1]))
-        clients = [redis.Redis.from_url(c.redis_url) for c in configs]
-        for client, config in zip(clients, configs, strict=True):
-            add_worker(client, config, f"w-{config.shard}")
-        yield list(zip(clients, configs, strict=True))
-        for client in clients:
-            client.close()
+def shards(cluster):
+    configs = shard_configs(BusConfig(redis_url=cluster[1]))
+    clients = [redis.Redis.from_url(c.redis_url) for c in configs]
+    for client, config in zip(clients, configs, strict=True):
+        add_worker(client, config, f"w-{config.shard}")
+    yield list(zip(clients, configs, strict=True))
+    for client in clients:
+        client.close()
 
 
 @pytest.fixture(scope="module")

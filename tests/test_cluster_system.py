@@ -19,7 +19,6 @@ import redis
 
 from runtime.cluster import shard_configs
 from runtime.config import BusConfig
-from tests.cluster_fixture import running_cluster
 from tests.pipeline_harness import (
     Pipeline,
     resume_stream,
@@ -35,12 +34,6 @@ MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 24
 BODY = {"model": MODEL, "prompt": "Once upon a time, in a city of streams,", "temperature": 0,
         "max_tokens": MAX_TOKENS, "ignore_eos": True}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with running_cluster(tmp_path_factory.mktemp("cluster")) as nodes:
-        yield nodes
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +138,16 @@ def test_a_batch_runs_on_the_cluster_and_its_files_are_seen_from_every_replica(p
                .splitlines()]  # fmt: skip
     assert sorted(r["custom_id"] for r in results) == [f"line-{i}" for i in range(4)]
     assert all(r["response"]["status_code"] == 200 for r in results)
+
+
+def test_direct_clients_spread_over_the_shards_and_answer_alike(pipeline, undisturbed):
+    from bus.client import Client
+
+    sampling = {"temperature": 0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True}
+    shards = set()
+    for _ in range(6):
+        with Client(pipeline.redis_url) as client:  # any node's URL
+            shards.add(client.config.shard)
+            assert client.generate(BODY["prompt"], sampling=sampling)["text"] == undisturbed
+            assert client.home_config.shard == shard_configs(client.config)[0].shard
+    assert len(shards) >= 2  # at random among the shards with a worker: all three here

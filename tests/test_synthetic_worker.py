@@ -117,7 +117,7 @@ def test_a_worker_runs_the_model_unless_started_with_synthetic(monkeypatch):
             raise ValueError("recorded")  # the cli's clean exit for a bad engine option
 
     monkeypatch.setattr(gpu_worker.engine, "Engine", RecordingEngine)
-    monkeypatch.setattr(cli, "check_access", lambda *args: None)
+    monkeypatch.setattr(cli, "attach_checked", lambda config, role: config)
     assert cli.main(["--redis-url", "redis://127.0.0.1:1", "--model", MODEL]) == 2
     assert made == [MODEL]
     # Its settings alone do not make a worker synthetic: they are refused, not ignored.
