@@ -63,14 +63,12 @@ Environment variables read by ``BusConfig.from_env``:
 - ``STREAMSERVE_INGRESS_MAX_CONNECTIONS``: open connections one ingress replica serves at
   once; one more gets a 503 with Retry-After and is closed.
 
-KV-aware routing (stages/router/kv_routing.py says how the weights combine):
-``STREAMSERVE_ROUTER_POLICY`` (``kv`` by the prefix each worker's cache holds against its
-load, or ``load`` alone); ``STREAMSERVE_KV_BLOCK_TOKENS`` (tokens per hashed block, a multiple
-of the workers' page size); ``STREAMSERVE_KV_CACHE_WEIGHT``, ``STREAMSERVE_KV_LOAD_WEIGHT``,
-``STREAMSERVE_KV_JOB_LOAD_TOKENS`` (what a queued job weighs in tokens),
-``STREAMSERVE_KV_BALANCE_JOBS`` (a hot prefix's holder this many jobs ahead of the least
-loaded worker hands on); ``STREAMSERVE_KV_EVENTS_MAXLEN`` (cap of the ``kv-events`` stream)
-and ``STREAMSERVE_KV_SNAPSHOT_INTERVAL_S`` (between a busy worker's full snapshots on it).
+KV-aware routing (stages/router/kv_routing.py): ``STREAMSERVE_ROUTER_POLICY`` (``kv``, or
+``load`` alone), ``STREAMSERVE_KV_BLOCK_TOKENS`` (per hashed block, a multiple of the page
+size), ``STREAMSERVE_KV_CACHE_WEIGHT``, ``STREAMSERVE_KV_LOAD_WEIGHT``,
+``STREAMSERVE_KV_JOB_LOAD_TOKENS`` (a queued job's weight in tokens),
+``STREAMSERVE_KV_BALANCE_JOBS`` (how far a hot prefix's holder may lead the least loaded),
+``STREAMSERVE_KV_EVENTS_MAXLEN``, ``STREAMSERVE_KV_SNAPSHOT_INTERVAL_S`` (the events stream).
 
 Request bounds (docs/BOUNDS.md), each a 400 naming the field it is about:
 
