@@ -79,6 +79,7 @@ class FencedStream:
         self.progress: bytes | None = None  # an encoded ProgressEntry, for the log
         self.progress_trim: bytes | None = None  # trim the log below this id (MINID)
         self.progress_written: bytes | None = None  # where the last commit logged `progress`
+        self.kv_events: bytes | None = None  # an encoded KvEvents, for the kv-events stream
         # Entry id -> deliveries to a previous life under this id, for the entries `open`
         # took back (read once, when the job is admitted).
         self.previous_deliveries: dict[bytes, int] = {}
@@ -123,7 +124,7 @@ class FencedStream:
         (having written nothing) when the fence changed."""
         self.trimmer.maybe_trim()
         self.progress_written = None
-        if not (self.outbox or self.acks or self.dead or read or self.progress):
+        if not (self.outbox or self.acks or self.dead or read or self.progress or self.kv_events):
             return []
         with self.client.pipeline(transaction=True) as pipe:
             try:
@@ -135,6 +136,9 @@ class FencedStream:
                     pipe.xadd(self.progress_stream, {ENTRY_FIELD: self.progress})
                 if self.progress_trim is not None:
                     pipe.xtrim(self.progress_stream, minid=self.progress_trim, approximate=False)
+                if self.kv_events is not None:  # capped by count: a snapshot follows a cut
+                    pipe.xadd(self.config.kv_events_stream(), {ENTRY_FIELD: self.kv_events},
+                              maxlen=self.config.kv_events_maxlen, approximate=True)  # fmt: skip
                 write_outputs(pipe, self.config, self.outbox)
                 write_dead_letters(pipe, self.config, self.dead)
                 if self.acks:
@@ -179,7 +183,7 @@ class FencedStream:
 
     def _clear(self) -> None:
         self.outbox, self.acks, self.dead = [], [], []
-        self.progress = self.progress_trim = None
+        self.progress = self.progress_trim = self.kv_events = None
 
 
 def read_progress_log(

@@ -69,6 +69,7 @@ def run_stage(
     if name == "router":
         # Dead workers' jobs move on; the jobs it moves count in the router's metrics.
         start_reaper_thread(config, actor.consumer, stop, actor.metrics.process)
+        stage.use_metrics(actor.metrics.process)
     publisher = start_publisher(client, config, actor.metrics.process)
     try:
         actor.run()

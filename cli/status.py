@@ -222,7 +222,10 @@ def _workers_table(workers: list[dict[str, Any]]) -> RenderableType:
     table = Table(title="workers", title_justify="left", expand=False)
     table.add_column("worker", style="bold")
     table.add_column("model")
-    for column in ("running", "waiting", "KV use", "tok/s", "lag/pending", "heartbeat"):
+    # hits: the prefix cache's hit rate; cached/exp: tokens it found against those the
+    # routers expected it to (KV-aware routing).
+    for column in ("running", "waiting", "KV use", "tok/s", "hits", "cached/exp", "lag/pending",
+                   "heartbeat"):  # fmt: skip
         table.add_column(column, justify="right")
     table.add_column("attention")
     for worker in workers:
@@ -233,6 +236,8 @@ def _workers_table(workers: list[dict[str, Any]]) -> RenderableType:
             _queue(worker["waiting"]),
             f"{100 * worker['kv_usage']:.1f}%",
             f"{worker['tokens_per_s']:.1f}",
+            _percent(worker.get("prefix_hit_rate")),
+            f"{worker.get('cached_tokens', 0)}/{worker.get('expected_cached_tokens', 0)}",
             f"{worker['lag']}/{worker['pending']}",
             f"{worker['heartbeat_age_s']:.1f} s",
             worker["attention"] or "-",
@@ -243,6 +248,8 @@ def _workers_table(workers: list[dict[str, Any]]) -> RenderableType:
 def _throughput(status: dict[str, Any]) -> Group:
     rates, totals = status["throughput"], status["totals"]
     dead = status["dead_letters"]
+    # Jobs routed, by why (KV-aware routing).
+    routed = ", ".join(f"{reason} {count}" for reason, count in status.get("routing", {}).items())
     return Group(
         Text.assemble(
             f"last {rates['window_s']:g} s: ",
@@ -255,6 +262,7 @@ def _throughput(status: dict[str, Any]) -> Group:
             f"tokens, {totals['http_requests']:.0f} HTTP requests; ",
             (f"dead letters: {dead}", "bold red" if dead else ""),
         ),
+        Text(f"routing: {routed or '-'}"),
     )
 
 
@@ -273,6 +281,10 @@ def _redis_server(figures: dict[str, Any] | None, name: str = "redis") -> Text:
         (memory, "bold red" if full else ""),
         f", {figures['connected_clients']} clients",
     )
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.0f}%"
 
 
 def _queue(count: int) -> Text:

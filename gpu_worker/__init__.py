@@ -5,6 +5,7 @@ worker.py          the worker stage: jobs in, the engine loop, tokens out
 token_item.py      what the worker publishes of a running job
 publishing.py      when a busy worker publishes (per interval), and its items and log entry
 progress_log.py    the worker's side of its progress log: the next entry, the trim point
+cached_blocks.py   the blocks the prefix cache holds, and the next KvEvents entry
 probation.py       the jobs of a step that raised, admitted again one at a time
 grammar_waits.py   jobs whose grammar compiles beside the engine
 heartbeat.py       the heartbeat thread: load figures under a key with a TTL

@@ -11,6 +11,9 @@ at most the interval for its reader; at batch 64 a publish carries hundreds of t
 Jobs handed back to the worker (a previous life's, or every job after the engine dropped its
 state) find their progress in the worker's own log at admission (`progress`); the log is
 not trimmed until they have (gpu_worker/progress_log.py).
+
+The same publish carries, when the prefix cache changed, one `KvEvents` entry of the blocks
+it stored and removed (gpu_worker/cached_blocks.py): what the routers route by.
 """
 
 from __future__ import annotations
@@ -22,18 +25,19 @@ import redis
 
 from bus.effects import ExpireKey, Outbound
 from bus.fenced_stream import Entry, FencedStream, read_progress_log
+from gpu_worker.cached_blocks import watch_prefix_cache
 from gpu_worker.progress_log import ProgressLog
 from gpu_worker.token_item import RunningJob, finish_of, token_item
 from gpu_worker.worker_metrics import WorkerMetrics
 from jobs.progress import rebuild
-from jobs.protocol import TokenBatch, TokenItem, TokenizedRequest
+from jobs.protocol import TokenBatch, TokenItem, TokenizedRequest, encode
 from runtime.config import BusConfig
 
 
 class Publisher:
     def __init__(
         self, client: redis.Redis, config: BusConfig, worker_id: str, bus: FencedStream,
-        metrics: WorkerMetrics, finished: Callable[[RunningJob], None],
+        metrics: WorkerMetrics, finished: Callable[[RunningJob], None], scheduler: object = None,
     ) -> None:  # fmt: skip
         self.client = client
         self.config = config
@@ -45,6 +49,11 @@ class Publisher:
         self._gained: dict[str, None] = {}  # rids with tokens not yet published, in order
         self._last = 0.0  # monotonic time of the last publish
         self._taken_back: set[bytes] = set()  # entries whose progress is in our own log
+        # rid -> why the router sent the job here and what it expected cached, for its Finish.
+        self._routes: dict[str, tuple[str, int]] = {}
+        # What the prefix cache holds (None: the engine has none, and publishes no events).
+        self.blocks = watch_prefix_cache(scheduler, worker_id, config.kv_block_tokens,
+                                         config.kv_snapshot_interval_s)  # fmt: skip
 
     # ---- when ----------------------------------------------------------------------------
 
@@ -63,9 +72,13 @@ class Publisher:
         """Queue on the bus's next commit one item per request that gained tokens since the
         last publish, and the progress log's entry for them."""
         gained, self._gained = self._gained, {}
+        if len(self._routes) > 2 * len(jobs) + 64:
+            self._routes = {rid: route for rid, route in self._routes.items() if rid in jobs}
         self.publish_items([self.item(jobs[rid]) for rid in gained if rid in jobs], step)
         self.bus.progress = self.log.take()
         self.bus.progress_trim = self.log.trim_point()
+        events = self.blocks.take() if self.blocks is not None else None
+        self.bus.kv_events = encode(events) if events is not None else None
         self._last = time.monotonic()
 
     def publish_items(self, items: list[TokenItem], step: int) -> None:
@@ -90,6 +103,9 @@ class Publisher:
         if req.finished:
             self.log.forget(req.rid)
             item.finish = finish_of(req, job.queue_seconds)
+            route = self._routes.pop(req.rid, None)
+            if route is not None:
+                item.finish.route_reason, item.finish.expected_cached_tokens = route
             self.metrics.finished(item.finish)
             self.finished(job)
         return item
@@ -97,6 +113,8 @@ class Publisher:
     def committed(self, written: bool) -> None:
         """The bus's commit wrote what was queued (False: it was fenced, and wrote nothing)."""
         self.log.written(self.bus.progress_written if written else None)
+        if not written and self.blocks is not None:
+            self.blocks.resend()  # the changes were not written: say everything next time
 
     # ---- jobs handed back ----------------------------------------------------------------
 
@@ -119,11 +137,19 @@ class Publisher:
         if not self._taken_back:
             self.log.holding = False  # every job handed back is in hand again
 
+    def _note_routes(self, jobs: list[TokenizedRequest]) -> None:
+        """Keep each job's route figures for its Finish (`publish` drops those of jobs that
+        never ran here: refused, or aborted on arrival)."""
+        for job in jobs:
+            if job.route_reason is not None:
+                self._routes[job.rid] = (job.route_reason, job.expected_cached or 0)
+
     def progress(self, jobs: list[tuple[bytes, TokenizedRequest]]) -> dict[str, list[int]]:
         """Each job's published output: what it carries (from workers that died holding it),
         and for one handed back, what our own log holds beyond that. Those extra ids are
         logged again in our next publish, so our log may go below its older entries."""
         carried = {job.rid: list(job.progress or []) for _, job in jobs}
+        self._note_routes([job for _, job in jobs])
         mine = [job.rid for entry_id, job in jobs if entry_id in self._taken_back]
         if not mine:
             return carried

@@ -103,7 +103,7 @@ class Worker:
         self.metrics.describe(model, runner.attention_path, runner.graph_runner is not None,
                               runner.cpu_kernels is not None)  # fmt: skip
         self.publisher = Publisher(client, config, worker_id, self.bus, self.metrics,
-                                   self._finished)  # fmt: skip
+                                   self._finished, self.scheduler)  # fmt: skip
         self._publisher = None
 
     # ---- the loop ------------------------------------------------------------------------

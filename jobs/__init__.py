@@ -7,6 +7,8 @@ requests.py            the jobs: `GenerateRequest`, `TokenizedRequest`, `Abort`,
 token_records.py       a worker's `TokenItem` and `Finish`, records by name (wire version 2)
 legacy_records.py      version 1's positional lists, still read, and written to its readers
 progress.py            a worker's progress log entries, and a job's ids rebuilt from them
+kv_blocks.py           the chained hashes naming a token sequence's blocks (KV routing)
+kv_events.py           `KvEvents`: the blocks a worker's prefix cache stored and removed
 wire.py                the codec: one msgpack map per entry, `Record`s, the wire version
 sampling_params.py     `SamplingParams`, the one table of sampling parameters
 sampling_checks.py     the type and range checks of its rows

@@ -16,6 +16,8 @@ Streams (names from ``BusConfig``; ``<p>`` is the prefix, ``streamserve`` by def
                      | TextDeltas      bundles the deltas of one detokenizer batch for the
                      | ErrorReply      jobs that asked for it (``bundle_replies``)
   <p>:progress:<id>  ProgressEntry     a worker's progress log (jobs/progress.py)
+  <p>:kv-events      KvEvents          blocks the workers' prefix caches stored and removed
+                                       (jobs/kv_events.py); read by every router replica
   <p>:dead-letter    (fields: source, entry_id, reason, payload)
 
 A job's ``sampling`` map holds `jobs.sampling_params.SamplingParams` fields (``priority``
@@ -30,6 +32,7 @@ from typing import Any
 
 import msgpack
 
+from jobs.kv_events import KvEvents
 from jobs.progress import ProgressEntry
 from jobs.requests import Abort, GenerateRequest, TokenizedRequest
 from jobs.token_records import PROMPT_CONTEXT_TOKENS, Finish, TokenItem, token_context
@@ -58,7 +61,8 @@ from jobs.wire import (
 __all__ = [
     "ENTRY_FIELD", "MAX_TOKEN_ID", "PROMPT_CONTEXT_TOKENS", "MESSAGE_TYPES", "Message",
     "ProtocolError", "GenerateRequest", "TokenizedRequest", "Abort", "Finish", "TokenItem",
-    "TokenBatch", "TextDelta", "TextDeltas", "ErrorReply", "ProgressEntry", "Heartbeat",
+    "TokenBatch", "TextDelta", "TextDeltas", "ErrorReply", "ProgressEntry", "KvEvents",
+    "Heartbeat",
     "decode", "encode", "fields_of", "pack_ids", "token_context", "unpack_ids", "WIRE_VERSION",
 ]  # fmt: skip
 
@@ -213,6 +217,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         ErrorReply,
         Heartbeat,
         ProgressEntry,
+        KvEvents,
     )  # fmt: skip
 }
 

@@ -137,16 +137,17 @@ class TokenizedRequest(_Job):
     finishing it (the reaper adds them when it requeues the job; jobs/job_failures.py): past
     ``max_deliveries`` the job is set aside instead of killing another worker. ``progress``
     holds the output ids those workers published (jobs/progress.py): the worker that gets
-    the job continues after them."""
+    the job continues after them. ``route_reason`` and ``expected_cached`` are the router's:
+    why it chose the worker, and the prompt tokens it expected the worker's prefix cache to
+    hold (stages/router/kv_routing.py); the worker reports them in the job's Finish."""
 
     KIND = "tokenized"
     FIELDS = {
         "rid": STR, "reply_to": STR, "input_ids": IDS, "sampling": MAP, "created": FLOAT,
         "tenant": STR, "weight": FLOAT, "attempts": INT, "priority": INT, "v": INT,
-        "progress": IDS, "bundle_replies": BOOL,
+        "progress": IDS, "bundle_replies": BOOL, "route_reason": STR, "expected_cached": INT,
     }  # fmt: skip
-    OPTIONAL = frozenset({"created", "tenant", "weight", "attempts", "priority", "v",
-                          "progress", "bundle_replies"})  # fmt: skip
+    OPTIONAL = frozenset(FIELDS) - {"rid", "reply_to", "input_ids", "sampling"}
 
     rid: str
     reply_to: str
@@ -160,6 +161,8 @@ class TokenizedRequest(_Job):
     v: int = JOB_VERSION
     progress: list[int] | None = None  # output ids already published, by workers that died
     bundle_replies: bool | None = None  # as the GenerateRequest's
+    route_reason: str | None = None  # set by the router
+    expected_cached: int | None = None
 
     def __post_init__(self) -> None:
         _check_scheduling(self.weight, self.priority)

@@ -40,7 +40,7 @@ class Finish(Record):
     FIELDS: ClassVar[dict[str, str]] = {
         "reason": STR, "matched": "str or int", "prompt_tokens": INT, "completion_tokens": INT,
         "cached_tokens": INT, "draft_tokens": INT, "accepted_draft_tokens": INT,
-        "queue_seconds": FLOAT,
+        "queue_seconds": FLOAT, "route_reason": STR, "expected_cached_tokens": INT,
     }  # fmt: skip
     OPTIONAL: ClassVar[frozenset[str]] = frozenset(FIELDS) - {
         "reason", "prompt_tokens", "completion_tokens"
@@ -57,6 +57,10 @@ class Finish(Record):
     # Seconds from the job's creation to the start of the step that computed its first
     # token (None: not measured, e.g. a job that finished before it ran).
     queue_seconds: float | None = None
+    # Why the router chose this worker, and the prompt tokens it expected cached here
+    # (stages/router/kv_routing.py): beside cached_tokens, what the worker found.
+    route_reason: str | None = None
+    expected_cached_tokens: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         wire = super().to_wire()
@@ -93,6 +97,9 @@ class Finish(Record):
         if self.draft_tokens:
             usage.update(draft_tokens=self.draft_tokens,
                          accepted_draft_tokens=self.accepted_draft_tokens)  # fmt: skip
+        if self.route_reason is not None:
+            usage.update(route_reason=self.route_reason,
+                         expected_cached_tokens=self.expected_cached_tokens or 0)  # fmt: skip
         return usage
 
 

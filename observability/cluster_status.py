@@ -33,6 +33,11 @@ def read_deployment_status(shards: list[tuple[redis.Redis, BusConfig]]) -> dict[
                                                                     for _, p in parts)
                            for key, value in merged[section].items()}  # fmt: skip
     merged["dead_letters"] = sum(p["dead_letters"] for _, p in parts)
+    routing: dict[str, int] = {}
+    for _, part in parts:
+        for reason, count in part["routing"].items():
+            routing[reason] = routing.get(reason, 0) + count
+    merged["routing"] = dict(sorted(routing.items()))
     merged["shards"] = [
         {"shard": shard, "redis": p["redis"], "workers": len(p["workers"]),
          "queued": sum(s["lag"] for s in p["stages"]), "dead_letters": p["dead_letters"]}

@@ -3,7 +3,9 @@ ingress's `/status` page draws (from `/status.json`).
 
 Stages in pipeline order with their live replicas (processes whose metrics snapshot has not
 expired, metrics.py), their input stream's length, lag and pending entries; each worker
-with its heartbeat's load, its KV use and its tokens per second; throughput over the last
+with its heartbeat's load, its KV use, its tokens per second and its prefix cache (hit
+rate, tokens found cached against what the routers expected there); the routers' decisions
+by reason (stages/router/kv_routing.py); throughput over the last
 minute, from the rates each process publishes; totals since the live processes started; and
 the Redis server's own figures (redis_server.py).
 A JSON-ready dict, so scripts read it with ``streamserve status --once --json``.
@@ -64,6 +66,14 @@ def read_status(client: redis.Redis, config: BusConfig) -> dict[str, Any]:
         ]  # fmt: skip
         entry["entries_per_s"] = sum(r["entries_per_s"] for r in entry["replicas"])
         stages.append(entry)
+    routers = by_role.get("router", [])
+    expected: dict[str, float] = defaultdict(float)  # worker -> cached tokens routers expected
+    decisions: dict[str, float] = defaultdict(float)  # reason -> jobs routed
+    for s in routers:
+        for worker, tokens in _by_label(s, "router_expected_cached_tokens_total", "worker").items():
+            expected[worker] += tokens
+        for reason, count in _by_label(s, "router_decisions_total", "reason").items():
+            decisions[reason] += count
     workers = []
     worker_snapshots = {s["replica"]: s for s in by_role.get("worker", [])}
     for beat in beats:
@@ -77,6 +87,7 @@ def read_status(client: redis.Redis, config: BusConfig) -> dict[str, Any]:
             "tokens_per_s": _rate(snapshot, "generation_tokens_total") if snapshot else 0.0,
             "lag": group.lag if group else 0, "pending": group.pending if group else 0,
             "attention": beat.attention, "heartbeat_age_s": max(0.0, time.time() - beat.time),
+            **_prefix_cache(snapshot, expected.get(beat.worker_id, 0.0)),
         })  # fmt: skip
     all_workers = by_role.get("worker", [])
     ingresses = by_role.get("ingress", [])
@@ -101,6 +112,7 @@ def read_status(client: redis.Redis, config: BusConfig) -> dict[str, Any]:
             # The API's, not the monitoring's (/metrics, /status.json, /health).
             "http_requests": int(sum(_value(s, "requests_total", _api_route) for s in ingresses)),
         },
+        "routing": {reason: int(count) for reason, count in sorted(decisions.items())},
         "dead_letters": stats[config.dead_letter_stream()].length,
         "redis": None if server is None else asdict(server),
     }
@@ -118,6 +130,25 @@ def _value(snapshot: dict[str, Any], sample: str, where=lambda labels: True) -> 
     name = PREFIX + sample
     return sum(value for family in snapshot["families"] for sample_name, labels, value in family[3]
                if sample_name == name and where(labels))  # fmt: skip
+
+
+def _by_label(snapshot: dict[str, Any], sample: str, label: str) -> dict[str, float]:
+    """A sample's values in one process's snapshot, summed by one label's value."""
+    name, out = PREFIX + sample, {}
+    for family in snapshot["families"]:
+        for sample_name, labels, value in family[3]:
+            if sample_name == name and label in labels:
+                out[labels[label]] = out.get(labels[label], 0.0) + value
+    return out
+
+
+def _prefix_cache(snapshot: dict[str, Any] | None, expected: float) -> dict[str, Any]:
+    """A worker's prefix cache figures since it started: hit rate, tokens found cached, and
+    the tokens the routers expected it to find (KV-aware routing)."""
+    queries = _value(snapshot, "prefix_cache_queries_total") if snapshot else 0.0
+    hits = _value(snapshot, "prefix_cache_hits_total") if snapshot else 0.0
+    return {"prefix_hit_rate": hits / queries if queries else None,
+            "cached_tokens": int(hits), "expected_cached_tokens": int(expected)}  # fmt: skip
 
 
 def _api_route(labels: dict[str, str]) -> bool:

@@ -63,6 +63,13 @@ Environment variables read by ``BusConfig.from_env``:
 - ``STREAMSERVE_INGRESS_MAX_CONNECTIONS``: open connections one ingress replica serves at
   once; one more gets a 503 with Retry-After and is closed.
 
+KV-aware routing (stages/router/kv_routing.py): ``STREAMSERVE_ROUTER_POLICY`` (``kv``, or
+``load`` alone), ``STREAMSERVE_KV_BLOCK_TOKENS`` (per hashed block, a multiple of the page
+size), ``STREAMSERVE_KV_CACHE_WEIGHT``, ``STREAMSERVE_KV_LOAD_WEIGHT``,
+``STREAMSERVE_KV_JOB_LOAD_TOKENS`` (a queued job's weight in tokens),
+``STREAMSERVE_KV_BALANCE_JOBS`` (how far a hot prefix's holder may lead the least loaded),
+``STREAMSERVE_KV_EVENTS_MAXLEN``, ``STREAMSERVE_KV_SNAPSHOT_INTERVAL_S`` (the events stream).
+
 Request bounds (docs/BOUNDS.md), each a 400 naming the field it is about:
 
 - ``STREAMSERVE_MAX_STOP_STRINGS``, ``STREAMSERVE_MAX_STOP_CHARS``,
@@ -94,6 +101,7 @@ REDIS_URL_ENV = "REDIS_URL"
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
 # valkey's memory units; 0 (no limit) is refused: an unbounded Redis is what this guards.
 _MEMORY = re.compile(r"[1-9][0-9]*(b|k|kb|m|mb|g|gb)?", re.IGNORECASE)
+ROUTER_POLICIES = ("kv", "load")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}  # fmt: skip
 
@@ -148,6 +156,14 @@ class BusConfig:
     grammar_compile_timeout_s: float = 10.0
     max_choices: int = 128
     max_request_prompt_tokens: int = 2**20
+    router_policy: str = "kv"  # or "load"
+    kv_block_tokens: int = 32
+    kv_cache_weight: float = 1.0
+    kv_load_weight: float = 1.0
+    kv_job_load_tokens: int = 64  # a few turns' history outweighs a job or two queued
+    kv_balance_jobs: int = 4
+    kv_events_maxlen: int = 10_000
+    kv_snapshot_interval_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.redis_url is not None and not self.redis_url.startswith(_URL_SCHEMES):
@@ -189,11 +205,21 @@ class BusConfig:
             "max_grammar_depth",
             "max_choices",
             "max_request_prompt_tokens",
+            "kv_block_tokens",
+            "kv_events_maxlen",
         ):
             _require_int(name, getattr(self, name), minimum=1)
         # 0 would mean "block forever" to XREADGROUP, and a stage must stay responsive.
         _require_int("block_ms", self.block_ms, minimum=1)
         _require_int("publish_interval_ms", self.publish_interval_ms, minimum=0)
+        _require_int("kv_job_load_tokens", self.kv_job_load_tokens, minimum=0)
+        _require_int("kv_balance_jobs", self.kv_balance_jobs, minimum=0)
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy must be kv or load; got {self.router_policy!r}")
+        for name in ("kv_cache_weight", "kv_load_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0; got {value!r}")
         for name in (
             "heartbeat_interval_s",
             "heartbeat_ttl_s",
@@ -206,6 +232,7 @@ class BusConfig:
             "trim_interval_s",
             "reply_timeout_s",
             "grammar_compile_timeout_s",
+            "kv_snapshot_interval_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
@@ -300,6 +327,10 @@ class BusConfig:
         carried, per job, written in the MULTI that publishes them; where a job that must
         resume (moved off the worker when it died) finds what it had published."""
         return self._name("progress", _require_id("worker_id", worker_id))
+
+    def kv_events_stream(self) -> str:
+        """The blocks the workers' prefix caches store and remove (jobs/kv_events.py)."""
+        return self._name("kv-events")
 
     def reaping_key(self, worker_id: str) -> str:
         """A lock: the router replica moving a dead worker's jobs holds it."""

@@ -18,6 +18,7 @@ from jobs.protocol import (
     Finish,
     GenerateRequest,
     Heartbeat,
+    KvEvents,
     Message,
     ProgressEntry,
     ProtocolError,
@@ -88,6 +89,9 @@ SAMPLES: list[Message] = [
     TokenizedRequest("t3", "streamserve:reply:f1", [5], progress=[7, 8], bundle_replies=True),
     TextDeltas([TextDelta("d4", 0, [11], "a"), TextDelta("d5", 2, [12, 13], "bc")]),
     ProgressEntry("gpu0", {"t1": [0, pack_ids([1, 2])], "t2": [5, pack_ids([3])]}),
+    KvEvents("gpu0", [1, 2**64 - 1], [7]),
+    TokenizedRequest("t4", "streamserve:reply:f1", [5], route_reason="prefix", expected_cached=32),
+    KvEvents("gpu1", [], snapshot=True),
     Heartbeat("gpu0", "streamserve:worker:gpu0", "smollm2", 2, 3, 4096, 8192, 17, 1234.5),
 ]  # fmt: skip
 

@@ -38,6 +38,8 @@ FAMILIES = {
     "worker_step_seconds": ["worker"], "worker_jobs_migrated_in": ["worker"],
     "worker_step_failures": ["worker"], "worker_info": ["worker"],
     "worker_jobs_migrated_out": ["router"],
+    "router_decisions": ["router"], "router_expected_cached_tokens": ["router"],
+    "router_routed_prompt_tokens": ["router"],
     "stage_entries": ["tokenizer", "router", "detokenizer"],
     "stage_batch_size": ["tokenizer", "router", "detokenizer"],
     "stage_handle_seconds": ["tokenizer", "router", "detokenizer"],
@@ -122,6 +124,8 @@ def test_one_target_shows_every_process_and_counts_what_was_sent(pipeline):
     assert total(text, P + "time_to_first_token_seconds_count") == sent
     assert total(text, P + "request_queue_time_seconds_count") == sent
     assert total(text, P + "prompt_tokens_total") == prompt
+    assert total(text, P + "router_routed_prompt_tokens_total") == prompt  # nothing migrated
+    assert total(text, P + "router_decisions_total") == sent
     assert total(text, P + "generation_tokens_total") == generated
     assert total(text, P + "prefix_cache_queries_total") == prompt
     assert total(text, P + "inter_token_latency_seconds_count") == generated - sent

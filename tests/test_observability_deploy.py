@@ -71,6 +71,9 @@ FAMILY_LABELS: dict[str, frozenset[str]] = {
         "worker_info": PROCESS | {"attention", "graphs", "model", "cpu_kernels"},
         # router
         "worker_jobs_migrated_out_total": PROCESS | {"worker"},
+        "router_decisions_total": PROCESS | {"reason"},
+        "router_expected_cached_tokens_total": PROCESS | {"worker"},
+        "router_routed_prompt_tokens_total": PROCESS | {"worker"},
         # every stage
         "stage_entries_total": PROCESS,
         "stage_batch_size": PROCESS,

@@ -100,12 +100,13 @@ def test_a_job_goes_to_the_worker_with_the_least_running_waiting_and_in_transit(
     assert _routed(redis_client, config, "swamped") == []
 
 
-def test_the_forwarded_job_is_the_job_as_received(redis_client, config):
+def test_the_forwarded_job_is_the_job_as_received_with_why_it_went_there(redis_client, config):
     _beat(redis_client, config, "w1")
     _job(redis_client, config, "r1", reply_to="t:reply-7")
     _router(redis_client, config).run_once()
     ((_, fields),) = redis_client.xrange(config.worker_stream("w1"))
-    expected = TokenizedRequest("r1", "t:reply-7", [1, 2, 3], {"max_new_tokens": 4}, 1.5)
+    expected = TokenizedRequest("r1", "t:reply-7", [1, 2, 3], {"max_new_tokens": 4}, 1.5,
+                                route_reason="load", expected_cached=0)  # fmt: skip
     assert decode(fields[ENTRY_FIELD], TokenizedRequest) == expected
 
 

@@ -152,6 +152,13 @@ def test_status_once_json_shows_the_replicas_running_and_follows_requests(pipeli
     assert status["totals"]["requests"] == expected
     assert status["totals"]["generation_tokens"] == before["generation_tokens"] + SENT * MAX_TOKENS
     assert lags(status) == dict.fromkeys(lags(status), 0)
+    # The router says why it routed each job; the worker what its prefix cache found.
+    status = eventually(lambda: status_json(pipeline, source),
+                        lambda s: sum(s["routing"].values()) >= SENT)  # fmt: skip
+    assert set(status["routing"]) <= {"prefix", "load", "balance"}
+    (worker,) = status["workers"]
+    assert worker["prefix_hit_rate"] is not None
+    assert worker["cached_tokens"] >= 0 and worker["expected_cached_tokens"] >= 0
 
 
 @pytest.mark.slow
@@ -159,7 +166,7 @@ def test_status_once_draws_the_stages_workers_and_throughput(pipeline):
     done = run_status("--url", pipeline.url, "--once")
     assert done.returncode == 0, done.stderr
     worker_ids = [worker["id"] for worker in read_from_redis(pipeline)["workers"]]
-    for expected in [*STAGES, *worker_ids, "req/s", "gen tok/s", "dead letters"]:
+    for expected in [*STAGES, *worker_ids, "req/s", "gen tok/s", "dead letters", "routing: "]:
         assert expected in done.stdout, (expected, done.stdout)
 
 

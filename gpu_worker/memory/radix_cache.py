@@ -7,6 +7,9 @@ node owns whole pages and eviction can hand them straight back to the allocator.
 A node always stands for the same end position: splitting creates a new parent for the
 shared part and leaves the original node below it, so a request's lock on its last node
 stays valid across splits.
+
+A `listener` (gpu_worker/cached_blocks.py) is told of every prefix the tree gains or loses,
+so a worker can tell the routers what it holds; a split changes no prefix and tells nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -42,6 +46,19 @@ class TreeNode:
         return (self.last_access, self.id) < (other.last_access, other.id)
 
 
+class CacheListener(Protocol):
+    """Told what the tree gains and loses, as token paths from the root."""
+
+    def inserted(self, key: list[int], already: int) -> None:
+        """The tree holds `key` now, of which the first `already` tokens it held before."""
+
+    def evicted(self, path: list[int], start: int) -> None:
+        """The tree lost `path`'s tokens from `start` on (and holds its first `start`)."""
+
+    def cleared(self) -> None:
+        """The tree holds nothing now."""
+
+
 @dataclass
 class MatchResult:
     slots: torch.Tensor  # [n] int64 KV slots of the matched prefix, n a multiple of page_size
@@ -60,6 +77,7 @@ class RadixCache:
         self.allocator = allocator
         self.page_size = page_size
         self.device = allocator.device
+        self.listener: CacheListener | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -68,6 +86,8 @@ class RadixCache:
         self._clock = itertools.count(1)  # a counter, not wall time: LRU order is exact
         self._evictable = 0
         self._protected = 0
+        if self.listener is not None:
+            self.listener.cleared()
 
     # ---- sizes (tokens) ------------------------------------------------------------------
 
@@ -121,6 +141,7 @@ class RadixCache:
         node = self.root
         node.last_access = now
         already = 0
+        whole = key
         while key:
             child = node.children.get(self._child_key(key))
             if child is None:
@@ -134,6 +155,8 @@ class RadixCache:
             node = child
             key = key[matched:]
             slots = slots[matched:]
+        if self.listener is not None and already < len(whole):
+            self.listener.inserted(list(whole), already)
         return already
 
     # ---- locking -------------------------------------------------------------------------
@@ -169,6 +192,9 @@ class RadixCache:
         freed = 0
         while freed < num_tokens and heap:
             node = heapq.heappop(heap)
+            if self.listener is not None:
+                path = self._path(node)
+                self.listener.evicted(path, len(path) - len(node.key))
             freed_values.append(node.value)
             freed += len(node.key)
             self._evictable -= len(node.key)
@@ -213,6 +239,14 @@ class RadixCache:
         leaf.last_access = now
         parent.children[self._child_key(key)] = leaf
         self._evictable += len(key)
+
+    def _path(self, node: TreeNode) -> list[int]:
+        """The tokens from the root to the end of `node`."""
+        keys = []
+        while node is not self.root:
+            keys.append(node.key)
+            node = node.parent
+        return [token for key in reversed(keys) for token in key]
 
     def _nodes(self) -> list[TreeNode]:
         """Every node except the root."""

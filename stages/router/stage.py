@@ -1,4 +1,6 @@
-"""The router stage: each token-id job goes to the least-loaded live worker.
+"""The router stage: each token-id job goes to a live worker, by the prefix its prefix cache
+would reuse against its load (stages/router/kv_routing.py; ``router_policy = "load"``: the
+least-loaded live worker).
 
 Stateless across replicas: the live workers and their load come from Redis on every batch
 (bus/liveness.py: the workers set, then their heartbeats and the jobs every router replica
@@ -7,6 +9,13 @@ worker's last heartbeat count against it and a burst is spread instead of piling
 worker that looked idlest a second ago. A job's worker is recorded under its route key, for
 aborts. With no live worker the batch is held (unacknowledged) until one appears, and failed
 with a 503 reply after ``no_worker_timeout_s``.
+
+What the workers' caches hold comes from the ``kv-events`` stream, read into an index before
+each batch (stages/router/kv_index.py). Why each job went where it did, and the cached tokens
+expected there, travel with the job (its ``route_reason`` and ``expected_cached``, which the
+worker reports in its Finish) and are counted in the router's metrics
+(stages/router/router_metrics.py); the route key keeps holding just the worker id, which
+aborts read.
 """
 
 from __future__ import annotations
@@ -22,8 +31,13 @@ import redis
 from bus.actor import HoldBatch, Inbound
 from bus.effects import IncrHash, Outbound, Output, SetKey, reply
 from bus.liveness import read_liveness
+from jobs.kv_blocks import block_hashes
 from jobs.protocol import ErrorReply, TokenizedRequest
+from observability.metrics import ProcessMetrics
 from runtime.config import BusConfig
+from stages.router.kv_index import KvIndex
+from stages.router.kv_routing import choose
+from stages.router.router_metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +50,7 @@ class WorkerLoad:
     stream: str
     queued: int  # running + waiting + routed but not yet read by the worker
     free_kv_tokens: int
+    batch_prefill_tokens: int = 0  # uncached prompt tokens the batch being routed sent it
 
 
 def live_workers(client: redis.Redis, config: BusConfig) -> list[WorkerLoad]:
@@ -62,6 +77,12 @@ class RouterStage:
         self.stop = stop
         # Set by the Actor to its touch(): while this holds a batch, no replica may claim it.
         self.keep_alive: Callable[[list[bytes]], None] = lambda entry_ids: None
+        self.index = KvIndex(client, config) if config.router_policy == "kv" else None
+        self.metrics = RouterMetrics(ProcessMetrics("router", "router", enabled=False))
+
+    def use_metrics(self, process: ProcessMetrics) -> None:
+        """Count decisions in the replica's metrics (the Actor's, published to Redis)."""
+        self.metrics = RouterMetrics(process)
 
     def input_stream(self, config: BusConfig) -> str:
         return config.tokenized_stream()
@@ -78,14 +99,23 @@ class RouterStage:
                 ))
                 for job in jobs
             ]  # fmt: skip
+        if self.index is not None:
+            self.index.refresh()
+            self.index.keep_only(worker.worker_id for worker in workers)
         outputs: list[Output] = []
         routed: dict[str, int] = {}
         # The lower priority classes first, to the least loaded workers (a stable sort:
         # arrival order within a class).
         for job in sorted(jobs, key=lambda job: job.priority or 0):
-            # Least queued first; of equals, the one with the most free KV.
-            worker = min(workers, key=lambda w: (w.queued, -w.free_kv_tokens))
+            # A job moved off a dead worker continues after its progress: that is prompt too.
+            ids = job.input_ids + list(job.progress or ())
+            hashes = block_hashes(ids, self.config.kv_block_tokens) if self.index else []
+            choice = choose(workers, hashes, len(ids), self.index, self.config)
+            worker = choice.worker
             worker.queued += 1
+            worker.batch_prefill_tokens += len(ids) - choice.expected_cached
+            self.metrics.decided(choice, len(ids))
+            job.route_reason, job.expected_cached = choice.reason, choice.expected_cached
             outputs.append(Outbound(worker.stream, job))
             outputs.append(SetKey(self.config.route_key(job.rid), worker.worker_id,
                                   self.config.reply_ttl_s))  # fmt: skip
