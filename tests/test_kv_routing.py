@@ -190,6 +190,21 @@ def test_a_job_goes_to_the_worker_holding_its_prefix_and_load_only_routing_ignor
     assert _routed(redis_client, config, "w1") == ["load"]  # w2 now has one in transit
 
 
+def test_a_cold_burst_of_one_prefix_follows_its_first_job_across_router_batches(
+    redis_client, config
+):
+    # A queued job weighs less than the 32-token prefix (as a 512-token system prompt does).
+    config = BusConfig.from_env({}, **{**vars(config), "kv_job_load_tokens": 8})
+    for worker_id in ("w1", "w2"):
+        _beat(redis_client, config, worker_id)
+    actor, stage = _router(redis_client, config)
+    for i in range(3):  # one job per batch: no worker has said it holds the prefix yet
+        _job(redis_client, config, f"c{i}", SYSTEM + [i])
+        actor.run_once()
+    holder = "w1" if _routed(redis_client, config, "w1") else "w2"
+    assert _routed(redis_client, config, holder) == ["c0", "c1", "c2"]
+
+
 def test_a_hot_prefix_is_replicated_past_the_balance_threshold(redis_client, config):
     config = BusConfig.from_env({}, **{**vars(config), "kv_balance_jobs": 2,
                                        "kv_job_load_tokens": 0})  # fmt: skip
@@ -219,7 +234,7 @@ def test_a_workers_entries_go_when_its_heartbeat_does(redis_client, config):
     _job(redis_client, config, "r1", SYSTEM + [1])
     actor.run_once()
     assert "w2" not in stage.index.by_worker
-    assert stage.index.holders == {}
+    assert all(workers == {"w1"} for workers in stage.index.holders.values())  # r1's, expected
     assert _routed(redis_client, config, "w1") == ["r0", "r1"]
 
 

@@ -68,6 +68,18 @@ class KvIndex:
                 held.add(block_hash)
                 self.holders.setdefault(block_hash, set()).add(worker)
 
+    def expect(self, worker_id: str, hashes: Sequence[int]) -> None:
+        """A job whose ids have these chained block `hashes` was just routed to `worker_id`:
+        count its blocks as held there from now on, before the worker says it stores them,
+        so the next jobs of a cold burst of one prefix follow the first (each router
+        batch's own load term still spreads the jobs of one batch). Blocks that never get
+        stored (the job fails, the cache is full) stay until the worker's next snapshot."""
+        held = self.by_worker.setdefault(worker_id, set())
+        for block_hash in hashes:
+            if block_hash not in held:
+                held.add(block_hash)
+                self.holders.setdefault(block_hash, set()).add(worker_id)
+
     def forget(self, worker_id: str) -> None:
         """Drop everything known of `worker_id` (gone, or about to send a snapshot)."""
         for block_hash in self.by_worker.pop(worker_id, ()):

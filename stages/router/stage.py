@@ -114,6 +114,8 @@ class RouterStage:
             worker = choice.worker
             worker.queued += 1
             worker.batch_prefill_tokens += len(ids) - choice.expected_cached
+            if self.index is not None:
+                self.index.expect(worker.worker_id, hashes)
             self.metrics.decided(choice, len(ids))
             job.route_reason, job.expected_cached = choice.reason, choice.expected_cached
             outputs.append(Outbound(worker.stream, job))
