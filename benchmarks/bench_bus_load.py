@@ -110,8 +110,8 @@ class Servers:
 
     def cpu(self) -> list[float]:
         """Each server's CPU seconds (user + system)."""
-        return [(lambda c: c["used_cpu_sys"] + c["used_cpu_user"])(client.info("cpu"))
-                for client in self.clients]  # fmt: skip
+        infos = [client.info("cpu") for client in self.clients]
+        return [info["used_cpu_sys"] + info["used_cpu_user"] for info in infos]
 
     def commands(self) -> dict[str, int]:
         calls: dict[str, int] = {}

@@ -133,7 +133,8 @@ class JobSpec(JobOptions, total=False):
 
 
 class ClientCore:
-    """What `Client` and `AsyncClient` decide, without I/O; they only make the Redis calls.
+    """What `Client` and `AsyncClient` decide; they make the Redis calls. Its one look at the
+    server, when made, finds a Redis Cluster's shards (where the jobs go, and the home shard).
 
     It names the client's reply stream, checks jobs into requests and splits them into
     pipelined round trips; `chunk_of` and `is_last` say what each reply means, and
