@@ -205,6 +205,36 @@ def test_a_cold_burst_of_one_prefix_follows_its_first_job_across_router_batches(
     assert _routed(redis_client, config, holder) == ["c0", "c1", "c2"]
 
 
+@pytest.mark.parametrize("balance_jobs", [4, 2])
+def test_a_cold_burst_in_one_router_batch_sends_each_prefix_to_one_worker(
+    redis_client, config, balance_jobs
+):
+    # A queued job weighs against the 32-token prefixes what the default 64 tokens weigh
+    # against a 512-token system prompt.
+    config = BusConfig.from_env({}, **{**vars(config), "kv_job_load_tokens": 4,
+                                       "kv_balance_jobs": balance_jobs})  # fmt: skip
+    workers = ("w1", "w2", "w3", "w4")
+    for worker_id in workers:
+        _beat(redis_client, config, worker_id)
+    prefixes = [list(range(200 + 40 * p, 232 + 40 * p)) for p in range(3)]
+    actor, _ = _router(redis_client, config)
+    for turn in range(4):
+        for p, prefix in enumerate(prefixes):
+            _job(redis_client, config, f"p{p}-{turn}", prefix + [turn])
+    actor.run_once()  # all twelve in one batch, before any worker holds anything
+    where = {rid: w for w in workers for rid in _routed(redis_client, config, w)}
+    assert len(where) == 12
+    firsts = [where[f"p{p}-0"] for p in range(3)]
+    assert len(set(firsts)) == 3, where  # cold prefixes spread by load
+    for p in range(3):  # the later jobs of a prefix follow its first
+        assert [where[f"p{p}-{turn}"] for turn in range(3)] == [firsts[p]] * 3, where
+    # The fourth job of the first prefix finds its holder 3 jobs ahead of the idle worker:
+    # within a balance of 4; past one of 2, so the idle worker takes it (and the prefix).
+    idle = (set(workers) - set(firsts)).pop()
+    assert where["p0-3"] == (firsts[0] if balance_jobs == 4 else idle), where
+    assert [where["p1-3"], where["p2-3"]] == firsts[1:], where
+
+
 def test_a_hot_prefix_is_replicated_past_the_balance_threshold(redis_client, config):
     config = BusConfig.from_env({}, **{**vars(config), "kv_balance_jobs": 2,
                                        "kv_job_load_tokens": 0})  # fmt: skip
@@ -215,11 +245,12 @@ def test_a_hot_prefix_is_replicated_past_the_balance_threshold(redis_client, con
     for i in range(8):
         _job(redis_client, config, f"r{i}", SYSTEM + [i])
     actor.run_once()
-    # The holder takes jobs until it is 3 ahead; then the other takes one (and would hold the
-    # prefix after it), and the two alternate.
+    # The holder takes jobs until it is 3 ahead; then the other takes one and holds the
+    # prefix too, so the two score alike and the load order evens their queues.
     counts = [len(_routed(redis_client, config, w)) for w in ("w1", "w2")]
-    assert counts == [5, 3], counts
-    assert _routed(redis_client, config, "w2")[0] == "r3"
+    assert counts == [4, 4], counts
+    assert _routed(redis_client, config, "w1")[:3] == ["r0", "r1", "r2"]
+    assert _routed(redis_client, config, "w2")[:3] == ["r3", "r4", "r5"]
 
 
 def test_a_workers_entries_go_when_its_heartbeat_does(redis_client, config):

@@ -71,9 +71,9 @@ class KvIndex:
     def expect(self, worker_id: str, hashes: Sequence[int]) -> None:
         """A job whose ids have these chained block `hashes` was just routed to `worker_id`:
         count its blocks as held there from now on, before the worker says it stores them,
-        so the next jobs of a cold burst of one prefix follow the first (each router
-        batch's own load term still spreads the jobs of one batch). Blocks that never get
-        stored (the job fails, the cache is full) stay until the worker's next snapshot."""
+        so the next jobs of a cold burst of one prefix, in the same router batch or a later
+        one, follow the first. Blocks that never get stored (the job fails, the cache is
+        full) stay until the worker's next snapshot."""
         held = self.by_worker.setdefault(worker_id, set())
         for block_hash in hashes:
             if block_hash not in held:

@@ -3,12 +3,21 @@
 With ``router_policy = "kv"`` each live worker gets a score for a job:
 
     expected_cached = B x (leading blocks of the job's ids the worker holds)   (kv_index.py)
-    load_tokens     = queued jobs x kv_job_load_tokens + uncached prompt tokens
-                      this batch already sent it
+    load_tokens     = queued jobs x kv_job_load_tokens
     score           = kv_cache_weight x expected_cached - kv_load_weight x load_tokens
 
 and the highest score wins; among equal scores the existing load order decides (fewest
 queued, then most free KV), so cold prefixes and ties spread load as load-only routing does.
+
+A job is scored the same whether the jobs before it came in its router batch or in earlier
+ones: each routed job counts at once as queued on its worker (one more job, as the routed
+count says across batches) and its blocks as held there (`KvIndex.expect`). So in a cold
+burst the first job of a prefix goes by load and the later ones follow it, while cold jobs
+of other prefixes see that worker one job busier and go elsewhere. (The load term counts
+jobs, not the prompt tokens a batch sent a worker: a burst's first job would weigh its whole
+prompt, prefix included, against the prefix the next jobs would reuse behind it, and send
+each of them to a cold worker to prefill the prefix again.)
+
 A hot prefix must not pile every request onto its holder: when the winner has more than
 ``kv_balance_jobs`` jobs queued above the least loaded worker, the least loaded takes the
 job, prefills the prefix once and holds it too.
@@ -32,7 +41,6 @@ class Candidate(Protocol):  # stages/router/stage.py WorkerLoad
     worker_id: str
     queued: int
     free_kv_tokens: int
-    batch_prefill_tokens: int
 
 
 class BlockLookup(Protocol):  # stages/router/kv_index.py KvIndex
@@ -66,7 +74,7 @@ def choose(
                                max(0, prompt_tokens - 1)) for w in workers}  # fmt: skip
 
     def score(worker: Candidate) -> float:
-        load = worker.queued * config.kv_job_load_tokens + worker.batch_prefill_tokens
+        load = worker.queued * config.kv_job_load_tokens
         return config.kv_cache_weight * cached[worker.worker_id] - config.kv_load_weight * load
 
     best = min(workers, key=lambda w: (-score(w), *load_order(w)))

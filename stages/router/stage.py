@@ -11,11 +11,14 @@ aborts. With no live worker the batch is held (unacknowledged) until one appears
 with a 503 reply after ``no_worker_timeout_s``.
 
 What the workers' caches hold comes from the ``kv-events`` stream, read into an index before
-each batch (stages/router/kv_index.py). Why each job went where it did, and the cached tokens
-expected there, travel with the job (its ``route_reason`` and ``expected_cached``, which the
-worker reports in its Finish) and are counted in the router's metrics
-(stages/router/router_metrics.py); the route key keeps holding just the worker id, which
-aborts read.
+each batch (stages/router/kv_index.py; a router started anew reads it from the start). Within
+a batch each routed job counts at once as one more job on its worker and its blocks as held
+there, so the batch routes as a run of one-job batches would: a cold burst's jobs of one
+prefix follow its first job, and those of other prefixes spread. Why each job went where it
+did, and the cached tokens expected there, travel with the job (its ``route_reason`` and
+``expected_cached``, which the worker reports in its Finish) and are counted in the router's
+metrics (stages/router/router_metrics.py); the route key keeps holding just the worker id,
+which aborts read.
 """
 
 from __future__ import annotations
@@ -50,7 +53,6 @@ class WorkerLoad:
     stream: str
     queued: int  # running + waiting + routed but not yet read by the worker
     free_kv_tokens: int
-    batch_prefill_tokens: int = 0  # uncached prompt tokens the batch being routed sent it
 
 
 def live_workers(client: redis.Redis, config: BusConfig) -> list[WorkerLoad]:
@@ -112,8 +114,8 @@ class RouterStage:
             hashes = block_hashes(ids, self.config.kv_block_tokens) if self.index else []
             choice = choose(workers, hashes, len(ids), self.index, self.config)
             worker = choice.worker
+            # The next jobs, of this batch too, see it one job busier and holding the blocks.
             worker.queued += 1
-            worker.batch_prefill_tokens += len(ids) - choice.expected_cached
             if self.index is not None:
                 self.index.expect(worker.worker_id, hashes)
             self.metrics.decided(choice, len(ids))
