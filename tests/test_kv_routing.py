@@ -24,6 +24,7 @@ from gpu_worker.worker import Worker
 from jobs.kv_blocks import block_hashes, leading_run
 from jobs.kv_events import KvEvents
 from jobs.protocol import ENTRY_FIELD, Heartbeat, TokenBatch, TokenizedRequest, decode, encode
+from jobs.token_records import Finish
 from runtime.config import BusConfig
 from stages.router.kv_index import KvIndex
 from stages.router.stage import RouterStage
@@ -141,9 +142,9 @@ def test_a_real_workers_stores_and_evictions_reach_every_router_index(redis_clie
 
 
 def _beat(client: redis.Redis, config: BusConfig, worker_id: str, running: int = 0,
-          ttl_ms: int = 5_000) -> None:  # fmt: skip
-    beat = Heartbeat(worker_id, config.worker_stream(worker_id), MODEL, running, 0, 10_000,
-                     20_000, 0, time.time())  # fmt: skip
+          ttl_ms: int = 5_000, free_kv_tokens: int = 10_000) -> None:  # fmt: skip
+    beat = Heartbeat(worker_id, config.worker_stream(worker_id), MODEL, running, 0,
+                     free_kv_tokens, 20_000, 0, time.time())  # fmt: skip
     client.set(config.heartbeat_key(worker_id), encode(beat), px=ttl_ms)
     client.sadd(config.workers_key(), worker_id)
 
@@ -286,6 +287,40 @@ def test_a_dead_workers_job_migrates_to_the_worker_holding_its_prefix(redis_clie
     assert _routed(redis_client, config, "w2") == ["r1"]
 
 
+def test_a_router_started_mid_run_rebuilds_its_index_and_routes_to_the_holder(redis_client, config):
+    # A job weighs against the 32-token prefix what 64 tokens weigh against a 512-token one
+    # (w1's heartbeat may still count r1 when r2 is routed).
+    config = BusConfig.from_env({}, **{**vars(config), "kv_job_load_tokens": 4})
+    worker = Worker(Engine(MODEL, dtype="float32"), redis_client, config, "w1", MODEL)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        _wait(lambda: redis_client.exists(config.heartbeat_key("w1")))
+        first, _ = _router(redis_client, config)  # the router before the restart
+        _job(redis_client, config, "r1", SYSTEM + [5, 6, 7, 8], {**GREEDY, "max_new_tokens": 4})
+        first.run_once()
+        _wait(lambda: "r1" in _finished(redis_client, config))
+        probe = KvIndex(redis_client, config)  # w1's stores are on the stream
+        hashes = block_hashes(SYSTEM, BLOCK)
+        _wait(lambda: probe.refresh() >= 0 and probe.cached_blocks(hashes, "w1") == len(hashes))
+        # A second worker, idle and with the most free KV: the load order's favourite, which
+        # a router that knew nothing of the caches would pick.
+        _beat(redis_client, config, "w2", free_kv_tokens=10**9)
+        restarted, stage = _router(redis_client, config)  # a new process: a new stage, index
+        _job(redis_client, config, "r2", SYSTEM + [9], {**GREEDY, "max_new_tokens": 4})
+        restarted.run_once()
+        assert _routed(redis_client, config, "w1") == ["r1", "r2"]
+        assert _routed(redis_client, config, "w2") == []
+        assert stage.index.cached_blocks(hashes, "w1") == len(hashes)
+        _wait(lambda: "r2" in _finished(redis_client, config))
+        finish = _finishes(redis_client, config)["r2"]
+        assert (finish.route_reason, finish.expected_cached_tokens) == ("prefix", len(SYSTEM))
+        assert finish.cached_tokens >= len(SYSTEM)
+    finally:
+        worker.stop.set()
+        thread.join(timeout=30)
+
+
 def test_greedy_output_is_the_same_whichever_worker_the_router_picks(redis_client, config):
     expected = Engine(MODEL, dtype="float32").generate(
         input_ids=SYSTEM + [9], sampling_params={**GREEDY, "max_new_tokens": 8}
@@ -312,12 +347,7 @@ def test_greedy_output_is_the_same_whichever_worker_the_router_picks(redis_clien
     outputs = _finished(redis_client, config)
     assert [outputs[f"r{i}"] for i in range(4)] == [expected] * 4
     # Each Finish says why the router chose its worker, and what it expected cached there.
-    finishes = {
-        item.rid: item.finish
-        for _, f in redis_client.xrange(config.tokens_stream())
-        for item in decode(f[ENTRY_FIELD], TokenBatch).items
-        if item.finish is not None
-    }
+    finishes = _finishes(redis_client, config)
     assert finishes["r0"].route_reason == "load" and finishes["r0"].expected_cached_tokens == 0
     later = [finishes[f"r{i}"] for i in range(1, 4)]
     assert all(f.route_reason == "prefix" and f.expected_cached_tokens == 32 for f in later)
@@ -336,3 +366,12 @@ def _finished(client: redis.Redis, config: BusConfig) -> dict[str, list[int]]:
             if item.finish is not None:
                 done.add(item.rid)
     return {rid: ids[rid] for rid in done}
+
+
+def _finishes(client: redis.Redis, config: BusConfig) -> dict[str, Finish]:
+    return {
+        item.rid: item.finish
+        for _, f in client.xrange(config.tokens_stream())
+        for item in decode(f[ENTRY_FIELD], TokenBatch).items
+        if item.finish is not None
+    }
