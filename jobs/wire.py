@@ -101,6 +101,17 @@ def check_version(what: str, version: Any) -> int:
     return version
 
 
+_REQUIRED: dict[type, tuple[str, ...]] = {}
+
+
+def _required(cls: type[Record]) -> tuple[str, ...]:
+    """The fields a record of `cls` must have, in the order the class lists them."""
+    names = _REQUIRED.get(cls)
+    if names is None:
+        names = _REQUIRED[cls] = tuple(n for n in cls.FIELDS if n not in cls.OPTIONAL)
+    return names
+
+
 class Record:
     """Fields by name: ``FIELDS`` name -> wire kind, ``OPTIONAL`` those that may be absent.
 
@@ -125,11 +136,17 @@ class Record:
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> Record:
+        # Over the fields the entry has, not all the class knows: most records leave most
+        # optional fields off, and this runs for every token item a stage reads.
+        fields = cls.FIELDS
         values = {}
-        for name, kind in cls.FIELDS.items():
-            value = check_field(kind, name, data.get(name), name in cls.OPTIONAL)
-            if value is not None:
-                values[name] = value
+        for name, value in data.items():
+            kind = fields.get(name)
+            if kind is not None and value is not None:
+                values[name] = check_field(kind, name, value, False)
+        for name in _required(cls):  # the first missing, in the order the class lists them
+            if name not in values:
+                raise ProtocolError(f"field {name!r} is missing")
         return cls(**values)
 
 
