@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
@@ -41,16 +42,20 @@ from bench_pipeline import started_pipeline  # noqa: E402
 
 from benchmarks.jsonl import emit, machine  # noqa: E402
 from bus.client import AsyncClient  # noqa: E402
+from bus.liveness import read_liveness  # noqa: E402
 from runtime.config import BusConfig  # noqa: E402
 
 VOCAB = (1_000, 40_000)  # ordinary token ids of the default model's vocabulary
 USER_TOKENS = 32
+WORKERS_TIMEOUT_S = 300.0
 
 
 class Conversation:
-    def __init__(self, system: list[int], rng: random.Random) -> None:
-        self.history = list(system)
+    def __init__(self, number: int, system: int, ids: list[int], rng: random.Random) -> None:
+        self.number, self.system = number, system
+        self.history = list(ids)
         self.rng = rng
+        self.turns = 0
 
     def next_prompt(self) -> list[int]:
         return self.history + [self.rng.randrange(*VOCAB) for _ in range(USER_TOKENS)]
@@ -68,18 +73,23 @@ async def run_workload(client: AsyncClient, bus: redis.Redis, config: BusConfig,
                        systems: list[list[int]], args: argparse.Namespace,
                        seed: int) -> dict:  # fmt: skip
     rng = random.Random(seed)
-    conversations = [Conversation(systems[i % len(systems)], random.Random(rng.random()))
+    conversations = [Conversation(i, i % len(systems), systems[i % len(systems)],
+                                  random.Random(rng.random()))
                      for i in range(args.conversations)]  # fmt: skip
     # What one cache holding everything would hold: every prompt sent, every answer.
     finished: list[list[int]] = []
     ttfts, cached, ideal, per_worker, outputs = [], 0, 0, {}, 0
+    requests: list[dict] = []  # one record per request, for --requests-out
     sampling = {"max_new_tokens": args.max_new_tokens, "ignore_eos": True, "temperature": 0.0}
+
+    began = time.perf_counter()
 
     async def turn(conversation: Conversation) -> None:
         nonlocal cached, ideal, outputs
         prompt = conversation.next_prompt()
         best = max((_common_prefix(prompt, seq) for seq in finished), default=0)
-        ideal += min(best, len(prompt) - 1)
+        ideal_here = min(best, len(prompt) - 1)
+        ideal += ideal_here
         finished.append(prompt)  # cached once prefilled, before its answer comes
         started = time.perf_counter()
         rid = await client.submit(input_ids=prompt, sampling=sampling)
@@ -91,10 +101,20 @@ async def run_workload(client: AsyncClient, bus: redis.Redis, config: BusConfig,
             usage = chunk.get("usage") or usage
         ttfts.append(first)
         outputs += len(ids)
-        cached += (usage or {}).get("cached_tokens", 0)
+        usage = usage or {}
+        cached += usage.get("cached_tokens", 0)
         worker = bus.get(config.route_key(rid))
         worker = worker.decode() if worker else "?"
         per_worker[worker] = per_worker.get(worker, 0) + len(prompt)
+        requests.append({
+            "conversation": conversation.number, "turn": conversation.turns,
+            "system": conversation.system, "worker": worker, "prompt_tokens": len(prompt),
+            "route_reason": usage.get("route_reason"),
+            "expected_cached": usage.get("expected_cached_tokens"),
+            "cached": usage.get("cached_tokens", 0), "ideal_cached": ideal_here,
+            "submitted_s": round(started - began, 3), "ttft_ms": round(1000 * first, 1),
+        })  # fmt: skip
+        conversation.turns += 1
         conversation.history = prompt + ids
         finished.append(prompt + ids[:-1])  # the last token's KV is never computed
 
@@ -104,7 +124,6 @@ async def run_workload(client: AsyncClient, bus: redis.Redis, config: BusConfig,
                 await asyncio.sleep(conversation.rng.uniform(0, args.think_ms) / 1000)
             await turn(conversation)
 
-    began = time.perf_counter()
     await asyncio.gather(*(talk(c) for c in conversations))
     wall = time.perf_counter() - began
     loads = sorted(per_worker.values())
@@ -118,12 +137,25 @@ async def run_workload(client: AsyncClient, bus: redis.Redis, config: BusConfig,
         "worker_prompt_tokens": dict(sorted(per_worker.items())),
         "max_worker_token_ratio": round(loads[-1] / max(loads[0], 1), 2),
         "workers_used": len(loads),
+        "requests_detail": sorted(requests, key=lambda r: r["submitted_s"]),
     }  # fmt: skip
+
+
+def wait_for_workers(bus: redis.Redis, config: BusConfig, count: int) -> None:
+    """Until `count` workers beat. `streamserve up` is healthy once one is: the others, still
+    loading, would join in the middle of the workload, empty, and both policies would move
+    conversations onto them (away from the caches holding their histories)."""
+    deadline = time.monotonic() + WORKERS_TIMEOUT_S
+    while len(read_liveness(bus, config).beats) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fewer than {count} live workers after {WORKERS_TIMEOUT_S} s")
+        time.sleep(0.25)
 
 
 async def measure(args: argparse.Namespace, redis_url: str, seed: int) -> list[dict]:
     config = BusConfig(redis_url=redis_url)
     bus = redis.Redis.from_url(redis_url)
+    wait_for_workers(bus, config, args.workers)
     rng = random.Random(seed)
     prompt = lambda: [rng.randrange(*VOCAB) for _ in range(args.system_tokens)]  # noqa: E731
     shared = [prompt() for _ in range(args.system_prompts)]
@@ -154,6 +186,10 @@ def main() -> None:
     parser.add_argument("--policies", default="load,kv")
     parser.add_argument("--seed", type=int, default=28)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--requests-out", type=Path,
+                        help="also write one JSON line per request: conversation, turn, "
+                             "system prompt, worker, route reason, expected and actual "
+                             "cached tokens, ideal cached tokens")  # fmt: skip
     args = parser.parse_args()
     results: dict[str, list[dict]] = {}
     for policy in args.policies.split(","):
@@ -164,6 +200,11 @@ def main() -> None:
     base = {row["workload"]: row for row in results.get("load", [])}
     for policy, rows in results.items():
         for row in rows:
+            detail = row.pop("requests_detail")
+            if args.requests_out is not None:
+                with args.requests_out.open("a") as out:
+                    head = {"policy": policy, "workers": args.workers, "workload": row["workload"]}
+                    out.writelines(json.dumps({**head, **record}) + "\n" for record in detail)
             reference = base.get(row["workload"])
             if reference is not None and policy != "load":
                 row["ttft_p50_vs_load"] = round(row["ttft_ms_p50"] / reference["ttft_ms_p50"], 3)
