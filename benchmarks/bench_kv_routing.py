@@ -2,7 +2,7 @@
 pipeline with several workers, each policy in the same run.
 
     python benchmarks/bench_kv_routing.py [--workers 2] [--conversations 16] [--turns 4]
-        [--system-prompts 3] [--system-tokens 512] [--out f.jsonl]
+        [--system-prompts 3] [--system-tokens 512] [--out f.jsonl] [--requests-out r.jsonl]
 
 Each conversation opens with one of a few shared system prompts; each turn carries the
 whole history (the previous turn's prompt and answer, as token ids, so a cache holding them
@@ -10,7 +10,7 @@ matches exactly) and a new user message. Conversations run concurrently, each tu
 previous one's answer and a think time (uniform in ``[0, --think-ms]``, the same draws for
 every policy: without it the turns arrive in lockstep and load-only routing happens to send
 each conversation back to the same worker). Every policy gets a fresh ``streamserve up``
-(empty caches) and runs:
+(empty caches) and runs, each once all ``--workers`` beat idle (`wait_for_idle_workers`):
 
 - ``shared``: the workload over ``--system-prompts`` system prompts;
 - ``hot``: then every conversation opens with one new system prompt (a hot prefix).
@@ -19,8 +19,14 @@ Figures per (policy, workload): TTFT p50/p90 (submit to first token), output tok
 workload, cached tokens (the workers' own count, each Finish's) against what one worker
 holding everything would have reused (`ideal_cached`: each request's longest prefix shared
 with a prompt sent, or a prompt and answer finished, before it), and the prompt tokens each
-worker got (``max_worker_token_ratio``: the busiest over the least busy). Targets (issue 28): cached
->= 0.9x ideal, TTFT p50 <= 0.6x load-only, output tok/s no lower, hot ratio <= 1.5.
+worker got (``max_worker_token_ratio``: the busiest over the least busy). Targets (issue 28):
+cached >= 0.9x ideal, TTFT p50 <= 0.6x load-only, output tok/s no lower, hot ratio <= 1.5.
+One worker reaches the ideal exactly (``--workers 1``: 1.000 on both workloads).
+
+``--requests-out`` appends one JSON line per request (policy, workload, conversation, turn,
+system prompt, worker, the router's ``route_reason`` and ``expected_cached``, the worker's
+``cached`` and the request's ``ideal_cached``): where the cached tokens missing against the
+ideal went.
 """
 
 from __future__ import annotations
@@ -141,32 +147,40 @@ async def run_workload(client: AsyncClient, bus: redis.Redis, config: BusConfig,
     }  # fmt: skip
 
 
-def wait_for_workers(bus: redis.Redis, config: BusConfig, count: int) -> None:
-    """Until `count` workers beat. `streamserve up` is healthy once one is: the others, still
-    loading, would join in the middle of the workload, empty, and both policies would move
-    conversations onto them (away from the caches holding their histories)."""
+def wait_for_idle_workers(bus: redis.Redis, config: BusConfig, count: int) -> None:
+    """Until `count` workers beat, none with a job running or waiting: each workload starts
+    on an idle fleet as the router sees it. `streamserve up` is healthy once one worker is:
+    the others, still loading, would join in the middle of the workload, empty, and both
+    policies would move conversations onto them (away from the caches holding their
+    histories). And a heartbeat is up to an interval old: started at once after the previous
+    workload, the next would find some workers still counted busy with its last jobs, and
+    its first burst would pile onto the others."""
     deadline = time.monotonic() + WORKERS_TIMEOUT_S
-    while len(read_liveness(bus, config).beats) < count:
+    while True:
+        beats = read_liveness(bus, config).beats.values()
+        if len(beats) >= count and all(beat.running + beat.waiting == 0 for beat in beats):
+            return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"fewer than {count} live workers after {WORKERS_TIMEOUT_S} s")
-        time.sleep(0.25)
+            raise RuntimeError(f"not {count} idle live workers after {WORKERS_TIMEOUT_S} s")
+        time.sleep(0.1)
 
 
 async def measure(args: argparse.Namespace, redis_url: str, seed: int) -> list[dict]:
     config = BusConfig(redis_url=redis_url)
     bus = redis.Redis.from_url(redis_url)
-    wait_for_workers(bus, config, args.workers)
     rng = random.Random(seed)
     prompt = lambda: [rng.randrange(*VOCAB) for _ in range(args.system_tokens)]  # noqa: E731
     shared = [prompt() for _ in range(args.system_prompts)]
     hot = [prompt()]
     rows = []
     async with AsyncClient(redis_url) as client:
+        wait_for_idle_workers(bus, config, args.workers)
         # Warm-up on ids no workload uses: first-request costs are not the router's.
         warm = [rng.randrange(*VOCAB) for _ in range(64)]
         await asyncio.gather(*(client.generate(input_ids=warm[i:], sampling={"max_new_tokens": 2})
                                for i in range(2 * args.workers)))  # fmt: skip
         for name, systems in (("shared", shared), ("hot", hot)):
+            wait_for_idle_workers(bus, config, args.workers)
             row = await run_workload(client, bus, config, systems, args, seed + len(rows))
             rows.append({"workload": name, **row})
     return rows
