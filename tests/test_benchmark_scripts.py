@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -73,3 +75,32 @@ def test_capacity_is_tokens_per_core_and_workers_per_core():
     assert figures["per_core"]["redis"] == {**redis, "within_target": False}
     assert figures["per_core"]["ingress"]["tok_s_per_core"] == 125000
     assert figures["per_core"]["ingress"]["within_target"]
+
+
+def test_the_kv_routing_benchmark_starts_a_workload_only_once_every_worker_beats_idle(
+    redis_client, redis_url, monkeypatch
+):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when run: its sibling scripts import
+    from benchmarks.bench_kv_routing import wait_for_idle_workers
+    from jobs.protocol import Heartbeat, encode
+    from runtime.config import BusConfig
+
+    config = BusConfig(redis_url=redis_url)
+
+    def beat(worker_id: str, running: int) -> None:
+        heartbeat = Heartbeat(worker_id, config.worker_stream(worker_id), "m", running, 0,
+                              1_000, 1_000, 0, time.time())  # fmt: skip
+        redis_client.set(config.heartbeat_key(worker_id), encode(heartbeat), px=5_000)
+        redis_client.sadd(config.workers_key(), worker_id)
+
+    waiter = threading.Thread(target=wait_for_idle_workers, args=(redis_client, config, 2))
+    beat("w1", 0)
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive()  # the second worker is still loading
+    beat("w2", 1)
+    time.sleep(0.3)
+    assert waiter.is_alive()  # it beats, but its last beat still counts a job running
+    beat("w2", 0)
+    waiter.join(timeout=5)
+    assert not waiter.is_alive()
