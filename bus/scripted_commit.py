@@ -6,10 +6,8 @@ acknowledgement of its inputs), and a worker commits only while its fence still 
 worker's fence two more round trips before them (WATCH, then GET; a WATCH alone misses a
 change made before it). One EVALSHA of `COMMIT_SCRIPT` does the same in one command and one
 round trip: the script checks the fence, then runs the queued commands in order; Redis runs a
-script atomically, as it runs a MULTI. Redis counts the commands the script calls too, so a
-stage's commit costs one command less (EVALSHA for MULTI and EXEC) and a worker's two less
-and two round trips (WATCH, MULTI, EXEC out; the GET moves inside): per publish, paid by
-every stage a token passes.
+script atomically, as it runs a MULTI. That is the bus's per-publish overhead, paid by every
+publish of every stage: 4 of a worker's ~9 commands a publish, 2 of a detokenizer's 6.
 
 Semantics kept from MULTI/EXEC: a command that fails (a key of the wrong type) leaves its
 error in its slot and the others still run; a full Redis (OOM, which Redis refuses only before
