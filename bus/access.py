@@ -21,7 +21,6 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis.exceptions import AskError, AuthorizationError, MovedError, NoPermissionError
 
-from bus.scripted_commit import ScriptedCommit
 from runtime.cluster import attach
 from runtime.config import BusConfig
 
@@ -35,17 +34,11 @@ class BusAccessError(ValueError):
 
 
 def check_access(client: redis.Redis, config: BusConfig) -> None:
-    """One PING and one write under the stream prefix, as the configured user, made as every
-    commit is made: by the commit script (bus/scripted_commit.py), which the user must be
-    allowed to run (``@scripting``)."""
+    """One PING and one write under the stream prefix, as the configured user."""
     probe = config.key_name("access-probe")
     try:
         client.ping()
-        pipe = client.pipeline(transaction=False)
-        pipe.set(probe, b"1", px=PROBE_TTL_MS)
-        (written,) = ScriptedCommit(client).execute(pipe, "access check", key=probe)
-        if isinstance(written, Exception):
-            raise written
+        client.set(probe, b"1", px=PROBE_TTL_MS)
     except (redis.AuthenticationError, AuthorizationError) as exc:
         raise BusAccessError(
             f"Redis at {redacted(config.redis_url)} refused the credentials: {exc}. "
@@ -54,8 +47,7 @@ def check_access(client: redis.Redis, config: BusConfig) -> None:
     except NoPermissionError as exc:
         raise BusAccessError(
             f"Redis at {redacted(config.redis_url)}: the user may not use the bus: {exc}. "
-            f"It needs read and write access to the keys {config.stream_prefix}:* and to "
-            "run scripts "
+            f"It needs read and write access to the keys {config.stream_prefix}:* "
             f"(e.g. ACL SETUSER <user> ~{config.stream_prefix}:* +@all -@dangerous)"
         ) from exc
     except (redis.ConnectionError, redis.TimeoutError):

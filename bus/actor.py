@@ -2,16 +2,16 @@
 
 One turn of the loop: ``XREADGROUP`` (COUNT > 1, bounded BLOCK) a batch of entries, decode
 them, let the stage turn the good ones into output messages, then ``XADD`` the outputs and
-``XACK`` the inputs in one atomic script call (bus/scripted_commit.py): a crash before it
-leaves the inputs pending (another consumer claims them), a crash after it has handed them
-on. Entries that are not messages the stage accepts, or that make the stage raise, go to the
-dead-letter stream with the reason, and the stage keeps running. Entries left pending by a
-dead consumer are taken over with ``XAUTOCLAIM`` once idle for ``claim_idle_ms``; one
-delivered more than ``max_deliveries`` times is dead-lettered (it may be what killed its
-consumers). A stage that cannot handle a batch yet raises `HoldBatch`: nothing is written or
-acknowledged. A commit refused because Redis is full (OOM) is retried like an outage:
-nothing acknowledged. Every few seconds a replica trims its input stream below what every
-group acknowledged (bus/stream_trim.py).
+``XACK`` the inputs in one MULTI: a crash before the EXEC leaves the inputs pending (another
+consumer claims them), a crash after it has handed them on. Entries that are not messages
+the stage accepts, or that make the stage raise, go to the dead-letter stream with the
+reason, and the stage keeps running. Entries left pending by a dead consumer are taken over
+with ``XAUTOCLAIM`` once idle for ``claim_idle_ms``; one delivered more than
+``max_deliveries`` times is dead-lettered (it may be what killed its consumers). A stage
+that cannot handle a batch yet raises `HoldBatch`: nothing is written or acknowledged. A
+MULTI refused because Redis is full (OOM) is retried like an outage: nothing acknowledged.
+Every few seconds a replica trims its input stream below what every group acknowledged
+(bus/stream_trim.py).
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ from bus.effects import (
     Outbound,
     Output,
     dead_letter_fields,
+    execute_logging_errors,
     reply,
     write_dead_letters,
     write_outputs,
 )
 from bus.reconnect import REDIS_TRANSIENT, ReconnectingLoop, ensure_group
-from bus.scripted_commit import ScriptedCommit
 from bus.stream_trim import StreamTrimmer
 from jobs.job_failures import failure_reply, malformed_reply, too_many_deliveries
 from jobs.protocol import ENTRY_FIELD, Message, ProtocolError, decode, encode
@@ -111,7 +111,6 @@ class Actor:
         self.dead_lettered = 0
         self.metrics = StageMetrics(ProcessMetrics(stage.group, self.consumer, config.metrics))
         self.trimmer = StreamTrimmer(client, self.stream, config.trim_interval_s)
-        self._scripted = ScriptedCommit(client)
 
     def run(self) -> None:
         logger.info("%s: consumer %s on %s", self.stage.group, self.consumer, self.stream)
@@ -219,12 +218,12 @@ class Actor:
     def _commit(
         self, entry_ids: list[bytes], outputs: list[Output], dead: list[dict[str, Any]]
     ) -> None:
-        pipe = self.client.pipeline(transaction=False)  # queues them for one atomic call
+        pipe = self.client.pipeline(transaction=True)
         write_outputs(pipe, self.config, outputs)
         write_dead_letters(pipe, self.config, dead)
         if entry_ids:
             pipe.xack(self.stream, self.stage.group, *entry_ids)
-        self._scripted.execute(pipe, self.stage.group, key=self.stream)
+        execute_logging_errors(pipe, self.stage.group)
         self.dead_lettered += len(dead)
         if dead:
             self.metrics.dead_letters.inc(len(dead))

@@ -1,12 +1,12 @@
-"""What a stage's turn writes: effects queued on one atomic commit with the acknowledgements.
+"""What a stage's turn writes: effects queued on one MULTI with the acknowledgements.
 
 A stage returns outputs (messages to add to streams, keys to set or expire, hash counts) and the
-code that commits its turn queues them, with the turn's dead letters, on the commit that
-acknowledges its inputs (one script call, bus/scripted_commit.py; the reaper's is a MULTI):
-either all of it is written or none is. One command that fails (a reply stream that is a
-hash) is dropped without undoing the others; a Redis at ``maxmemory`` refuses the whole
-commit, and that is raised as the transient error it is (redis.OutOfMemoryError, in
-REDIS_TRANSIENT): the inputs stay pending, to be handled again once memory is freed.
+code that commits its turn queues them, with the turn's dead letters, on the MULTI that
+acknowledges its inputs: either all of it is written or none is. Executed with
+`execute_logging_errors`, one command that fails (a reply stream that is a hash) is dropped
+without undoing the others; a Redis at ``maxmemory`` refuses the whole MULTI, and that is
+raised as the transient error it is (redis.OutOfMemoryError, in REDIS_TRANSIENT): the
+inputs stay pending, to be handled again once memory is freed.
 
 No XADD here trims its stream by a count: a stream read by consumer groups is trimmed by
 its consumers below what every group acknowledged (bus/stream_trim.py), and a reply stream
@@ -46,7 +46,7 @@ class Outbound:
 
 @dataclass
 class SetKey:
-    """A key written in the same commit as the outputs (e.g. where a request was routed)."""
+    """A key written in the same MULTI as the outputs (e.g. where a request was routed)."""
 
     key: str
     value: str | bytes
@@ -99,13 +99,13 @@ def dead_letter_fields(
 
 
 def write_outputs(pipe: Any, config: BusConfig, outputs: Sequence[Output]) -> None:
-    """Queue the commands of `outputs` on a pipeline (one commit with the acks)."""
+    """Queue the commands of `outputs` on a pipeline (one MULTI with the acks)."""
     for out in outputs:
         out.apply(pipe, config)
 
 
 def write_dead_letters(pipe: Any, config: BusConfig, dead: Sequence[dict[str, Any]]) -> None:
-    """Queue dead letters (`dead_letter_fields`) on a pipeline (one commit with the acks)."""
+    """Queue dead letters (`dead_letter_fields`) on a pipeline (one MULTI with the acks)."""
     for fields in dead:
         pipe.xadd(config.dead_letter_stream(), fields,
                   maxlen=config.stream_maxlen, approximate=True)  # fmt: skip
@@ -119,12 +119,7 @@ def execute_logging_errors(pipe: Any, who: str) -> list[Any]:
     Raises redis.OutOfMemoryError when Redis is full: a MULTI is then refused whole, and a
     command refused in a plain pipeline must not be dropped as if it were the client's
     fault. The caller's reconnect policy retries; its inputs stay pending meanwhile."""
-    return checked_replies(pipe.execute(raise_on_error=False), who)
-
-
-def checked_replies(results: list[Any], who: str) -> list[Any]:
-    """A commit's replies, a failed command's logged and left in its slot; raises
-    redis.OutOfMemoryError if Redis refused the commit for want of memory."""
+    results = pipe.execute(raise_on_error=False)
     for result in results:
         if isinstance(result, redis.OutOfMemoryError):
             raise result

@@ -35,8 +35,6 @@ def acl_server():
         admin.execute_command("ACL", "SETUSER", "streamserve", "on", f">{PASSWORD}", *PREFIX_ONLY)
         admin.execute_command("ACL", "SETUSER", "elsewhere", "on", f">{PASSWORD}",
                               "~other:*", "+@all")  # fmt: skip
-        admin.execute_command("ACL", "SETUSER", "noscripts", "on", f">{PASSWORD}",
-                              *PREFIX_ONLY, "-@scripting")  # fmt: skip
         admin.execute_command("ACL", "SETUSER", "default", "off")
         admin.close()
         yield server
@@ -70,14 +68,6 @@ def test_a_user_without_the_bus_keys_is_told_what_it_needs(acl_server):
     assert "may not use the bus" in result.stderr
     assert "~streamserve:*" in result.stderr
     assert PASSWORD not in result.stderr
-
-
-def test_a_user_who_may_not_run_scripts_is_told_so_at_start(acl_server):
-    """Every commit is one script call (bus/scripted_commit.py): a user without
-    ``@scripting`` would fail at its first commit, so it is stopped at start-up."""
-    result = run("tokenizer", f"unix://noscripts:{PASSWORD}@{socket_of(acl_server)}")
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "may not use the bus" in result.stderr and "run scripts" in result.stderr
 
 
 @pytest.mark.slow

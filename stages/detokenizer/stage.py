@@ -4,7 +4,7 @@ Reads TokenBatch from ``<p>:tokens`` and writes each item's TextDelta to the str
 ``reply_to`` names: the deltas of the jobs that asked for bundles (``bundle_replies``: the
 ingress's and `Client`'s) bound to one stream go in one TextDeltas entry per batch read, so
 a reply stream costs one XADD per batch, whatever the requests and tokens in it; the others
-get an entry each. Each stream's expiry is renewed once per batch, in the same commit (a
+get an entry each. Each stream's expiry is renewed once per batch, in the same MULTI (a
 stream its reader deleted, written again by a late delta, still goes). Stateless
 (stages/detokenizer/incremental.py), so any replica handles any batch; readers order a
 request's deltas by ``seq``.

@@ -25,9 +25,9 @@ to another, but dead-lettered with an error reply to its requester.
 
 A worker taken for dead may be alive (paused, or cut off from Redis for longer than the
 TTL). So each claim goes in one MULTI with a new random token on the worker's fence key,
-which every write of the worker checks in the same script call (`fence_off`,
-bus/fenced_stream.py): once a job is claimed, its old worker can publish nothing more, and
-the progress the next worker resumes from is final.
+which the worker WATCHes around every write (`fence_off`, bus/fenced_stream.py): once a job
+is claimed, its old worker can publish nothing more, and the progress the next worker
+resumes from is final.
 """
 
 from __future__ import annotations
