@@ -56,6 +56,10 @@ def status_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "cli", "status", *args]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def clean_env() -> dict[str, str]:
     """This process's environment without a deployment in it: the flags say which."""
     return {k: v for k, v in os.environ.items() if k not in DEPLOYMENT_ENV}
@@ -206,8 +210,11 @@ def test_live_view_shows_the_error_and_keeps_retrying_until_ctrl_c():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
+    # Ctrl-C as a terminal sends it: a test run started in the background of a shell without
+    # job control ignores SIGINT, and its children would inherit that and never see it.
     live = subprocess.Popen(status_command("--url", url, "--interval", "0.2"), env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)  # fmt: skip
     try:
         deadline = time.monotonic() + SETTLE_S
         while len(hits) < 3 and time.monotonic() < deadline and live.poll() is None:
