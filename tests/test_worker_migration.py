@@ -62,21 +62,34 @@ def _wait(condition, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
+LONG_JOB = {"max_new_tokens": MAX_NEW, "ignore_eos": True, "temperature": 0.0}
+
+
+def _first_worker_part_way(
+    client: redis.Redis, config: BusConfig
+) -> tuple[list[int], Worker, threading.Thread]:
+    """A clean server, the job's expected output, and worker "first" 10 tokens into it (on
+    a failure before that, stopped)."""
+    client.flushall()
+    expected = Engine(MODEL, dtype="float32").generate(input_ids=PROMPT, sampling_params=LONG_JOB)
+    worker, thread = _start(client, config, "first")
+    try:
+        job = TokenizedRequest("r1", "t:reply", PROMPT, LONG_JOB)
+        client.xadd(config.worker_stream("first"), {ENTRY_FIELD: encode(job)})
+        _wait(lambda: _logged(client, config, "first", "r1") >= 10)
+    except BaseException:
+        worker.stop.set()
+        thread.join(timeout=30)
+        raise
+    return expected["output_ids"], worker, thread
+
+
 def test_a_request_continues_on_another_worker_after_its_worker_stops(redis_url, config):
     client = redis.Redis.from_url(redis_url)
-    client.flushall()
-    sampling = {"max_new_tokens": MAX_NEW, "ignore_eos": True, "temperature": 0.0}
-    expected = Engine(MODEL, dtype="float32").generate(input_ids=PROMPT, sampling_params=sampling)
-
-    first, first_thread = _start(client, config, "first")
-    try:
-        job = TokenizedRequest("r1", "t:reply", PROMPT, sampling)
-        client.xadd(config.worker_stream("first"), {ENTRY_FIELD: encode(job)})
-        # Stop it part-way, as SIGTERM does: it publishes its last step and leaves the job.
-        _wait(lambda: _logged(client, config, "first", "r1") >= 10)
-    finally:
-        first.stop.set()
-        first_thread.join(timeout=30)
+    expected, first, first_thread = _first_worker_part_way(client, config)
+    # Stop it part-way, as SIGTERM does: it publishes its last step and leaves the job.
+    first.stop.set()
+    first_thread.join(timeout=30)
     produced = _logged(client, config, "first", "r1")
     assert 10 <= produced < MAX_NEW
     assert client.xpending(config.worker_stream("first"), "worker")["pending"] == 1
@@ -100,7 +113,7 @@ def test_a_request_continues_on_another_worker_after_its_worker_stops(redis_url,
         assert item.start == expected_start  # no gap, no repeat
         ids += item.ids
         expected_start += len(item.ids)
-    assert ids == expected["output_ids"]
+    assert ids == expected
     assert {worker for worker, _ in items} == {"first", "second"}
     assert items[-1][1].finish.completion_tokens == MAX_NEW
     assert items[-1][1].finish.prompt_tokens == len(PROMPT)
@@ -116,17 +129,8 @@ def test_a_worker_taken_for_dead_while_alive_publishes_nothing_for_jobs_moved_of
     nothing for it, so the progress a new owner resumes from is final; the job then
     resumes (here on the same worker, the only live one) with no token repeated."""
     client = redis.Redis.from_url(redis_url)
-    client.flushall()
-    long_job = {"max_new_tokens": MAX_NEW, "ignore_eos": True, "temperature": 0.0}
-    expected = Engine(MODEL, dtype="float32").generate(input_ids=PROMPT, sampling_params=long_job)
-
-    worker, thread = _start(client, config, "first")
+    expected, worker, thread = _first_worker_part_way(client, config)
     try:
-        client.xadd(
-            config.worker_stream("first"),
-            {ENTRY_FIELD: encode(TokenizedRequest("r1", "t:reply", PROMPT, long_job))},
-        )
-        _wait(lambda: _logged(client, config, "first", "r1") >= 10)
         reaper = WorkerReaper(client, config, "router-test", threading.Event())
         reaper.reap("first")  # "left alone" at the end: it is beating
         produced = _logged(client, config, "first", "r1")
@@ -150,4 +154,4 @@ def test_a_worker_taken_for_dead_while_alive_publishes_nothing_for_jobs_moved_of
         assert item.start == expected_start  # no gap, no repeat
         ids += item.ids
         expected_start += len(item.ids)
-    assert ids == expected["output_ids"]
+    assert ids == expected
