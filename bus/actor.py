@@ -71,6 +71,9 @@ class Stage(Protocol):
 
     def handle(self, batch: list[Inbound]) -> list[Output]: ...
 
+    # Optional: `committed()`, called once the outputs of its last `handle` are in Redis (the
+    # detokenizer counts a reply stream's expiry renewed only then).
+
 
 def unique_consumer_name(kind: str) -> str:
     """Host, pid and a random suffix: two replicas never share a name, even after a restart."""
@@ -182,6 +185,8 @@ class Actor:
                     refusals.append(reply(self.config, *answer))
         outputs = refusals + self._handle(good, dead)
         self._commit([entry_id for entry_id, _ in entries], outputs, dead)
+        if hasattr(self.stage, "committed"):  # what it wrote is in Redis now (the detokenizer)
+            self.stage.committed()
         self.processed += len(entries)
         self.metrics.entries.inc(len(entries))
         self.metrics.batch_size.observe(len(entries))

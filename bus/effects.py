@@ -37,9 +37,12 @@ class Outbound:
     stream: str
     message: Message
     expire_s: int | None = None  # for reply streams: gone once their reader is long gone
+    # False: write only to a stream that exists (XADD NOMKSTREAM); one its reader deleted
+    # stays deleted rather than come back without an expiry.
+    create: bool = True
 
     def apply(self, pipe: Any, config: BusConfig) -> None:
-        pipe.xadd(self.stream, {ENTRY_FIELD: encode(self.message)})
+        pipe.xadd(self.stream, {ENTRY_FIELD: encode(self.message)}, nomkstream=not self.create)
         if self.expire_s is not None:
             pipe.expire(self.stream, self.expire_s)
 

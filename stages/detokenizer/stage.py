@@ -4,14 +4,16 @@ Reads TokenBatch from ``<p>:tokens`` and writes each item's TextDelta to the str
 ``reply_to`` names: the deltas of the jobs that asked for bundles (``bundle_replies``: the
 ingress's and `Client`'s) bound to one stream go in one TextDeltas entry per batch read, so
 a reply stream costs one XADD per batch, whatever the requests and tokens in it; the others
-get an entry each. Each stream's expiry is renewed once per batch, in the same MULTI (a
-stream its reader deleted, written again by a late delta, still goes). Stateless
-(stages/detokenizer/incremental.py), so any replica handles any batch; readers order a
-request's deltas by ``seq``.
+get an entry each. A stream's expiry is renewed in the same MULTI: a bundled stream's once a
+quarter TTL per replica (stages/detokenizer/stream_expiries.py), the others' with every batch
+(a stream its reader deleted, written again by a late delta, still goes). Stateless as to
+requests (stages/detokenizer/incremental.py), so any replica handles any batch; readers order
+a request's deltas by ``seq``.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from bus.actor import Inbound
@@ -20,6 +22,7 @@ from jobs.legacy_records import finish_as_list
 from jobs.protocol import Message, TextDelta, TextDeltas, TokenBatch, TokenItem
 from runtime.config import BusConfig
 from stages.detokenizer.incremental import text_deltas
+from stages.detokenizer.stream_expiries import StreamExpiries
 
 
 class DetokenizerStage:
@@ -29,6 +32,7 @@ class DetokenizerStage:
     def __init__(self, config: BusConfig, tokenizer: Any | None) -> None:
         self.config = config
         self.tokenizer = tokenizer  # None: a random: model; deltas carry ids only
+        self.expiries = StreamExpiries(config.reply_ttl_s)
 
     def input_stream(self, config: BusConfig) -> str:
         return config.tokens_stream()
@@ -48,9 +52,21 @@ class DetokenizerStage:
                 bundle.append(delta)
             else:
                 entries.append((item.reply_to, delta))
-        outputs: list[Output] = [Outbound(stream, message) for stream, message in entries]
-        streams = dict.fromkeys(stream for stream, _ in entries)  # each once, in order
-        return outputs + [ExpireKey(stream, self.config.reply_ttl_s) for stream in streams]
+        now = time.monotonic()
+        self.expiries.begin()
+        renew = dict.fromkeys(  # each once, in order
+            stream for stream, message in entries
+            if not isinstance(message, TextDeltas) or self.expiries.due(stream, now)
+        )  # fmt: skip
+        for stream in renew:
+            self.expiries.renewing(stream, now)
+        outputs: list[Output] = [Outbound(stream, message, create=stream in renew)
+                                 for stream, message in entries]  # fmt: skip
+        return outputs + [ExpireKey(stream, self.config.reply_ttl_s) for stream in renew]
+
+    def committed(self) -> None:
+        """The Actor committed the last batch: its renewals happened."""
+        self.expiries.committed(time.monotonic())
 
     def _delta(self, item: TokenItem, text: str | None) -> TextDelta:
         delta = TextDelta(item.rid, item.start, item.ids, text)
