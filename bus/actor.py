@@ -72,7 +72,8 @@ class Stage(Protocol):
     def handle(self, batch: list[Inbound]) -> list[Output]: ...
 
     # Optional: `committed()`, called once the outputs of its last `handle` are in Redis (the
-    # detokenizer counts a reply stream's expiry renewed only then).
+    # detokenizer counts a reply stream's expiry renewed only then); `reconnected()`, called
+    # at the start and after each outage, when Redis may have come back empty.
 
 
 def unique_consumer_name(kind: str) -> str:
@@ -121,7 +122,11 @@ class Actor:
         loop.run(self.run_once)
 
     def _ensure_group(self) -> None:
+        """At the start and after every outage: Redis may be back empty, without our group and
+        without any key a stage remembers writing."""
         ensure_group(self.client, self.stream, self.stage.group)
+        if hasattr(self.stage, "reconnected"):
+            self.stage.reconnected()
 
     def run_once(self) -> int:
         """One read-handle-commit turn (plus a claim of stale entries and a trim when due)."""

@@ -4,6 +4,7 @@ at the stage's own level for a turn that was not committed."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -99,3 +100,26 @@ def test_a_renewal_counts_only_once_its_batch_is_committed():
     later = handle(1)
     assert not [o for o in later if isinstance(o, ExpireKey)]
     assert [o.create for o in later if isinstance(o, Outbound)] == [False]
+
+
+def test_after_redis_comes_back_empty_the_streams_are_made_again(redis_client, config):
+    actor = _detokenizer(redis_client, config)
+    thread = threading.Thread(target=actor.run, daemon=True)
+    thread.start()
+    try:
+        _publish(redis_client, config, _item("a", 0))
+        _wait(lambda: redis_client.exists(REPLY))
+        redis_client.flushall()  # as a restart without persistence: the group goes too
+        _publish(redis_client, config, _item("b", 0))  # a new request's first delta
+        _wait(lambda: redis_client.exists(REPLY))
+        assert 0 < redis_client.ttl(REPLY) <= config.reply_ttl_s
+    finally:
+        actor.stop.set()
+        thread.join(timeout=10)
+
+
+def _wait(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)

@@ -68,6 +68,10 @@ class DetokenizerStage:
         """The Actor committed the last batch: its renewals happened."""
         self.expiries.committed(time.monotonic())
 
+    def reconnected(self) -> None:
+        """Redis may be back empty: every stream is written as if new (made, and expiring)."""
+        self.expiries.forget()
+
     def _delta(self, item: TokenItem, text: str | None) -> TextDelta:
         delta = TextDelta(item.rid, item.start, item.ids, text)
         if item.finish is not None:

@@ -9,7 +9,9 @@ then once a quarter TTL; between renewals the replica writes it only if it exist
 NOMKSTREAM). So a stream its reader deleted stays deleted rather than come back without an
 expiry, and a stream that expired (a whole TTL without a renewal by anyone) gets its expiry
 back with the write that makes it again. A renewal counts only once the batch that carries it
-is committed (`committed`): a turn Redis refused is handled again, and renews again.
+is committed (`committed`): a turn Redis refused is handled again, and renews again. After an
+outage (`forget`) every stream is written as new: Redis may be back empty, and a stream the
+replica had written must be made again for its reader.
 Streams of jobs that did not ask for bundles keep an EXPIRE per batch: a direct job's reader
 may delete its stream and use the name again.
 """
@@ -35,6 +37,11 @@ class StreamExpiries:
 
     def renewing(self, stream: str, now: float) -> None:
         self._renewing[stream] = now
+
+    def forget(self) -> None:
+        """Redis may have come back empty: no stream is known to exist any more."""
+        self._renewed = {}
+        self._renewing = {}
 
     def committed(self, now: float) -> None:
         self._renewed.update(self._renewing)
