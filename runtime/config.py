@@ -31,9 +31,8 @@ Environment variables read by ``BusConfig.from_env``:
   longer is taken as dead.
 - ``STREAMSERVE_WORKER_STALL_S``: seconds a worker's engine loop may go without turning
   (one step, or a wait for Redis) before the worker takes itself for hung and exits.
-- ``STREAMSERVE_REPLY_TTL_S``: seconds a reply stream lives after its expiry was last
-  renewed, at least three quarters of it after its last write (a reader that died leaves
-  nothing behind for longer).
+- ``STREAMSERVE_REPLY_TTL_S``: seconds a reply stream lives after its expiry's last renewal
+  (at least 3/4 of it after its last write); a dead reader leaves nothing for longer.
 - ``STREAMSERVE_REPLY_TIMEOUT_S``: seconds an HTTP request may wait with no reply to any of
   its sub-requests before the ingress answers 504 and aborts it.
 - ``STREAMSERVE_NO_WORKER_TIMEOUT_S``: how long the router holds a job while no worker is

@@ -32,7 +32,9 @@ class DetokenizerStage:
     def __init__(self, config: BusConfig, tokenizer: Any | None) -> None:
         self.config = config
         self.tokenizer = tokenizer  # None: a random: model; deltas carry ids only
-        self.expiries = StreamExpiries(config.reply_ttl_s)
+        # The default TTL where the stage is made for its pure parts (`_delta`), with no config.
+        ttl_s = (config or BusConfig()).reply_ttl_s
+        self.expiries = StreamExpiries(ttl_s)
 
     def input_stream(self, config: BusConfig) -> str:
         return config.tokens_stream()
