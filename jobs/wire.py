@@ -11,6 +11,7 @@ message kinds themselves are in jobs/protocol.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, ClassVar
 
@@ -101,15 +102,10 @@ def check_version(what: str, version: Any) -> int:
     return version
 
 
-_REQUIRED: dict[type, tuple[str, ...]] = {}
-
-
+@functools.cache
 def _required(cls: type[Record]) -> tuple[str, ...]:
     """The fields a record of `cls` must have, in the order the class lists them."""
-    names = _REQUIRED.get(cls)
-    if names is None:
-        names = _REQUIRED[cls] = tuple(n for n in cls.FIELDS if n not in cls.OPTIONAL)
-    return names
+    return tuple(name for name in cls.FIELDS if name not in cls.OPTIONAL)
 
 
 class Record:
