@@ -31,6 +31,7 @@ class ProgressEntry(Message):
     """The output ids one publish of `worker_id` carried, per job: rid -> [start, packed ids]."""
 
     KIND = "progress"
+    COMPRESSIBLE = True
     FIELDS = {"worker_id": STR, "segments": MAP, "v": INT}
     OPTIONAL = frozenset({"v"})
 

@@ -39,6 +39,7 @@ from jobs.token_records import PROMPT_CONTEXT_TOKENS, Finish, TokenItem, token_c
 
 # The codec's names are the protocol's too: an importer of messages needs no second import.
 from jobs.wire import (
+    DEFLATED_MARK,
     ENTRY_FIELD,
     FLOAT,
     IDS,
@@ -54,6 +55,7 @@ from jobs.wire import (
     check_version,
     encode,
     fields_of,
+    inflate,
     pack_ids,
     unpack_ids,
 )
@@ -72,6 +74,7 @@ class TokenBatch(Message):
     """Everything one engine step produced, for every request that got a token."""
 
     KIND = "tokens"
+    COMPRESSIBLE = True
     FIELDS = {"worker_id": STR, "step": INT, "items": LIST, "v": INT}
     OPTIONAL = frozenset({"v"})
 
@@ -147,6 +150,7 @@ class TextDeltas(Message):
     batch, not one per request per publish. Each delta is a TextDelta's map, less its kind."""
 
     KIND = "deltas"
+    COMPRESSIBLE = True
     FIELDS = {"deltas": LIST}
 
     deltas: list[TextDelta]
@@ -226,6 +230,12 @@ def decode(payload: bytes | None, *accepted: type[Message]) -> Message:
     """Parse one entry's payload into one of the ``accepted`` message types."""
     if payload is None:
         raise ProtocolError(f"entry has no {ENTRY_FIELD.decode()!r} field")
+    if payload[:1] == DEFLATED_MARK:
+        if not any(cls.COMPRESSIBLE for cls in accepted):
+            names = ", ".join(c.KIND for c in accepted)
+            raise ProtocolError(f"a deflated payload, on a stream whose kinds ({names}) are "
+                                "written plain")  # fmt: skip
+        payload = inflate(payload)
     try:
         data = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types for bad bytes

@@ -12,6 +12,7 @@ import json
 import struct
 import time
 import urllib.request
+import zlib
 from typing import Any
 
 import msgpack
@@ -87,6 +88,9 @@ STREAM_CORPUS: list[tuple[str, str, Any]] = [
     ("requests", "not-a-map", [1, 2, 3]),
     ("requests", "truncated-msgpack", msgpack.packb(_generate("r-truncated"))[:-7]),
     ("requests", "not-msgpack", b"\xc1\xc1 not msgpack"),
+    # Deflated payloads are the token and reply streams' only: refused here, never inflated.
+    ("requests", "deflated", zlib.compress(msgpack.packb(_generate("r-deflated")))),
+    ("worker", "deflated-bomb", zlib.compress(bytes(2**24), 9)),
     ("tokenized", "ids-empty", _tokenized("t-empty", input_ids=b"")),
     ("tokenized", "ids-past-vocab", _tokenized("t-vocab", input_ids=_ids(10**9))),
     ("tokenized", "ids-negative", _tokenized("t-negative", input_ids=_ids(-5, 3))),
