@@ -27,6 +27,7 @@ travels beside it, a job field; jobs/requests.py says how the job versions diffe
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ from jobs.token_records import PROMPT_CONTEXT_TOKENS, Finish, TokenItem, token_c
 
 # The codec's names are the protocol's too: an importer of messages needs no second import.
 from jobs.wire import (
+    BOOL,
     DEFLATED_MARK,
     ENTRY_FIELD,
     FLOAT,
@@ -52,6 +54,7 @@ from jobs.wire import (
     Message,
     ProtocolError,
     Record,
+    check_field,
     check_version,
     encode,
     fields_of,
@@ -71,7 +74,12 @@ __all__ = [
 
 @dataclass
 class TokenBatch(Message):
-    """Everything one engine step produced, for every request that got a token."""
+    """What a worker publishes at once: one item per request that gained tokens.
+
+    The reply stream (and ``bundle`` flag) most of its items share is written once, as the
+    batch's ``reply_to`` and ``bundle``, and left off those items: with one ingress a whole
+    batch shares it, and it was a fifth of an item's bytes. An item with its own keeps it.
+    """
 
     KIND = "tokens"
     COMPRESSIBLE = True
@@ -89,8 +97,31 @@ class TokenBatch(Message):
         version = check_version("tokens batch", data.get("v"))
         batch = super().from_wire(data)
         batch.v = version
-        batch.items = [TokenItem.from_wire(item) for item in batch.items]
+        shared = None
+        if data.get("reply_to") is not None:
+            shared = {
+                "reply_to": check_field(STR, "reply_to", data["reply_to"], False),
+                "bundle": check_field(BOOL, "bundle", data.get("bundle", False), False),
+            }
+        batch.items = [TokenItem.from_wire(item, shared) for item in batch.items]
         return batch
+
+    def to_wire(self) -> dict[str, Any]:
+        shared = _shared_reply(self.items)
+        wire = {"kind": self.KIND, "worker_id": self.worker_id, "step": self.step,
+                "items": [item.to_wire(shared) for item in self.items], "v": self.v}  # fmt: skip
+        if shared is not None:
+            wire["reply_to"], wire["bundle"] = shared
+        return wire
+
+
+def _shared_reply(items: list[TokenItem]) -> tuple[str, bool] | None:
+    """The (reply_to, bundle) of most items, when more than one item has it."""
+    counts = Counter((item.reply_to, item.bundle) for item in items)
+    if not counts:
+        return None
+    shared, count = counts.most_common(1)[0]
+    return shared if count > 1 else None
 
 
 @dataclass

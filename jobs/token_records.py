@@ -123,7 +123,7 @@ class TokenItem(Record):
         "prompt_top_logprobs": LIST, "reply_version": INT, "bundle": BOOL,
     }  # fmt: skip
     OPTIONAL: ClassVar[frozenset[str]] = frozenset(FIELDS) - {
-        "rid", "reply_to", "start", "ids", "context", "prompt_context"
+        "rid", "reply_to", "start", "ids", "context"
     }  # fmt: skip
 
     rid: str
@@ -131,7 +131,7 @@ class TokenItem(Record):
     start: int
     ids: list[int]
     context: list[int]
-    prompt_context: int
+    prompt_context: int = 0
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     finish: Finish | None = None
@@ -145,15 +145,21 @@ class TokenItem(Record):
     reply_version: int = WIRE_VERSION
     bundle: bool = False
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self, shared_reply: tuple[str, bool] | None = None) -> dict[str, Any]:
+        """`shared_reply`: the (reply_to, bundle) its batch writes once for the items that
+        share it (`TokenBatch`); an item that does leaves both off."""
         # Written field by field, not through Record's loop: a worker writes one item per
         # request per step, the bus's hottest record. Optional fields that hold their
         # default stay off the wire (most items stop on nothing and skip specials).
         wire: dict[str, Any] = {
-            "rid": self.rid, "reply_to": self.reply_to, "start": self.start,
-            "ids": pack_ids(self.ids), "context": pack_ids(self.context),
-            "prompt_context": self.prompt_context,
+            "rid": self.rid, "start": self.start, "ids": pack_ids(self.ids),
+            "context": pack_ids(self.context),
         }  # fmt: skip
+        shared = shared_reply == (self.reply_to, self.bundle)
+        if not shared:
+            wire["reply_to"] = self.reply_to
+        if self.prompt_context:
+            wire["prompt_context"] = self.prompt_context
         if self.stop:
             wire["stop"] = self.stop
         if not self.skip_special_tokens:
@@ -168,16 +174,17 @@ class TokenItem(Record):
                 wire[name] = value
         if self.reply_version != WIRE_VERSION:
             wire["reply_version"] = self.reply_version
-        if self.bundle:
+        if self.bundle and not shared:
             wire["bundle"] = True
         return wire
 
     @classmethod
-    def from_wire(cls, data: Any) -> TokenItem:
+    def from_wire(cls, data: Any, shared_reply: dict[str, Any] | None = None) -> TokenItem:
+        """`shared_reply`: its batch's ``reply_to`` and ``bundle``, for an item without its own."""
         if isinstance(data, list):
             item = cls(**token_item_fields_from_list(data))
         elif isinstance(data, dict):
-            item = super().from_wire(data)
+            item = super().from_wire(data, shared_reply if "reply_to" not in data else None)
         else:
             raise ProtocolError("a token item must be a map")
         if item.finish is not None:

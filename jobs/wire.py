@@ -147,11 +147,13 @@ class Record:
         return out
 
     @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> Record:
+    def from_wire(cls, data: dict[str, Any], defaults: dict[str, Any] | None = None) -> Record:
+        """`defaults`: values, already checked, for fields the entry leaves to its container
+        (a token batch's shared reply stream)."""
         # Over the fields the entry has, not all the class knows: most records leave most
         # optional fields off, and this runs for every token item a stage reads.
         fields = cls.FIELDS
-        values = {}
+        values = dict(defaults) if defaults else {}
         for name, value in data.items():
             kind = fields.get(name)
             if kind is not None and value is not None:

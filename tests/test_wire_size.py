@@ -1,8 +1,12 @@
-"""The bus's bulkiest entries travel deflated (jobs/wire.py): a token batch, a progress log
-entry and a bundle of deltas past 1 KiB are written zlib-deflated and read back equal; small
-ones and every other kind stay plain msgpack; a deflated payload is refused on a stream whose
-kinds are never deflated, and one that is not whole zlib data, or inflates past the bound,
-is a ProtocolError (a dead letter), never an exception that ends a stage."""
+"""What keeps the bus's entries small, read back exactly.
+
+A token batch writes the reply stream most of its items share once (jobs/protocol.py's
+TokenBatch), and an item leaves off a zero ``prompt_context``. The bulkiest entries travel
+deflated (jobs/wire.py): a token batch, a progress log entry and a bundle of deltas past
+1 KiB are written zlib-deflated and read back equal; small ones and every other kind stay
+plain msgpack; a deflated payload is refused on a stream whose kinds are never deflated,
+and one that is not whole zlib data, or inflates past the bound, is a ProtocolError (a dead
+letter), never an exception that ends a stage."""
 
 from __future__ import annotations
 
@@ -13,18 +17,9 @@ import pytest
 
 import jobs.wire
 from jobs.progress import ProgressEntry
-from jobs.protocol import (
-    Finish,
-    ProtocolError,
-    TextDelta,
-    TextDeltas,
-    TokenBatch,
-    TokenItem,
-    TokenizedRequest,
-    decode,
-    encode,
-)
-from jobs.wire import COMPRESS_FROM_BYTES, DEFLATED_MARK
+from jobs.protocol import TextDelta, TextDeltas, TokenBatch, TokenizedRequest, decode, encode
+from jobs.token_records import Finish, TokenItem
+from jobs.wire import COMPRESS_FROM_BYTES, DEFLATED_MARK, ProtocolError
 
 REPLY = "streamserve:reply:ingress-vm-1-abcdef"
 
@@ -34,6 +29,35 @@ def _batch(items: int) -> TokenBatch:
         TokenItem(f"chatcmpl-{i:032x}-0", REPLY, 60, [i, 2, 3, 4, 5], [9] * 8, 0, bundle=True)
         for i in range(items)
     ])  # fmt: skip
+
+
+def test_a_batch_writes_the_reply_stream_most_items_share_once():
+    other = "streamserve:reply:direct-client"
+    items = [TokenItem(f"r{i}", REPLY, 60, [i], [9, 9], 0, bundle=True) for i in range(3)]
+    items += [
+        TokenItem("own", other, 0, [7], [1, 2], 2),  # a direct job: no bundle
+        TokenItem("unbundled", REPLY, 3, [8], [5], 0),
+    ]  # same stream, its own flag
+    batch = TokenBatch("w-1", 7, items)
+    wire = batch.to_wire()
+    assert (wire["reply_to"], wire["bundle"]) == (REPLY, True)
+    assert [item.get("reply_to") for item in wire["items"]] == [None, None, None, other, REPLY]
+    assert "bundle" not in wire["items"][0] and "prompt_context" not in wire["items"][0]
+    assert wire["items"][3]["prompt_context"] == 2
+    assert decode(encode(batch), TokenBatch).items == items
+
+
+def test_a_lone_item_keeps_its_reply_stream():
+    wire = _batch(1).to_wire()
+    assert "reply_to" not in wire and wire["items"][0]["reply_to"] == REPLY
+    assert decode(encode(_batch(1)), TokenBatch).items == _batch(1).items
+
+
+@pytest.mark.parametrize("shared", [{"reply_to": 5}, {"reply_to": REPLY, "bundle": "yes"}])
+def test_a_malformed_shared_reply_stream_is_a_protocol_error(shared):
+    wire = {**_batch(2).to_wire(), **shared}
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb(wire), TokenBatch)
 
 
 def test_a_large_token_batch_is_deflated_and_reads_back_equal():
