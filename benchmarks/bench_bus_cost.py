@@ -12,6 +12,11 @@ so the same system idle for ``--idle-s`` after the workload gives its rate, and
 ``flow_commands_per_token`` and ``flow_bytes_in_per_token`` are what the tokens cost beyond
 it (on a slow host the per-second
 part dominates the total). With ``--workload single`` (batch 1, no drafts) a token is a step.
+
+With ``--synthetic-step-ms MS`` the worker is a synthetic one (gpu_worker/synthetic_engine.py:
+no model, one token per running request every MS, up to 64 at once): the same workload at an
+accelerator's pace, where a publish carries several steps (on these CPUs each step of the
+model is its own publish).
 """
 
 from __future__ import annotations
@@ -36,7 +41,12 @@ from cli.workloads import WORKLOADS, make_workload  # noqa: E402
 
 
 def measure(args: argparse.Namespace) -> dict:
-    with started_pipeline(args, log_level="WARNING") as (url, redis_url):
+    up_args = []
+    if args.synthetic_step_ms is not None:
+        up_args = ["--worker-arg=--synthetic", f"--worker-arg=--synthetic-step-ms="
+                   f"{args.synthetic_step_ms}", "--worker-arg=--synthetic-batch=64"]  # fmt: skip
+        args.dtype = None  # no weights to load
+    with started_pipeline(args, log_level="WARNING", up_args=up_args) as (url, redis_url):
         options = bench.build_parser().parse_args(["--url", url])
         asyncio.run(bench.run_source(options, WARM_UP))
         server = redis.Redis.from_url(redis_url)
@@ -58,6 +68,7 @@ def measure(args: argparse.Namespace) -> dict:
     return {
         "workload": args.workload,
         "system": "pipeline-http",
+        "synthetic_step_ms": args.synthetic_step_ms,
         "output_tok_s": row["output_tok_s"],
         "output_tokens": tokens,
         "redis_commands": sum(commands.values()),
@@ -90,6 +101,8 @@ def main() -> None:
         default=10.0,
         help="seconds idle after the workload, for the per-second rate",
     )
+    parser.add_argument("--synthetic-step-ms", type=float,
+                        help="a synthetic worker of this step time in place of the model")
     parser.add_argument("--out", type=Path, help="also append the JSON line to this file")
     args = parser.parse_args()
     emit({**measure(args), **jsonl.machine(), "model": args.model, "dtype": args.dtype},
