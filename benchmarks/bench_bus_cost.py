@@ -101,8 +101,11 @@ def main() -> None:
         default=10.0,
         help="seconds idle after the workload, for the per-second rate",
     )
-    parser.add_argument("--synthetic-step-ms", type=float,
-                        help="a synthetic worker of this step time in place of the model")
+    parser.add_argument(
+        "--synthetic-step-ms",
+        type=float,
+        help="a synthetic worker of this step time in place of the model",
+    )
     parser.add_argument("--out", type=Path, help="also append the JSON line to this file")
     args = parser.parse_args()
     emit({**measure(args), **jsonl.machine(), "model": args.model, "dtype": args.dtype},
