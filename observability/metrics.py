@@ -18,6 +18,7 @@ compares against).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import threading
@@ -56,10 +57,27 @@ class _Noop:
     def inc(self, *_args: Any) -> None:
         pass
 
-    dec = set = observe = inc
+    dec = set = observe = observe_many = inc
 
 
 NOOP = _Noop()
+
+
+class WeightedHistogram(Histogram):
+    """A Histogram that also takes `count` equal observations for the cost of one.
+
+    A streamed delta of n tokens is n inter-token latencies; n calls of `observe` (each a
+    lock and two counter increments) were a tenth of the ingress's CPU under load, and
+    prometheus-client has no weighted observe. This is its `observe` with ``inc(count)``.
+    """
+
+    def observe_many(self, amount: float, count: int) -> None:
+        if count <= 0:
+            return
+        self._raise_if_not_observable()
+        self._sum.inc(amount * count)
+        # The first bucket whose upper bound is >= amount, as `observe` finds it.
+        self._buckets[bisect.bisect_left(self._upper_bounds, amount)].inc(count)
 
 
 class ProcessMetrics:
@@ -83,10 +101,10 @@ class ProcessMetrics:
 
     def histogram(
         self, name: str, documentation: str, buckets: Sequence[float], labels: Sequence[str] = ()
-    ) -> Histogram:
+    ) -> WeightedHistogram:
         if not self.enabled:
             return NOOP  # type: ignore[return-value]
-        return Histogram(
+        return WeightedHistogram(
             PREFIX + name, documentation, labels, registry=self.registry, buckets=buckets
         )
 

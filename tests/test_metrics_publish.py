@@ -60,6 +60,7 @@ def test_metrics_off_are_no_ops_and_publish_nothing(redis_client, redis_url):
     assert counter is NOOP
     counter.labels("x").inc(3)
     process.histogram("step_seconds", "Steps.", (0.1, 1.0)).observe(0.5)
+    process.histogram("itl_seconds", "Gaps.", (0.1, 1.0)).observe_many(0.5, 3)
     assert process.families() == []
     assert start_publisher(redis_client, config, process) is None
 
@@ -78,3 +79,18 @@ def test_rates_are_per_second_over_the_last_minute():
     (rate,) = [r for r in history.rates(process.families(), now=1090.0)
                if r[0] == "streamserve:generation_tokens_total"]  # fmt: skip
     assert rate[2] == 10.0
+
+
+def test_observing_many_at_once_equals_observing_each():
+    buckets = (0.01, 0.05, 0.1, 1.0)
+    one_by_one = ProcessMetrics("ingress", "a").histogram("gap_seconds", "Gaps.", buckets)
+    at_once = ProcessMetrics("ingress", "b").histogram("gap_seconds", "Gaps.", buckets)
+    for amount, count in [(0.0, 4), (0.05, 3), (0.07, 1), (0.5, 2), (7.0, 5), (0.2, 0)]:
+        for _ in range(count):
+            one_by_one.observe(amount)
+        at_once.observe_many(amount, count)
+    samples = [(s.name, s.labels, s.value) for s in one_by_one.collect()[0].samples]
+    assert samples == [(s.name, s.labels, s.value) for s in at_once.collect()[0].samples]
+    labelled = ProcessMetrics("ingress", "c").histogram("x_seconds", "X.", buckets, ["kind"])
+    labelled.labels("a").observe_many(0.05, 2)
+    assert [s.value for s in labelled.collect()[0].samples if s.name.endswith("_count")] == [2]

@@ -49,8 +49,6 @@ class IngressMetrics:
         their sum is the time from its first token to its last."""
         if first:
             self.ttft.observe(seconds)
-            for _ in range(tokens - 1):
-                self.itl.observe(0.0)
+            self.itl.observe_many(0.0, tokens - 1)
             return
-        for _ in range(tokens):
-            self.itl.observe(seconds / tokens)
+        self.itl.observe_many(seconds / tokens, tokens)
