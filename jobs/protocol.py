@@ -53,7 +53,6 @@ from jobs.wire import (
     WIRE_VERSION,
     Message,
     ProtocolError,
-    Record,
     check_field,
     check_version,
     encode,
@@ -163,6 +162,24 @@ class TextDelta(Message):
     prompt_token_texts: list[str] | None = None
     prompt_top_token_texts: list[list[str] | None] | None = None
 
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.KIND, **self.fields_wire()}
+
+    def fields_wire(self) -> dict[str, Any]:
+        """Its map less ``kind`` (what a TextDeltas entry holds). Written field by field, not
+        through Record's loop over all 15: a detokenizer writes one per request per publish,
+        and most carry four."""
+        wire: dict[str, Any] = {"rid": self.rid, "seq": self.seq, "ids": pack_ids(self.ids)}
+        if self.text is not None:
+            wire["text"] = self.text
+        if self.finish is not None:
+            wire["finish"] = self.finish
+        for name in _DELTA_EXTRAS:
+            value = getattr(self, name)
+            if value is not None:
+                wire[name] = pack_ids(value) if name == "prompt_ids" else value
+        return wire
+
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> TextDelta:
         delta = super().from_wire(data)
@@ -172,6 +189,11 @@ class TextDelta(Message):
 
     def finish_info(self) -> Finish | None:
         return None if self.finish is None else Finish.from_wire(self.finish)
+
+
+# A delta's fields past the four of nearly every one: logprobs and the prompt's, asked for.
+_DELTA_EXTRAS = tuple(name for name in TextDelta.FIELDS if name not in
+                      {"rid", "seq", "ids", "text", "finish"})  # fmt: skip
 
 
 @dataclass
@@ -187,7 +209,7 @@ class TextDeltas(Message):
     deltas: list[TextDelta]
 
     def to_wire(self) -> dict[str, Any]:
-        return {"kind": self.KIND, "deltas": [Record.to_wire(delta) for delta in self.deltas]}
+        return {"kind": self.KIND, "deltas": [delta.fields_wire() for delta in self.deltas]}
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> TextDeltas:
