@@ -19,17 +19,17 @@ with them) for ~0.2 µs of CPU per token. A deflated payload starts with zlib's 
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
 import math
+import sys
 import zlib
 from typing import Any, ClassVar
 
 import msgpack
-import numpy as np
 
 ENTRY_FIELD = b"m"
-_ID_DTYPE = np.dtype("<i4")
 # A token id is an int32 on the wire; vocabularies are far below this.
 MAX_TOKEN_ID = 2**31 - 1
 # zlib's first byte with deflate's default window: in msgpack, the positive fixint 120.
@@ -49,14 +49,28 @@ class ProtocolError(ValueError):
         self.field = field
 
 
+# Packed with the array module, not numpy: for the few ids of a token item it takes half
+# the time (the bus packs and unpacks several per request per publish). "i" is a 4-byte C
+# int wherever this runs; a big-endian host swaps to the wire's little-endian.
+_SWAP = sys.byteorder == "big"
+assert array.array("i").itemsize == 4
+
+
 def pack_ids(ids: list[int] | tuple[int, ...]) -> bytes:
-    return np.asarray(ids, dtype=_ID_DTYPE).tobytes()
+    packed = array.array("i", ids)
+    if _SWAP:
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def unpack_ids(data: bytes) -> list[int]:
-    if len(data) % _ID_DTYPE.itemsize:
+    if len(data) % 4:
         raise ProtocolError(f"packed token ids: {len(data)} bytes is not a multiple of 4")
-    return np.frombuffer(data, dtype=_ID_DTYPE).tolist()
+    ids = array.array("i")
+    ids.frombytes(data)
+    if _SWAP:
+        ids.byteswap()
+    return ids.tolist()
 
 
 # ---- field checks ----------------------------------------------------------------------------
