@@ -338,6 +338,24 @@ def test_text_delta_with_malformed_finish_is_rejected_by_decode():
         decode(payload, TextDelta)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("rid", 5), ("rid", ...), ("seq", "3"), ("seq", True), ("seq", ...), ("ids", [1, 2]),
+    ("ids", b"\x01\x02\x03"), ("text", 7), ("text", b"bytes"),
+])  # fmt: skip
+def test_a_delta_with_a_wrong_common_field_names_it(field, value):
+    wire = _wire(TextDelta("d", 0, [1], "hi"), **{field: value})  # ...: left out
+    with pytest.raises(ProtocolError, match=field):
+        decode(_packed(wire), TextDelta)
+
+
+def test_a_delta_with_rarer_fields_or_unknown_ones_reads_back_whole():
+    full = TextDelta("d", 4, [1, 2], "ab", logprobs=[-0.5, -1.0], token_texts=["a", "b"],
+                     prompt_ids=[7, 8], prompt_text="hi")  # fmt: skip
+    assert decode(encode(full), TextDelta) == full
+    later = _wire(TextDelta("d", 0, [3], "c"), from_a_later_version=1)
+    assert decode(_packed(later), TextDelta) == TextDelta("d", 0, [3], "c")
+
+
 # ---- robustness ------------------------------------------------------------------------------
 
 _ODD_VALUES = [
