@@ -36,6 +36,10 @@ TEXTS = [
      []),
     ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}', "",
      [("get_time", {"zone": "UTC"})]),  # stopped before the closing tag
+    # Parallel calls cut off by max_tokens: the unfinished one leaves no markup behind.
+    (f'{PARIS}\n{PARIS}\n<tool_call>\n{{"name": "get_wea', "",
+     [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Paris"})]),
+    (f"{PARIS}\n<tool_call>\n{{not json</tool_call>", "", [("get_weather", {"city": "Paris"})]),
 ]  # fmt: skip
 
 
@@ -61,9 +65,9 @@ def test_the_grammar_of_required_and_of_a_named_function_compiles():
     named = tool_calling({"tools": tools, "tool_choice": get_time})
     single = tool_calling({"tools": tools, "tool_choice": "required",
                            "parallel_tool_calls": False})  # fmt: skip
-    assert tool_calling({"tools": tools}).grammar() is None  # auto: the model is free
+    auto = tool_calling({"tools": tools})  # any text, but a call it opens is a tool's
     assert tool_calling({"tools": tools, "tool_choice": "none"}) is None
-    for calling in (required, named, single):
+    for calling in (required, named, single, auto):
         assert grammar_problem("ebnf", calling.grammar()) is None
     assert 'call ("\\n" call)*' in required.grammar()
     assert "start: call\n" in named.grammar() and "get_weather" not in named.grammar()

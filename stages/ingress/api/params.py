@@ -154,9 +154,8 @@ def parse_chat(data: dict[str, Any], served: str) -> ApiRequest:
     tools = tool_request.tool_calling(data)
     if tools is None:
         return _job(data, [{"messages": messages}], sampling)
-    grammar = tools.grammar()
-    if grammar is not None:
-        sampling["ebnf"] = grammar  # the answer must be calls
+    if grammar_field(sampling) is None:  # auto beside response_format: the format's grammar
+        sampling["ebnf"] = tools.grammar()  # calls (or, with auto, text or calls)
     job = _job(data, [{"messages": messages, "tools": tools.tools}], sampling)
     job.tools = tools
     return job
