@@ -99,13 +99,16 @@ def _resumed(
 
 async def _submit(
     state: IngressState, job: ApiRequest, request_id: str, tenant: Tenant, owner: str | None,
-    resumable: bool = False,
+    resumable: bool | None = None,
 ) -> Submission:  # fmt: skip
+    """`resumable`: its stream carries event ids, so a shutdown hands it over rather than
+    aborting it (None: any stream does)."""
     priority = tenant.priority_of(job.sampling.get("priority"))  # a 403 below the key's range
     if priority is not None:
         job.sampling["priority"] = priority
     await state.admit(len(job.prompts) * job.n)
     requests = job.requests(request_id, state.reply_stream, tenant.id, tenant.weight)
+    resumable = job.stream if resumable is None else resumable
     return Submission(state, request_id, requests, resumable=resumable, tenant=tenant,
                       owner=owner)  # fmt: skip
 
