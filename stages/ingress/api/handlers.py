@@ -86,6 +86,12 @@ async def _resume_point(
                                      owner_of(request, state.tenants))  # fmt: skip
 
 
+def _with_ids(request: web.Request, job: ApiRequest) -> bool:
+    """Whether a streamed answer carries event ids to resume from: only for clients that ask
+    (streaming/resume.py); without them the stream is OpenAI's shape, lone data lines."""
+    return job.stream and resume.wants_event_ids(request.headers, job.resumable)
+
+
 def _resumed(
     state: IngressState, job: ApiRequest, point: resume.ResumePoint, shard: Shard
 ) -> Submission:
@@ -111,12 +117,6 @@ async def _submit(
     resumable = job.stream if resumable is None else resumable
     return Submission(state, request_id, requests, resumable=resumable, tenant=tenant,
                       owner=owner)  # fmt: skip
-
-
-def _with_ids(request: web.Request, job: ApiRequest) -> bool:
-    """Whether a streamed answer carries event ids to resume from: only for clients that ask
-    (streaming/resume.py); without them the stream is OpenAI's shape, lone data lines."""
-    return job.stream and resume.wants_event_ids(request.headers, job.resumable)
 
 
 def _tenant(request: web.Request, state: IngressState) -> Tenant:
