@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jobs.request_bounds import request_bounds
+
 # Keywords whose value is one subschema, a list of them, or a mapping of name -> subschema.
 _ONE = ("items", "additionalProperties", "additionalItems", "contains", "not", "then", "else",
         "propertyNames", "unevaluatedItems", "unevaluatedProperties")  # fmt: skip
@@ -30,33 +32,45 @@ _COMBINATORS = ("allOf", "anyOf", "oneOf")
 _OPEN_BESIDE = ("$ref", "$dynamicRef", "if", "unevaluatedProperties", *_COMBINATORS)
 
 
+class _TooDeep(Exception):
+    pass
+
+
 def strict_schema(schema: Any) -> Any:
     """A copy of `schema` where every object that does not say what else it allows
-    allows nothing but its declared properties (see the module docstring)."""
-    return _strict(schema, closable=True)
+    allows nothing but its declared properties (see the module docstring). A schema nested
+    deeper than a grammar may be comes back as it is: its compile refuses it, naming the
+    field (jobs/grammar.py), and a client's nesting never runs this recursion out of stack."""
+    try:
+        return _strict(schema, True, request_bounds().max_grammar_depth)
+    except _TooDeep:
+        return schema
 
 
-def _strict(schema: Any, closable: bool) -> Any:
+def _strict(schema: Any, closable: bool, depth: int) -> Any:
     if not isinstance(schema, dict):
         return schema  # true, false, or not a schema at all (the compiler says so)
+    if depth <= 0:
+        raise _TooDeep
+    depth -= 1
     out = dict(schema)
     for key in _ONE:
         if key in out and isinstance(out[key], (dict, list)):
             value = out[key]
-            out[key] = [_strict(s, True) for s in value] if isinstance(value, list) else (
-                _strict(value, True))  # fmt: skip
+            out[key] = [_strict(s, True, depth) for s in value] if isinstance(value, list) else (
+                _strict(value, True, depth))  # fmt: skip
     for key in _MANY:
         if isinstance(out.get(key), list):
-            out[key] = [_strict(s, True) for s in out[key]]
+            out[key] = [_strict(s, True, depth) for s in out[key]]
     for key in _NAMED:
         if isinstance(out.get(key), dict):
-            out[key] = {name: _strict(s, True) for name, s in out[key].items()}
+            out[key] = {name: _strict(s, True, depth) for name, s in out[key].items()}
     # An alternative's branches are closed only where their parent adds no properties;
     # allOf's never (each part may declare some of the properties).
     for key in _COMBINATORS:
         if isinstance(out.get(key), list):
             closable_branches = key != "allOf" and not _declares_properties(out)
-            out[key] = [_strict(s, closable_branches) for s in out[key]]
+            out[key] = [_strict(s, closable_branches, depth) for s in out[key]]
     if closable and _is_object(out) and "additionalProperties" not in out:
         if not any(key in out for key in _OPEN_BESIDE):
             out["additionalProperties"] = False

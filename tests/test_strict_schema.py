@@ -109,3 +109,12 @@ def test_response_format_under_strict_refuses_undeclared_properties(byte_tokeniz
     extra = '{"amount":30,"from":"USD","to":"EUR","note":"x"}'
     assert _accepts(byte_tokenizer, "json_schema", text, '{"amount":30,"from":"USD","to":"EUR"}')
     assert _accepts(byte_tokenizer, "json_schema", text, extra) is not bool(strict)
+
+
+def test_a_schema_too_deep_for_a_grammar_comes_back_as_it_is():
+    deep: dict = {"type": "object", "properties": {}}
+    for _ in range(5000):  # past any stack: the grammar's depth bound refuses it later
+        deep = {"type": "object", "properties": {"x": deep}}
+    assert strict_schema(deep) is deep
+    shallow = {"type": "object", "properties": {"x": {"type": "object", "properties": {}}}}
+    assert strict_schema(shallow)["properties"]["x"]["additionalProperties"] is False

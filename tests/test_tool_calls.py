@@ -13,6 +13,7 @@ import pytest
 from jobs.grammar import grammar_problem
 from jobs.tool_format import call_text
 from runtime.model_files import default_gguf_path
+from stages.ingress.api.params import parse_chat
 from stages.ingress.api.tool_call_parser import ToolCallParser
 from stages.ingress.api.tool_request import tool_calling
 from stages.tokenizer.hf_tokenizer import cached_tokenizer_folder, load_stage_tokenizer
@@ -128,3 +129,13 @@ def test_a_direct_job_with_malformed_tool_calls_is_a_field_error(smollm_tokenize
     broken = [{"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}]
     with pytest.raises(ValueError, match="tool call needs"):
         smollm_tokenizer.render_chat(broken, [WEATHER])
+
+
+def test_auto_beside_a_response_format_leaves_the_grammar_to_the_format():
+    messages = [{"role": "user", "content": "Hi"}]
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    auto = parse_chat({"model": "m", "messages": messages, "tools": tools}, "m")
+    formatted = parse_chat({"model": "m", "messages": messages, "tools": tools,
+                            "response_format": {"type": "json_object"}}, "m")  # fmt: skip
+    assert "ebnf" in auto.sampling and "json_schema" not in auto.sampling
+    assert "json_schema" in formatted.sampling and "ebnf" not in formatted.sampling
