@@ -44,7 +44,8 @@ async def stream_completion(
 ) -> StreamResult:
     """POST /v1/completions with stream and usage; resumed after any break. Pass `result`
     to watch it fill while the stream runs."""
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    # Resumable: each event carries its id (streams carry none unless asked).
+    body = {**body, "stream": True, "stream_options": {"include_usage": True, "resumable": True}}
     result = result if result is not None else StreamResult(time.monotonic())
     last_id: str | None = None
     deadline = 0.0

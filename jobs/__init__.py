@@ -17,6 +17,7 @@ request_normaliser.py  a request's prompt and parameters read alike by every doo
 chat_messages.py       a chat checked, and its tools placed, before its template renders it
 request_bounds.py      the request bounds (docs/BOUNDS.md) this process applies
 grammar.py             structured output's grammars, bounded and compiled under a deadline
+strict_schema.py       JSON Schemas made strict: objects hold only their declared properties
 field_error.py         `FieldError`: a bad value, with the field it is about
 errors.py              `RequestError`: a refused or failed request, on either side of the bus
 job_failures.py        the error reply for a job that cannot be served

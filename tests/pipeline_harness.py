@@ -221,7 +221,8 @@ def stream_then_kill_its_ingress(
     """Stream a completion until it has `after_chars` of text, then kill -9 the ingress
     replica serving it (named in the event ids); the text and the last event id."""
     text, last_id, killed = "", None, False
-    for event_id, data in sse_events(post_on_new_connection(pipeline, path, body)):
+    resumable = {"X-Resumable-Stream": "true"}  # events carry ids only when asked
+    for event_id, data in sse_events(post_on_new_connection(pipeline, path, body, resumable)):
         assert not killed, "the stream went on after its ingress was killed"
         text += json.loads(data)["choices"][0]["text"]
         last_id = event_id

@@ -80,14 +80,16 @@ def test_stream_is_sse_with_done_and_no_usage_unless_asked(ingress):
             {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True},
         )  # fmt: skip
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
-    events = data.decode().split("\n\n")
+    # OpenAI's shape, byte for byte: each event one `data:` line, no `id:` (event ids only for
+    # clients that ask, stages/ingress/streaming/resume.py), as SSE readers such as `vllm
+    # bench serve` expect.
+    text = data.decode()
+    assert text.startswith("data: {") and text.endswith("\n\ndata: [DONE]\n\n")
+    events = text.split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""]
-    # Each event: its id (to resume from, stages/ingress/streaming/resume.py), then its data.
-    ids, datas = zip(*(e.split("\n") for e in events[:-2]), strict=True)
-    assert all(i.startswith("id: chatcmpl-") for i in ids)
-    assert ids[-1].endswith("/-")  # the one choice has finished
+    datas = events[:-2]
+    assert all(d.startswith("data: {") and "\n" not in d for d in datas)
     payloads = [json.loads(d.removeprefix("data: ")) for d in datas]
-    assert all(d.startswith("data: ") for d in datas)
     assert all("usage" not in p for p in payloads)
     assert payloads[-1]["choices"][0]["finish_reason"] == "stop"
 

@@ -1,5 +1,7 @@
 """Resuming a stream with Last-Event-ID after its ingress died: the live ingress replays the
-dead one's reply stream and sends exactly the events the client missed.
+dead one's reply stream and sends exactly the events the client missed. Only streams whose
+client asks for event ids carry them (an opt-in header, stream_options.resumable, or an
+EventSource's Accept); the others are OpenAI's lone data lines.
 
 A dead replica is what it leaves in Redis: the request's key, and replies on its reply
 stream, with no liveness key.
@@ -12,7 +14,7 @@ import json
 import pytest
 
 from jobs.protocol import ENTRY_FIELD, encode
-from tests.ingress_harness import MODEL, RunningIngress, add_worker, deltas, post_raw
+from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas, post_raw
 
 DEAD = "ingress-deadhost-1-abcdef"
 PIECES = [("Once", [1]), (" upon", [2, 3]), (" a", [4]), (" time", [5])]
@@ -47,6 +49,43 @@ def _resume(ingress, path: str, body: dict, last_event_id: str):
 
 
 COMPLETION = {"model": MODEL, "prompt": "Tell me", "stream": True}
+RESUMABLE = {"X-Resumable-Stream": "true"}
+
+
+@pytest.mark.parametrize(
+    "path, body, headers, with_ids",
+    [
+        ("/v1/completions", COMPLETION, {}, False),
+        ("/v1/completions", COMPLETION, {"Accept": "application/json"}, False),  # openai's
+        ("/v1/completions", COMPLETION, {"Accept": "*/*"}, False),  # aiohttp's, vllm bench's
+        ("/v1/completions", COMPLETION, RESUMABLE, True),
+        ("/v1/completions", COMPLETION, {"Accept": "text/event-stream"}, True),  # EventSource
+        ("/v1/completions", COMPLETION, {"Accept": "text/event-stream",
+                                         "X-Resumable-Stream": "false"}, False),  # fmt: skip
+        ("/v1/completions", {**COMPLETION, "stream_options": {"resumable": True}}, {}, True),
+        ("/v1/completions", {**COMPLETION, "stream_options": {"resumable": False}}, RESUMABLE,
+         False),  # fmt: skip
+        ("/generate", {"text": "Hi", "stream": True}, {}, False),
+        ("/generate", {"text": "Hi", "stream": True}, RESUMABLE, True),
+    ],
+    ids=["default", "openai-client", "any", "header", "event-source", "header-false",
+         "stream-options", "stream-options-false", "native", "native-header"],
+)  # fmt: skip
+def test_a_stream_carries_event_ids_only_when_its_client_asks(
+    ingress, redis_url, path, body, headers, with_ids
+):
+    with Upstream(redis_url, ingress.config, lambda request: deltas(request.rid, PIECES)):
+        status, data = post_raw(ingress.url + path, body, headers)
+    assert status == 200
+    events = _events(data)
+    assert events[-1] == (None, "[DONE]") and len(events) == len(PIECES) + 1
+    ids = [event_id for event_id, _ in events[:-1]]
+    if with_ids:
+        assert all(i is not None and i.endswith(f"/{ingress.state.frontend_id}/" + p)
+                   for i, p in zip(ids, ["1", "3", "4", "-"], strict=True)), ids  # fmt: skip
+    else:
+        assert ids == [None] * len(PIECES)
+        assert not data.startswith(b"id:") and b"\nid:" not in data
 
 
 def test_a_resumed_completion_gets_exactly_the_events_after_the_last_one(ingress, redis_client):
@@ -115,8 +154,6 @@ def test_a_stream_cut_by_sigterm_is_left_running_and_resumes_on_another_replica(
 ):
     import http.client
 
-    from tests.ingress_harness import Upstream
-
     first = RunningIngress(redis_url)
     with RunningIngress(redis_url) as second, first:
         add_worker(redis_client, first.config)
@@ -125,7 +162,7 @@ def test_a_stream_cut_by_sigterm_is_left_running_and_resumes_on_another_replica(
         with Upstream(redis_url, config, head) as up:
             connection = http.client.HTTPConnection("127.0.0.1", first.port, timeout=5)
             connection.request("POST", "/v1/completions", json.dumps(COMPLETION),
-                               {"Content-Type": "application/json"})  # fmt: skip
+                               {"Content-Type": "application/json", **RESUMABLE})  # fmt: skip
             response = connection.getresponse()
             last_id = None
             for _ in range(2):
@@ -143,3 +180,23 @@ def test_a_stream_cut_by_sigterm_is_left_running_and_resumes_on_another_replica(
     assert status == 200
     chunks = [json.loads(payload) for _, payload in _events(data)[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == " a time"
+
+
+def test_a_stream_without_ids_cut_by_sigterm_is_aborted(redis_client, redis_url):
+    """Its client cannot resume it, so nothing is left running for nobody."""
+    import http.client
+
+    first = RunningIngress(redis_url)
+    with first:
+        add_worker(redis_client, first.config)
+        config = first.config
+        head = lambda request: deltas(request.rid, PIECES)[:2]  # noqa: E731 (still running)
+        with Upstream(redis_url, config, head) as up:
+            connection = http.client.HTTPConnection("127.0.0.1", first.port, timeout=5)
+            connection.request("POST", "/v1/completions", json.dumps(COMPLETION),
+                               {"Content-Type": "application/json"})  # fmt: skip
+            response = connection.getresponse()
+            assert response.readline().startswith(b"data: {")
+            first.__exit__(None, None, None)  # SIGTERM: the stream is cut
+            [request] = up.requests
+    assert redis_client.exists(config.abort_key(request.rid))

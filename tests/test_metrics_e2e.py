@@ -162,7 +162,7 @@ def test_dead_letters_and_aborts_are_counted(pipeline):
     connection.request("POST", "/v1/completions", json.dumps(body),
                        {"Content-Type": "application/json"})  # fmt: skip
     response = connection.getresponse()
-    assert response.status == 200 and response.readline().startswith(b"id: ")
+    assert response.status == 200 and response.readline().startswith(b"data: ")
     connection.close()
 
     text = settled(

@@ -186,3 +186,67 @@ def test_a_bad_tool_request_is_a_4xx_naming_its_field(float32_pipeline, extra, s
     got, answer = float32_pipeline.post("/v1/chat/completions", body)
     assert got == status, answer
     assert answer["error"]["param"] == param, answer
+
+
+# ---- strict arguments (issue 31): a call holds exactly the properties its tool declares ----
+
+# No additionalProperties: JSON Schema would allow any other key; the grammar must not.
+CONVERT = {
+    "type": "function",
+    "function": {
+        "name": "convert_currency",
+        "description": "Convert an amount of money from one currency to another",
+        "parameters": {
+            "type": "object",
+            "properties": {"amount": {"type": "number"}, "from": {"type": "string"},
+                           "to": {"type": "string"}},
+            "required": ["amount", "from", "to"],
+        },
+    },
+}  # fmt: skip
+MONEY = [{"role": "user", "content": "How much is 30 US dollars in euros?"}]
+NAMED_CONVERT = {"type": "function", "function": {"name": "convert_currency"}}
+
+
+def _convert(client, **extra):
+    extra = {"max_tokens": 60, **extra}
+    return client.chat.completions.create(model=MODEL, messages=MONEY, tools=[CONVERT], **extra)
+
+
+def _strict_calls(choice) -> list[dict]:
+    """The choice's calls, each with exactly the declared arguments; no markup left over."""
+    calls = _calls(choice.message) if choice.message.tool_calls else []
+    assert all(name == "convert_currency" and set(args) == {"amount", "from", "to"}
+               for name, args in calls), calls  # fmt: skip
+    assert "<tool_call>" not in (choice.message.content or ""), choice.message.content
+    return calls
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED_CONVERT], ids=["required", "named"])
+def test_a_call_holds_exactly_the_declared_arguments_greedy_and_sampled(openai_client, tool_choice):
+    one = {"tool_choice": tool_choice, "parallel_tool_calls": False}
+    greedy = _convert(openai_client, temperature=0, **one)
+    sampled = _convert(openai_client, temperature=1.0, seed=1, n=3, **one)
+    for choice in [*greedy.choices, *sampled.choices]:
+        assert choice.finish_reason == "tool_calls", choice.message
+        assert len(_strict_calls(choice)) == 1 and choice.message.content is None
+
+
+def test_parallel_sampled_calls_leave_no_markup_in_the_content(openai_client):
+    # The model may begin another call after each; max_tokens cuts the last one off.
+    answer = _convert(openai_client, tool_choice="required", temperature=1.0, seed=1, n=3)
+    for choice in answer.choices:
+        assert _strict_calls(choice) and choice.message.content is None
+        assert choice.finish_reason in ("tool_calls", "length")
+
+
+def test_auto_calls_are_strict_and_its_text_free(openai_client):
+    # This small model answers the question in text under auto; a call it opened would be
+    # held to the declared arguments as under required (tests/test_strict_schema.py).
+    greedy = _convert(openai_client, tool_choice="auto", temperature=0)
+    sampled = _convert(openai_client, tool_choice="auto", temperature=1.0, seed=1, n=3)
+    for choice in [*greedy.choices, *sampled.choices]:
+        if _strict_calls(choice):
+            assert choice.finish_reason in ("tool_calls", "length")
+        else:
+            assert choice.finish_reason in ("stop", "length") and choice.message.content

@@ -13,6 +13,7 @@ import pytest
 from jobs.grammar import grammar_problem
 from jobs.tool_format import call_text
 from runtime.model_files import default_gguf_path
+from stages.ingress.api.params import parse_chat
 from stages.ingress.api.tool_call_parser import ToolCallParser
 from stages.ingress.api.tool_request import tool_calling
 from stages.tokenizer.hf_tokenizer import cached_tokenizer_folder, load_stage_tokenizer
@@ -36,6 +37,10 @@ TEXTS = [
      []),
     ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}', "",
      [("get_time", {"zone": "UTC"})]),  # stopped before the closing tag
+    # Parallel calls cut off by max_tokens: the unfinished one leaves no markup behind.
+    (f'{PARIS}\n{PARIS}\n<tool_call>\n{{"name": "get_wea', "",
+     [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Paris"})]),
+    (f"{PARIS}\n<tool_call>\n{{not json</tool_call>", "", [("get_weather", {"city": "Paris"})]),
 ]  # fmt: skip
 
 
@@ -61,9 +66,9 @@ def test_the_grammar_of_required_and_of_a_named_function_compiles():
     named = tool_calling({"tools": tools, "tool_choice": get_time})
     single = tool_calling({"tools": tools, "tool_choice": "required",
                            "parallel_tool_calls": False})  # fmt: skip
-    assert tool_calling({"tools": tools}).grammar() is None  # auto: the model is free
+    auto = tool_calling({"tools": tools})  # any text, but a call it opens is a tool's
     assert tool_calling({"tools": tools, "tool_choice": "none"}) is None
-    for calling in (required, named, single):
+    for calling in (required, named, single, auto):
         assert grammar_problem("ebnf", calling.grammar()) is None
     assert 'call ("\\n" call)*' in required.grammar()
     assert "start: call\n" in named.grammar() and "get_weather" not in named.grammar()
@@ -124,3 +129,13 @@ def test_a_direct_job_with_malformed_tool_calls_is_a_field_error(smollm_tokenize
     broken = [{"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}]
     with pytest.raises(ValueError, match="tool call needs"):
         smollm_tokenizer.render_chat(broken, [WEATHER])
+
+
+def test_auto_beside_a_response_format_leaves_the_grammar_to_the_format():
+    messages = [{"role": "user", "content": "Hi"}]
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    auto = parse_chat({"model": "m", "messages": messages, "tools": tools}, "m")
+    formatted = parse_chat({"model": "m", "messages": messages, "tools": tools,
+                            "response_format": {"type": "json_object"}}, "m")  # fmt: skip
+    assert "ebnf" in auto.sampling and "json_schema" not in auto.sampling
+    assert "json_schema" in formatted.sampling and "ebnf" not in formatted.sampling

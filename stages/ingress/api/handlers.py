@@ -86,6 +86,12 @@ async def _resume_point(
                                      owner_of(request, state.tenants))  # fmt: skip
 
 
+def _with_ids(request: web.Request, job: ApiRequest) -> bool:
+    """Whether a streamed answer carries event ids to resume from: only for clients that ask
+    (streaming/resume.py); without them the stream is OpenAI's shape, lone data lines."""
+    return job.stream and resume.wants_event_ids(request.headers, job.resumable)
+
+
 def _resumed(
     state: IngressState, job: ApiRequest, point: resume.ResumePoint, shard: Shard
 ) -> Submission:
@@ -98,14 +104,18 @@ def _resumed(
 
 
 async def _submit(
-    state: IngressState, job: ApiRequest, request_id: str, tenant: Tenant, owner: str | None
-) -> Submission:
+    state: IngressState, job: ApiRequest, request_id: str, tenant: Tenant, owner: str | None,
+    resumable: bool | None = None,
+) -> Submission:  # fmt: skip
+    """`resumable`: its stream carries event ids, so a shutdown hands it over rather than
+    aborting it (None: any stream does)."""
     priority = tenant.priority_of(job.sampling.get("priority"))  # a 403 below the key's range
     if priority is not None:
         job.sampling["priority"] = priority
     await state.admit(len(job.prompts) * job.n)
     requests = job.requests(request_id, state.reply_stream, tenant.id, tenant.weight)
-    return Submission(state, request_id, requests, resumable=job.stream, tenant=tenant,
+    resumable = job.stream if resumable is None else resumable
+    return Submission(state, request_id, requests, resumable=resumable, tenant=tenant,
                       owner=owner)  # fmt: skip
 
 
@@ -143,10 +153,12 @@ async def _openai(
         async with _resumed(state, job, *resumed) as sub:
             return await _stream_openai(request, sub, job, fmt, head, choices, point)
     owner = owner_of(request, state.tenants)
-    async with await _submit(state, job, request_id, _tenant(request, state), owner) as sub:
+    ids = _with_ids(request, job)
+    tenant = _tenant(request, state)
+    async with await _submit(state, job, request_id, tenant, owner, ids) as sub:
         await sub.first_replies()
         if job.stream:
-            return await _stream_openai(request, sub, job, fmt, head, choices)
+            return await _stream_openai(request, sub, job, fmt, head, choices, ids=ids)
         body = await _whole_openai(sub, job, fmt, head, choices)
     return web.json_response(
         body,
@@ -217,7 +229,9 @@ async def _stream_openai(
     head: dict[str, Any],
     choices: list[Choice],
     resumed: resume.ResumePoint | None = None,
+    ids: bool = True,
 ) -> web.StreamResponse:
+    """With `ids` (always on a resumed stream) each event carries its id to resume from."""
     # Headers go out after every choice's first reply: time to first token is known, queue
     # and decode time are not yet (they come in no header of a stream).
     ttft = {} if resumed else {k: v for k, v in sub.timing([]).items() if k == "ttft"}
@@ -226,8 +240,8 @@ async def _stream_openai(
     extra = {"usage": None} if job.include_usage else {}  # as OpenAI: null until the last
     frontend_id = resumed.frontend_id if resumed else sub.state.frontend_id
 
-    def event_id() -> str:
-        return resume.event_id(head["id"], frontend_id, choices)
+    def event_id() -> str | None:
+        return resume.event_id(head["id"], frontend_id, choices) if ids else None
 
     for first in [] if resumed else fmt.first_chunk_choices(choices):
         await _send(response, {**head, "choices": [first], **extra}, event_id())
@@ -287,11 +301,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
         async with _resumed(state, job, *resumed) as sub:
             return await _stream_generate(request, sub, job, sub.requests[0].rid, resumed[0])
     owner = owner_of(request, state.tenants)
-    async with await _submit(state, job, request_id, _tenant(request, state), owner) as sub:
+    ids = _with_ids(request, job)
+    tenant = _tenant(request, state)
+    async with await _submit(state, job, request_id, tenant, owner, ids) as sub:
         rid = sub.requests[0].rid
         await sub.first_replies()
         if job.stream:
-            return await _stream_generate(request, sub, job, rid)
+            return await _stream_generate(request, sub, job, rid, ids=ids)
         text, ids, last = [], [], None
         logprobs: dict[str, list] = {"output_token_logprobs": [], "output_top_logprobs": []}
         prompt_logprobs: dict[str, list] = {}
@@ -319,6 +335,7 @@ async def _stream_generate(
     job: ApiRequest,
     rid: str,
     resumed: resume.ResumePoint | None = None,
+    ids: bool = True,
 ) -> web.StreamResponse:
     response = await _start_sse(request)
     frontend_id = resumed.frontend_id if resumed else sub.state.frontend_id
@@ -340,7 +357,7 @@ async def _stream_generate(
             await _send(
                 response,
                 {"text": reply.text or "", "output_ids": reply.ids, "meta_info": meta},
-                resume.event_id(sub.request_id, frontend_id, [choice]),
+                resume.event_id(sub.request_id, frontend_id, [choice]) if ids else None,
             )
     except (ConnectionError, OSError):
         if sub.state.draining:

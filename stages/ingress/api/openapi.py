@@ -28,7 +28,11 @@ TOKEN_IDS = {
     "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
     "minItems": 1,
 }
-SSE = "each event `data: <chunk JSON>`; the last one `data: [DONE]`"
+SSE = (
+    "each event `data: <chunk JSON>`; the last one `data: [DONE]`. A stream whose client "
+    "asked to resume it (X-Resumable-Stream: true, stream_options.resumable, Last-Event-ID, "
+    "or Accept: text/event-stream) has an `id: <event id>` line before each chunk's data"
+)
 
 
 def _sampling_property(param: Param) -> dict[str, Any]:
@@ -52,7 +56,15 @@ def _openai_properties() -> dict[str, Any]:
         stream={"type": ["boolean", "null"]},
         stream_options={
             "type": ["object", "null"],
-            "properties": {"include_usage": {"type": ["boolean", "null"]}},
+            "properties": {
+                "include_usage": {"type": ["boolean", "null"]},
+                "resumable": {
+                    "type": ["boolean", "null"],
+                    "description": "true: each event "
+                    "carries an id to resume the stream from (Last-Event-ID); "
+                    "false: none, whatever the headers say",
+                },
+            },
             "description": "only with stream: true",
         },
         user={"type": ["string", "null"]},
@@ -196,7 +208,17 @@ def _generation(summary: str, schema: str) -> dict[str, Any]:
                     "schema": {"type": "string"},
                     "description": "resume a stream whose ingress died: the same body, and "
                     "the id of the last event received",
-                }
+                },
+                {
+                    "name": "X-Resumable-Stream",
+                    "in": "header",
+                    "required": False,
+                    "schema": {"type": "string"},
+                    "description": "true: each streamed event carries an `id:` line to resume "
+                    "from; false: none (another value counts as unset). Unset, ids go only to "
+                    "clients that accept text/event-stream (EventSource): OpenAI's streams "
+                    "carry none",
+                },
             ],
             "requestBody": {
                 "required": True,

@@ -63,6 +63,7 @@ class ApiRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    resumable: bool | None = None  # stream_options.resumable: event ids (streaming/resume.py)
     tools: ToolCalling | None = None  # a chat's tool calling, when it may call tools
     echo: bool = False  # completions: the prompt comes back before each choice's text
     # A sampling field -> its name in this request (max_new_tokens -> max_tokens, ...).
@@ -153,9 +154,8 @@ def parse_chat(data: dict[str, Any], served: str) -> ApiRequest:
     tools = tool_request.tool_calling(data)
     if tools is None:
         return _job(data, [{"messages": messages}], sampling)
-    grammar = tools.grammar()
-    if grammar is not None:
-        sampling["ebnf"] = grammar  # the answer must be calls
+    if grammar_field(sampling) is None:  # auto beside response_format: the format's grammar
+        sampling["ebnf"] = tools.grammar()  # calls (or, with auto, text or calls)
     job = _job(data, [{"messages": messages, "tools": tools.tools}], sampling)
     job.tools = tools
     return job
@@ -249,6 +249,7 @@ def _job(data: dict[str, Any], prompts: list[dict[str, Any]], sampling: dict) ->
     include_usage = bool(
         field(options or {}, "include_usage", BOOL, label="stream_options.include_usage")
     )
+    resumable = field(options or {}, "resumable", BOOL, label="stream_options.resumable")
     field(data, "user", STR)
     openai_names = {param.name: name for name, param in OPENAI_SAMPLING.items() if name in data}
     openai_names["json_schema"] = response_format.NAME
@@ -258,7 +259,7 @@ def _job(data: dict[str, Any], prompts: list[dict[str, Any]], sampling: dict) ->
         openai_names.setdefault("logprobs", "logprobs")
         openai_names["top_logprobs"] = "top_logprobs" if "top_logprobs" in data else "logprobs"
     wire = _checked(sampling, openai_names)
-    return ApiRequest(prompts, wire, n, stream, include_usage, names=openai_names)
+    return ApiRequest(prompts, wire, n, stream, include_usage, resumable, names=openai_names)
 
 
 def _checked(sampling: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:

@@ -5,13 +5,16 @@
 JSON matching ``schema``. Both JSON kinds become the ``json_schema`` sampling parameter, so
 the worker constrains decoding to it (jobs/grammar.py); a schema that does not compile is a 400
 naming ``response_format``. The output always matches, ``strict`` or not: the grammar allows
-nothing else.
+nothing else. With ``strict: true`` an object holds only the properties it declares, unless
+it allows more explicitly (jobs/strict_schema.py), as OpenAI's strict mode; without it the
+schema means what JSON Schema says (undeclared properties allowed).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from jobs.strict_schema import strict_schema
 from stages.ingress.body import BOOL, OBJECT, STR, field, wrong_type
 from stages.ingress.errors import ApiError
 
@@ -41,10 +44,13 @@ def response_schema(data: dict[str, Any]) -> dict[str, Any] | None:
     if spec is None:
         raise ApiError(400, f"{NAME}.json_schema is required with type json_schema",
                        param=NAME, code="missing_field")  # fmt: skip
-    for name, kind_of_value in (("name", STR), ("description", STR), ("strict", BOOL)):
+    for name, kind_of_value in (("name", STR), ("description", STR)):
         field(spec, name, kind_of_value, label=f"{NAME}.json_schema.{name}")
+    strict = field(spec, "strict", BOOL, label=f"{NAME}.json_schema.strict")
     schema = field(spec, "schema", OBJECT, label=f"{NAME}.json_schema.schema")
-    return ANY_OBJECT if schema is None else schema
+    if schema is None:
+        return ANY_OBJECT
+    return strict_schema(schema) if strict else schema
 
 
 def openapi_property() -> dict[str, Any]:

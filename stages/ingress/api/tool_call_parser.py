@@ -5,8 +5,10 @@ The model writes calls in the Hermes format (jobs/tool_format.py). Text outside 
 held back until it is known not to be. A block whose JSON parses to a known tool's name and
 object arguments is a call, sent whole in one ``delta.tool_calls`` entry (id, name and all
 its arguments: the openai client accumulates either way); a block that does not is left in
-the content, as the model wrote it. Call ids are made from the request id, so a resumed
-stream (Last-Event-ID) gives the same ids.
+the content, as the model wrote it, unless a call was parsed before it: once there are calls
+the content holds no call markup, so a block cut off by ``max_tokens`` after them (a
+parallel call the model had begun) is dropped rather than left dangling. Call ids are made
+from the request id, so a resumed stream (Last-Event-ID) gives the same ids.
 """
 
 from __future__ import annotations
@@ -88,9 +90,11 @@ class ToolCallParser:
         out.append(kept)
 
     def _block(self, body: str, calls: list[ToolCall], closed: bool) -> str:
-        """The content a block leaves: nothing if it is a call, else itself."""
+        """The content a block leaves: nothing if it is a call or follows one, else itself."""
         call = self._call(body)
         if call is None:
+            if self.calls:
+                return ""  # markup after calls (one cut off, most likely) is not content
             return CALL_OPEN + body + (CALL_CLOSE if closed else "")
         self.calls.append(call)
         calls.append(call)

@@ -2,12 +2,14 @@
 and the tool parts of chat messages.
 
 The tools go to the tokenizer with the chat, whose template renders them
-(jobs/tool_format.py). ``auto`` leaves the model free and the answer is parsed for calls;
-``required`` and a named function constrain decoding with a grammar (the ``ebnf`` sampling
-parameter, Lark with llguidance's ``%json``) that allows only calls in the Hermes format:
-one or more to any tool (one if ``parallel_tool_calls`` is false), or one to the named
-function; so the answer always parses. ``none`` renders no tools and
-parses nothing.
+(jobs/tool_format.py), and decoding is constrained with a grammar (the ``ebnf`` sampling
+parameter, Lark with llguidance's ``%json``) over calls in the Hermes format, each call's
+arguments holding only the properties its tool declares (unless its schema allows more
+explicitly: jobs/strict_schema.py). ``auto`` lets the model write any text, but a call it
+opens must be one of the tools' (unless ``response_format`` gives the grammar instead);
+``required`` allows only calls, one or more to any tool (one if ``parallel_tool_calls`` is
+false), and a named function one call to it; so the calls always parse. ``none`` renders
+no tools and parses nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobs.grammar import JSON_OPTIONS
+from jobs.strict_schema import strict_schema
 from jobs.tool_format import CALL_CLOSE, CALL_OPEN
 from stages.ingress.body import ARRAY, BOOL, OBJECT, STR, field, reject_unknown, wrong_type
 from stages.ingress.errors import ApiError
@@ -42,10 +45,11 @@ class ToolCalling:
     def names(self) -> set[str]:
         return {tool["function"]["name"] for tool in self.tools}
 
-    def grammar(self) -> str | None:
-        """The Lark grammar the output must match, or None when the model is free (auto)."""
-        if self.choice == "auto":
-            return None
+    def grammar(self) -> str:
+        """The Lark grammar the output must match. `required` and a named function: calls
+        only; `auto`: any text without the call tag, or text then calls (the text before a
+        call's tag is matched lazily, up to the tag), so whatever call the model writes is
+        one of the tools' with their declared arguments."""
         functions = [t["function"] for t in self.tools
                      if self.function in (None, t["function"]["name"])]  # fmt: skip
         calls = [_call_schema(f) for f in functions]
@@ -53,8 +57,14 @@ class ToolCalling:
         body = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
         # A named function is called once; `required` may call several, if parallel.
         many = self.parallel and self.function is None
-        start = 'call ("\\n" call)*' if many else "call"
-        return f'start: {start}\ncall: "{CALL_OPEN}\\n" %json{body} "\\n{CALL_CLOSE}"\n'
+        more = ' ("\\n" call)*' if many else ""
+        rules = (f'call: "{CALL_OPEN}\\n" body\n'
+                 f'body: %json{body} "\\n{CALL_CLOSE}"\n')  # fmt: skip
+        if self.choice != "auto":
+            return f"start: call{more}\n{rules}"
+        return (f"start: TEXT | lead body{more}\n{rules}"
+                f'lead[suffix="{CALL_OPEN}\\n"]: /(?s:.*)/\n'
+                f"TEXT: /(?s:.*)/ & ~/(?s:.*{CALL_OPEN}.*)/\n")  # fmt: skip
 
 
 def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +72,8 @@ def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
         "type": "object",
         "properties": {
             "name": {"const": function["name"]},
-            "arguments": function.get("parameters") or {"type": "object"},
+            # Only the declared arguments, as OpenAI's strict mode (jobs/strict_schema.py).
+            "arguments": strict_schema(function.get("parameters") or {"type": "object"}),
         },
         "required": ["name", "arguments"],
         "additionalProperties": False,

@@ -1,14 +1,25 @@
 """Resuming a stream whose ingress died: SSE event ids and ``Last-Event-ID``.
 
-Every streamed event carries an id ``<request id>/<frontend id>/<progress>``, progress being
-each choice's output tokens relayed so far (``-`` once the choice's last event was sent),
-e.g. ``cmpl-3f…/ingress-ab12/17.-.9``. The requests of an ingress that dies are not aborted
-(no handler is left to abort them): they run to their end, their replies landing on the
-dead replica's reply stream, which nobody trims any more. A client that sends the same body
-again, to any ingress replica, with the last id it received in ``Last-Event-ID`` gets the
-rest: the replica reads that stream from its start, replays each choice's replies up to the
-progress without sending them, and relays the rest live. Only the request's owner resumes
-it (stages/ingress/tenancy/ownership.py): anyone else's resume is a 404, as an unknown request's.
+Streams look like OpenAI's unless their client asks for ids: each event a lone ``data:``
+line, as ``vllm bench serve``, SGLang's bench_serving and many hand-written readers expect
+(an ``id:`` line before each ``data:`` makes them fail every request). A client asks with
+the header ``X-Resumable-Stream: true``, with ``"stream_options": {"resumable": true}`` (the
+OpenAI endpoints), by resuming (``Last-Event-ID``), or by accepting ``text/event-stream``,
+which browsers' EventSource and SSE libraries send and whose parsers read ids; the official
+``openai`` clients accept ``application/json`` and the benchmark clients ``*/*``. An explicit
+``false`` (the field before the header) turns ids off whatever the ``Accept``.
+
+A stream with ids carries on each event an id ``<request id>/<frontend id>/<progress>``,
+progress being each choice's output tokens relayed so far (``-`` once the choice's last
+event was sent), e.g. ``cmpl-3f…/ingress-ab12/17.-.9``. The requests of an ingress that
+dies are not aborted (no handler is left to abort them): they run to their end, their
+replies landing on the dead replica's reply stream, which nobody trims any more. A client
+that sends the same body again, to any ingress replica, with the last id it received in
+``Last-Event-ID`` gets the rest: the replica reads that stream from its start, replays each
+choice's replies up to the progress without sending them, and relays the rest live. Only
+the request's owner resumes it (stages/ingress/tenancy/ownership.py): anyone else's resume
+is a 404, as an unknown request's. A stream without ids cannot be resumed: cut by a
+shutdown, its requests are aborted like any whose client left.
 
 Only a dead replica's stream can be replayed: a live one trims what it has read. So a
 replica announces itself (``frontend_key``, refreshed every second, expiring after a few) and
@@ -20,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -34,6 +45,8 @@ from stages.ingress.shards import Shard, Shards
 from stages.ingress.tenancy.ownership import read_request_record, sees
 
 HEADER = "Last-Event-ID"
+OPT_IN_HEADER = "X-Resumable-Stream"
+_YES, _NO = ("true", "1", "yes"), ("false", "0", "no")
 ALIVE_INTERVAL_S = 1.0
 ALIVE_TTL_S = 4
 _NAME = r"([A-Za-z0-9._-]{1,200})"
@@ -53,6 +66,17 @@ class ResumePoint:
         if sent is None:
             return True
         return delta.seq + len(delta.ids) <= sent and delta.finish is None
+
+
+def wants_event_ids(headers: Mapping[str, str], asked: bool | None = None) -> bool:
+    """Whether a stream's client asked for event ids (see the module docstring): `asked` is
+    its body's ``stream_options.resumable``, None where it says nothing."""
+    if asked is not None:
+        return asked
+    said = headers.get(OPT_IN_HEADER, "").strip().lower()
+    if said in _YES or said in _NO:
+        return said in _YES
+    return HEADER in headers or "text/event-stream" in headers.get("Accept", "").lower()
 
 
 def event_id(request_id: str, frontend_id: str, choices: Sequence[Choice]) -> str:
