@@ -22,6 +22,7 @@ from stages.ingress.api.params import (
     GENERATE_FIELDS,
     OPENAI_SAMPLING,
 )
+from stages.ingress.responses import request as responses_request
 
 TOKEN_IDS = {
     "type": "array",
@@ -307,6 +308,25 @@ def _batch_paths() -> dict[str, Any]:
     }
 
 
+def _responses_paths() -> dict[str, Any]:
+    """OpenAI's Responses API (stages/ingress/responses/)."""
+    create = _generation("Create a response: whole, streamed (SSE `event:`/`data:` pairs), or "
+                         "in the background", "ResponseCreateRequest")  # fmt: skip
+    del create["post"]["parameters"]  # no Last-Event-ID resume (yet)
+    create["post"]["responses"]["200"]["description"] = "a Response object, or its stream events"
+    one = ("response_id",)
+    return {
+        "/v1/responses": create,
+        "/v1/responses/{response_id}": {
+            **_operation("get", "A stored response", (401, 404), *one),
+            **_operation("delete", "Delete a stored response", (401, 404), *one),
+        },
+        "/v1/responses/{response_id}/cancel": _operation(
+            "post", "Cancel a background response", (400, 401, 404), *one
+        ),
+    }
+
+
 def openapi_document(model: str) -> dict[str, Any]:
     abort = {
         "post": {
@@ -357,12 +377,14 @@ def openapi_document(model: str) -> dict[str, Any]:
                 503,
             ),  # fmt: skip
             **_batch_paths(),
+            **_responses_paths(),
         },
         "components": {
             "schemas": {
                 "ChatCompletionRequest": _chat_request(),
                 "CompletionRequest": _completion_request(),
                 "GenerateRequest": _generate_request(),
+                "ResponseCreateRequest": responses_request.openapi_schema(),
                 "Error": ERROR,
             }
         },

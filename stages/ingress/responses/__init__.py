@@ -1,0 +1,8 @@
+"""OpenAI's Responses API (``/v1/responses``) over the chat path.
+
+request.py  a Responses body checked and turned into the chat job the pipeline runs
+output.py   the job's replies as a Response object and its stream events, in OpenAI's order
+turn.py     one turn: the job submitted, its replies relayed, the response stored
+store.py    stored responses in Redis, owned by their tenant, with an expiry
+routes.py   create (whole, streamed, background), retrieve, delete, cancel
+"""

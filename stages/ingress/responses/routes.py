@@ -1,0 +1,198 @@
+"""``/v1/responses``: create (whole, streamed or in the background), retrieve, delete, cancel.
+
+A streamed response is SSE events of the form ``event: <type>`` then ``data: <JSON>``, as
+OpenAI sends them (no ``[DONE]``). A background response is answered at once, ``queued``,
+and runs in a task of the replica that took it; any replica answers its retrieve from the
+store, and its cancel: the replica running it stops its task, another one aborts its job
+on the bus (its request id is the response id) and marks it ``cancelled`` in the store,
+which its runner's last write then leaves as it is. Tasks still running when the replica
+stops are marked ``failed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+import redis
+from aiohttp import web
+
+from bus.aborts import publish_aborts_async
+from jobs.errors import RequestError
+from stages.ingress.api import handlers
+from stages.ingress.body import read_object
+from stages.ingress.errors import ApiError, error_body
+from stages.ingress.responses.output import ResponseBuilder, new_response_id, response_head
+from stages.ingress.responses.request import parse_responses, renamed
+from stages.ingress.responses.store import RUNNING, ResponseStore
+from stages.ingress.responses.turn import Turn
+from stages.ingress.state import STATE, IngressState
+from stages.ingress.tenancy.auth import bearer_key
+from stages.ingress.tenancy.ownership import owner_of
+
+logger = logging.getLogger(__name__)
+
+# This replica's background responses: id -> the task running it.
+BACKGROUND = web.AppKey("streamserve_background_responses", dict)
+STOP_SAVE_S = 2.0  # how long a stopping replica tries to mark its background responses failed
+
+
+def _store(request: web.Request) -> ResponseStore:
+    """The responses the request's owner sees, on the home shard."""
+    state = request.app[STATE]
+    home = state.shards.home
+    return ResponseStore(home.redis, home.config, owner_of(request, state.tenants))
+
+
+def _json(body: dict[str, Any]) -> web.Response:
+    return web.json_response(body, dumps=lambda d: json.dumps(d, ensure_ascii=False))
+
+
+async def create(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    asked = parse_responses(await read_object(request), state.model)
+    store = _store(request)
+    history: list[dict[str, Any]] = []
+    if asked.previous_response_id is not None:
+        try:
+            history = await store.history(asked.previous_response_id)
+        except RequestError as exc:  # a 404 naming the field
+            exc.param = "previous_response_id"
+            raise
+    job = asked.chat_job(history, state.model)
+    try:
+        await job.compile_grammar()
+    except ApiError as exc:
+        raise renamed(exc) from None
+    response_id = new_response_id()
+    status = "queued" if asked.background else "in_progress"
+    builder = ResponseBuilder(response_head(response_id, state.model, asked.data, status),
+                              None if job.tools is None else job.tools.names)  # fmt: skip
+    turn = Turn(state, job, builder, state.tenants.for_key(bearer_key(request)), store.owner,
+                store if asked.store else None, [*history, *asked.input])  # fmt: skip
+    if asked.background:
+        await turn.save()
+        _run_in_background(request.app, turn)
+        return _json(turn.response)
+    if asked.stream:
+        return await _stream(request, turn)
+    return _json(await turn.whole())
+
+
+async def _stream(request: web.Request, turn: Turn) -> web.StreamResponse:
+    response: web.StreamResponse | None = None
+    try:
+        async with contextlib.aclosing(turn.events()) as events:
+            async for batch in events:
+                if response is None:  # after the first reply: an error before it is a 4xx
+                    response = web.StreamResponse(headers={
+                        "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                        "X-Accel-Buffering": "no"})  # fmt: skip
+                    await response.prepare(request)
+                for event in batch:
+                    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+                    await response.write(f"event: {event['type']}\ndata: {data}\n\n".encode())
+    except (ConnectionError, OSError):
+        assert response is not None  # before the stream began, nothing was written
+        return response  # the client left: its job is aborted as the events close
+    except Exception as exc:
+        if response is None:
+            raise  # an ApiError is the request's 4xx, as chat's is
+        logger.exception("response %s failed", turn.response["id"])
+        error = {"type": "error", "sequence_number": turn.builder.sequence,
+                 **error_body(handlers.internal(exc))["error"]}  # fmt: skip
+        await response.write(f"event: error\ndata: {json.dumps(error)}\n\n".encode())
+    await response.write_eof()
+    return response
+
+
+def _run_in_background(app: web.Application, turn: Turn) -> None:
+    tasks = app[BACKGROUND]
+    response_id = turn.response["id"]
+    task = asyncio.get_running_loop().create_task(_background(turn))
+    tasks[response_id] = task
+    task.add_done_callback(lambda _: tasks.pop(response_id, None))
+
+
+async def _background(turn: Turn) -> None:
+    try:
+        async with contextlib.aclosing(turn.events()) as events:
+            async for _ in events:
+                pass
+    except ApiError as exc:  # refused before its first reply: a full queue, a long prompt
+        await _fail(turn, exc)
+    except asyncio.CancelledError:
+        if turn.builder.response["status"] in RUNNING:  # not cancelled by its user: stopped
+            stopped = ApiError(503, "the ingress replica running it stopped", "server_error")
+            with contextlib.suppress(redis.RedisError, TimeoutError):
+                await asyncio.wait_for(_fail(turn, stopped), STOP_SAVE_S)
+        raise
+    except Exception:
+        logger.exception("background response %s failed", turn.response["id"])
+        await _fail(turn, ApiError(500, "internal error", "server_error"))
+
+
+async def _fail(turn: Turn, error: ApiError) -> None:
+    turn.builder.failed(error)
+    await turn.save()
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    return _json(await _store(request).get(request.match_info["response_id"]))
+
+
+async def delete(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    store = _store(request)
+    deleted = await store.delete(response_id)
+    task = request.app[BACKGROUND].get(response_id)
+    if task is not None:
+        task.cancel()  # nothing is left to write its answer to
+    return _json(deleted)
+
+
+async def cancel(request: web.Request) -> web.Response:
+    """Cancel a background response: it stops, and keeps what it had when cancelled."""
+    state = request.app[STATE]
+    response_id = request.match_info["response_id"]
+    store = _store(request)
+    response = await store.get(response_id)
+    if not response.get("background"):
+        raise ApiError(400, "only a background response can be cancelled", param="response_id",
+                       code="invalid_value")  # fmt: skip
+    if await store.cancel(response_id) in RUNNING:
+        await _stop(state, request.app, response_id, store.owner)
+    return _json(await store.get(response_id))
+
+
+async def _stop(state: IngressState, app: web.Application, response_id: str,
+                owner: str | None) -> None:  # fmt: skip
+    """Stop the job of a cancelled response, wherever it runs."""
+    task = app[BACKGROUND].get(response_id)
+    if task is not None:
+        task.cancel()  # its submission aborts the job
+        return
+    found = await state.sub_requests(response_id, owner)
+    if found is not None:
+        shard, rids = found
+        await publish_aborts_async(shard.redis, shard.config, rids)
+
+
+async def _stop_background(app: web.Application) -> None:
+    """On shutdown, while Redis is still there: stop this replica's background responses."""
+    tasks = list(app[BACKGROUND].values())
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def add_routes(app: web.Application) -> None:
+    app[BACKGROUND] = {}
+    app.on_shutdown.append(_stop_background)
+    app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses/{response_id}", retrieve)
+    app.router.add_delete("/v1/responses/{response_id}", delete)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel)

@@ -1,0 +1,115 @@
+"""Stored responses, kept in Redis on the home shard (stages/ingress/shards.py), so any
+ingress replica answers for any of them.
+
+A response is one hash, ``<p>:response:<id>``: its owner (tenancy/ownership.py; empty in
+single-tenant mode), its status, its Response object (JSON) and its conversation so far as
+chat messages (JSON: the earlier turns', this turn's input, its answer), which a later
+``previous_response_id`` continues. It expires ``response_ttl_s`` after its last write.
+Another owner's response is a 404, as a missing one is.
+
+The status is a field of its own so that a cancel can set it without rewriting the object:
+a write after a cancel (the job's last replies) leaves it cancelled, and a write after a
+delete makes nothing again (both in one script, `_UPDATE`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import redis.asyncio as aredis
+
+from batch_store.files import not_found
+from runtime.config import BusConfig
+from stages.ingress.tenancy.ownership import sees
+
+RUNNING = ("queued", "in_progress")
+
+# KEYS[1] the hash; ARGV: status, body, history, ttl. Only a response that exists and is
+# not cancelled is updated.
+_UPDATE = """
+local status = redis.call('hget', KEYS[1], 'status')
+if not status or status == 'cancelled' then return 0 end
+redis.call('hset', KEYS[1], 'status', ARGV[1], 'body', ARGV[2], 'history', ARGV[3])
+redis.call('expire', KEYS[1], ARGV[4])
+return 1
+"""
+# KEYS[1] the hash. A running response becomes cancelled; returns the status it had.
+_CANCEL = """
+local status = redis.call('hget', KEYS[1], 'status')
+if status == 'queued' or status == 'in_progress' then
+  redis.call('hset', KEYS[1], 'status', 'cancelled')
+end
+return status
+"""
+
+
+class ResponseStore:
+    """The responses `owner` sees (every response when None)."""
+
+    def __init__(self, client: aredis.Redis, config: BusConfig, owner: str | None) -> None:
+        self.client = client
+        self.config = config
+        self.owner = owner
+
+    def key(self, response_id: str) -> str:
+        return self.config.key_name("response", response_id)
+
+    async def create(self, response: dict[str, Any], history: list[dict[str, Any]]) -> None:
+        """A new stored response (as it starts)."""
+        key = self.key(response["id"])
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(
+            key,
+            mapping={
+                "owner": self.owner or "",
+                "status": response["status"],
+                "body": _dumps(response),
+                "history": _dumps(history),
+            },
+        )
+        pipe.expire(key, self.config.response_ttl_s)
+        await pipe.execute()
+
+    async def update(self, response: dict[str, Any], history: list[dict[str, Any]]) -> bool:
+        """Its new state, unless it was cancelled or deleted meanwhile: whether it was written."""
+        written = await self.client.eval(_UPDATE, 1, self.key(response["id"]), response["status"],
+                                         _dumps(response), _dumps(history),
+                                         self.config.response_ttl_s)  # fmt: skip
+        return bool(written)
+
+    async def _visible(self, response_id: str, *fields: str) -> list[Any]:
+        """`fields` of a response this store's owner sees; a 404 for any other."""
+        values = await self.client.hmget(self.key(response_id), ["owner", *fields])
+        owner = values[0]
+        if owner is None or not sees(self.owner, owner.decode() or None):
+            raise not_found("response", response_id)
+        return values[1:]
+
+    async def get(self, response_id: str) -> dict[str, Any]:
+        status, body = await self._visible(response_id, "status", "body")
+        response = json.loads(body)
+        response["status"] = status.decode()
+        return response
+
+    async def history(self, response_id: str) -> list[dict[str, Any]]:
+        """The conversation a later turn continues (404 as `get`)."""
+        (history,) = await self._visible(response_id, "history")
+        return json.loads(history)
+
+    async def delete(self, response_id: str) -> dict[str, Any]:
+        await self._visible(response_id)
+        await self.client.delete(self.key(response_id))
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    async def cancel(self, response_id: str) -> str:
+        """Mark a running response cancelled; the status it had (404 as `get`)."""
+        await self._visible(response_id)
+        status = await self.client.eval(_CANCEL, 1, self.key(response_id))
+        if status is None:
+            raise not_found("response", response_id)  # deleted meanwhile
+        return status.decode()
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

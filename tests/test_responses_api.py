@@ -1,0 +1,262 @@
+"""/v1/responses through the official `openai` client, with the pipeline played by a scripted
+upstream on the real Redis: the chat job each request becomes, the Response objects and
+stream events the replies become, stored responses and their owners, background responses.
+(tests/test_responses_e2e.py runs the same API on the real default model.)"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import openai
+import pytest
+
+from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
+
+KEYS = ("sk-a", "sk-b")
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+WEATHER = {"type": "function", "name": "get_weather", "parameters": CITY}
+
+
+def answer(request):
+    said = json.dumps(request.messages)
+    if "hang" in said:
+        return []  # never answered: runs until aborted
+    if request.tools:
+        return deltas(request.rid, [(CALL, [1, 2, 3])], prompt_tokens=9)
+    if "long" in said:
+        return deltas(request.rid, [("Hel", [1]), ("lo", [2])], reason="length")
+    return deltas(request.rid, [("Hel", [10, 11]), ("lo", [12]), (" world", [13, 14])],
+                  prompt_tokens=5, cached_tokens=2)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ingress(redis_url):
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    with RunningIngress(redis_url, api_keys=KEYS) as server:
+        add_worker(client, server.config)
+        with Upstream(redis_url, server.config, answer) as upstream:
+            server.upstream = upstream
+            yield server
+
+
+def api(ingress, key: str = "sk-a") -> openai.OpenAI:
+    return openai.OpenAI(base_url=ingress.url + "/v1", api_key=key, max_retries=0, timeout=10)
+
+
+def last_request(ingress):
+    return ingress.upstream.requests[-1]
+
+
+def test_create_answers_a_typed_response_from_a_chat_job(ingress):
+    response = api(ingress).responses.create(
+        model=MODEL, input="Hi", instructions="Be brief.", max_output_tokens=8,
+        temperature=0.5, top_p=0.9,
+    )  # fmt: skip
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.status == "completed" and response.model == MODEL
+    assert response.output_text == "Hello world"
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant"
+    assert message.content[0].type == "output_text"
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (5, 5)
+    assert response.usage.total_tokens == 10
+    assert response.usage.input_tokens_details.cached_tokens == 2
+    assert response.instructions == "Be brief." and response.max_output_tokens == 8
+    job = last_request(ingress)
+    assert job.messages == [{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "Hi"}]  # fmt: skip
+    assert job.sampling == {"max_new_tokens": 8, "temperature": 0.5, "top_p": 0.9}
+    assert job.rid == response.id + "-0"
+
+
+def test_message_list_input_with_text_parts_and_roles(ingress):
+    api(ingress).responses.create(model=MODEL, input=[
+        {"role": "developer", "content": "Rules."},
+        {"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                     {"type": "input_text", "text": "b"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "c"}]},
+        {"type": "message", "role": "user", "content": "d"},
+    ])  # fmt: skip
+    assert last_request(ingress).messages == [
+        {"role": "system", "content": "Rules."}, {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"},
+    ]  # fmt: skip
+
+
+def test_stream_sends_the_events_in_order_with_sequence_numbers(ingress):
+    events = list(api(ingress).responses.create(model=MODEL, input="Hi", stream=True))
+    kinds = [e.type for e in events]
+    assert kinds == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed",
+    ]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == (
+        "Hello world"
+    )
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    done = events[-1].response
+    assert done.status == "completed" and done.output_text == "Hello world"
+    assert api(ingress).responses.retrieve(done.id).output_text == "Hello world"
+
+
+def test_the_raw_stream_is_event_and_data_lines(ingress):
+    status, headers, data = ingress.request("POST", "/v1/responses", {"input": "Hi",
+                                            "stream": True})  # fmt: skip
+    assert status == 401  # no key
+    import urllib.request
+
+    request = urllib.request.Request(
+        ingress.url + "/v1/responses", data=json.dumps({"input": "Hi", "stream": True}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": "Bearer sk-a"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=5) as reply:
+        assert reply.headers["Content-Type"].startswith("text/event-stream")
+        text = reply.read().decode()
+    events = text.split("\n\n")
+    assert events[-1] == ""
+    for event in events[:-1]:
+        kind, data_line = event.split("\n")
+        assert kind.startswith("event: ") and data_line.startswith("data: ")
+        assert json.loads(data_line[6:])["type"] == kind[7:]
+
+
+def test_retrieve_delete_and_store_false(ingress):
+    client = api(ingress)
+    made = client.responses.create(model=MODEL, input="Hi")
+    assert client.responses.retrieve(made.id).output_text == "Hello world"
+    client.responses.delete(made.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(made.id)
+    unstored = client.responses.create(model=MODEL, input="Hi", store=False)
+    assert unstored.output_text == "Hello world" and unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_previous_response_id_puts_the_conversation_first(ingress):
+    client = api(ingress)
+    first = client.responses.create(model=MODEL, input="Hi", instructions="Only once.")
+    second = client.responses.create(model=MODEL, input="Again", previous_response_id=first.id)
+    assert second.previous_response_id == first.id
+    assert last_request(ingress).messages == [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello world"},
+        {"role": "user", "content": "Again"},
+    ]  # fmt: skip
+    client.responses.create(model=MODEL, input="Third", previous_response_id=second.id)
+    assert [m["content"] for m in last_request(ingress).messages] == [
+        "Hi", "Hello world", "Again", "Hello world", "Third"]  # fmt: skip
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_nothing")
+    assert missing.value.body["param"] == "previous_response_id"
+
+
+def test_another_tenants_responses_are_not_found(ingress):
+    mine = api(ingress, "sk-a").responses.create(model=MODEL, input="Hi")
+    other = api(ingress, "sk-b")
+    for attempt in (lambda: other.responses.retrieve(mine.id),
+                    lambda: other.responses.delete(mine.id),
+                    lambda: other.responses.cancel(mine.id),
+                    lambda: other.responses.create(model=MODEL, input="x",
+                                                   previous_response_id=mine.id)):  # fmt: skip
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    assert api(ingress, "sk-a").responses.retrieve(mine.id).output_text == "Hello world"
+
+
+def test_function_tools_give_function_call_items_and_their_outputs_go_back(ingress):
+    client = api(ingress)
+    response = client.responses.create(model=MODEL, input="Weather?", tools=[WEATHER],
+                                       tool_choice="required")  # fmt: skip
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": "Paris"} and call.call_id.startswith("call_")
+    job = last_request(ingress)
+    assert job.tools[0]["function"]["name"] == "get_weather" and "ebnf" in job.sampling
+    client.responses.create(
+        model=MODEL,
+        previous_response_id=response.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+    )
+    messages = last_request(ingress).messages
+    assert messages[-2]["tool_calls"][0]["id"] == call.call_id
+    assert messages[-1] == {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}
+    events = list(client.responses.create(model=MODEL, input="Weather?", tools=[WEATHER],
+                                          stream=True))  # fmt: skip
+    kinds = [e.type for e in events]
+    assert kinds[2:6] == ["response.output_item.added", "response.function_call_arguments.delta",
+                          "response.function_call_arguments.done",
+                          "response.output_item.done"]  # fmt: skip
+    assert events[-1].response.output[0].name == "get_weather"
+
+
+def test_json_schema_format_goes_to_the_grammar(ingress):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    response = api(ingress).responses.create(
+        model=MODEL, input="Hi",
+        text={"format": {"type": "json_schema", "name": "thing", "schema": schema}},
+    )  # fmt: skip
+    assert json.loads(last_request(ingress).sampling["json_schema"]) == schema
+    assert response.text.format.type == "json_schema"
+
+
+def test_max_output_tokens_cut_is_incomplete(ingress):
+    response = api(ingress).responses.create(model=MODEL, input="long", max_output_tokens=2)
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_background_completes_and_is_polled(ingress):
+    client = api(ingress)
+    made = client.responses.create(model=MODEL, input="Hi", background=True)
+    assert made.status in ("queued", "in_progress") and made.background
+    deadline = time.monotonic() + 10
+    while (got := client.responses.retrieve(made.id)).status != "completed":
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+    assert got.output_text == "Hello world"
+
+
+def test_background_cancel_stops_its_job(ingress):
+    client = api(ingress)
+    made = client.responses.create(model=MODEL, input="hang", background=True)
+    cancelled = client.responses.cancel(made.id)
+    assert cancelled.status == "cancelled"
+    time.sleep(0.3)
+    assert client.responses.retrieve(made.id).status == "cancelled"
+    assert not ingress.app[__import__("stages.ingress.responses.routes",
+                                      fromlist=["BACKGROUND"]).BACKGROUND]  # fmt: skip
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(client.responses.create(model=MODEL, input="Hi").id)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "input"),
+    ({"input": 3}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
+    ({"input": "x", "max_output_tokens": -1}, "max_output_tokens"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "x", "background": True, "store": False}, "store"),
+    ({"input": "x", "bogus": 1}, "bogus"),
+    ({"input": "x", "model": "other"}, "model"),
+])  # fmt: skip
+def test_user_errors_are_openai_error_bodies(ingress, body, param):
+    status, _, data = ingress.request("POST", "/v1/responses", body)
+    assert status == 401
+    with pytest.raises(openai.APIStatusError) as error:
+        api(ingress).post("/responses", body=body, cast_to=object)
+    assert 400 <= error.value.status_code < 500
+    assert error.value.body["param"] == param, error.value.body
