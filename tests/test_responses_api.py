@@ -11,6 +11,7 @@ import time
 import openai
 import pytest
 
+from jobs.protocol import TextDelta
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
 
 KEYS = ("sk-a", "sk-b")
@@ -23,6 +24,8 @@ def answer(request):
     said = json.dumps(request.messages)
     if "hang" in said:
         return []  # never answered: runs until aborted
+    if "unfinished" in said:
+        return [TextDelta(request.rid, 0, [1], "Hi")]  # begun, never ended: until aborted
     if request.tools:
         return deltas(request.rid, [(CALL, [1, 2, 3])], prompt_tokens=9)
     if "long" in said:
@@ -260,3 +263,40 @@ def test_user_errors_are_openai_error_bodies(ingress, body, param):
         api(ingress).post("/responses", body=body, cast_to=object)
     assert 400 <= error.value.status_code < 500
     assert error.value.body["param"] == param, error.value.body
+
+
+def test_fields_sdks_send_by_default_are_taken_and_others_refused(ingress):
+    client = api(ingress)
+    taken = client.responses.create(model=MODEL, input="Hi", truncation="disabled", include=[],
+                                    reasoning={"effort": None}, service_tier="auto",
+                                    prompt_cache_key="k", safety_identifier="u")  # fmt: skip
+    assert taken.output_text == "Hello world"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, input="Hi", reasoning={"effort": "high"})
+    assert refused.value.body["param"] == "reasoning"
+
+
+def test_a_stream_its_client_leaves_is_stored_cancelled(ingress):
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", ingress.port, timeout=5)
+    connection.request(
+        "POST",
+        "/v1/responses",
+        json.dumps({"input": "unfinished", "stream": True}),
+        {"Content-Type": "application/json", "Authorization": "Bearer sk-a"},
+    )
+    reply = connection.getresponse()
+    first = json.loads(_data_line(reply))
+    assert first["type"] == "response.created"
+    connection.close()
+    deadline = time.monotonic() + 5
+    while api(ingress).responses.retrieve(first["response"]["id"]).status != "cancelled":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def _data_line(reply) -> str:
+    while not (line := reply.fp.readline().decode()).startswith("data: "):
+        pass
+    return line.removeprefix("data: ")

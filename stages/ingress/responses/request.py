@@ -20,9 +20,15 @@ from stages.ingress.api.params import ApiRequest, parse_chat
 from stages.ingress.body import BOOL, NUMBER, OBJECT, STR, field, reject_unknown, wrong_type
 from stages.ingress.errors import ApiError
 
+# OpenAI fields taken at the values that ask nothing this server does not do (what SDKs send
+# by default); any other value is a 400 naming the field. Hints with no effect here:
+# prompt_cache_key (the router's prefix cache needs none), safety_identifier.
+INERT = {"truncation": ("disabled",), "include": ([],), "reasoning": ({},),
+         "service_tier": ("auto", "default")}  # fmt: skip
+HINTS = ("prompt_cache_key", "safety_identifier")
 FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text",
           "tools", "tool_choice", "parallel_tool_calls", "stream", "store", "background",
-          "previous_response_id", "metadata", "user")  # fmt: skip
+          "previous_response_id", "metadata", "user", *INERT, *HINTS)  # fmt: skip
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
 FORMATS = ("text", "json_object", "json_schema")
@@ -92,6 +98,16 @@ def parse_responses(data: dict[str, Any], served: str) -> ResponsesRequest:
                        code="invalid_value")  # fmt: skip
     for name in ("temperature", "top_p"):
         field(data, name, NUMBER)
+    for name in HINTS:
+        field(data, name, STR)
+    for name, inert in INERT.items():
+        value = data.get(name)
+        if isinstance(value, dict):
+            value = {k: v for k, v in value.items() if v is not None}
+        if value is not None and value not in inert:
+            raise ApiError(400, f"{name} {data[name]!r} is not supported: leave it out or give "
+                           f"{' or '.join(map(repr, inert))}", param=name,
+                           code="unsupported_value")  # fmt: skip
     return ResponsesRequest(
         data=data,
         input=input_messages(data["input"]),
@@ -332,6 +348,9 @@ def openapi_schema() -> dict[str, Any]:
         "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"},
                      "maxProperties": MAX_METADATA_PAIRS},
         "user": {"type": ["string", "null"]},
+        **{name: {"anyOf": [{"const": v} for v in inert] + [{"type": "null"}],
+                  "description": "accepted at this value only"} for name, inert in INERT.items()},
+        **{name: {"type": ["string", "null"], "description": "ignored"} for name in HINTS},
     }  # fmt: skip
     assert set(properties) == set(FIELDS)
     return {"type": "object", "required": ["input"], "properties": properties,

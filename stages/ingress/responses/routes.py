@@ -24,7 +24,7 @@ from bus.aborts import publish_aborts_async
 from jobs.errors import RequestError
 from stages.ingress.api import handlers
 from stages.ingress.body import read_object
-from stages.ingress.errors import ApiError, error_body
+from stages.ingress.errors import ApiError
 from stages.ingress.responses.output import ResponseBuilder, new_response_id, response_head
 from stages.ingress.responses.request import parse_responses, renamed
 from stages.ingress.responses.store import RUNNING, ResponseStore
@@ -37,7 +37,9 @@ logger = logging.getLogger(__name__)
 
 # This replica's background responses: id -> the task running it.
 BACKGROUND = web.AppKey("streamserve_background_responses", dict)
-STOP_SAVE_S = 2.0  # how long a stopping replica tries to mark its background responses failed
+# How long a response cut short (its replica stopping, its stream's client gone) may take to
+# be marked so in the store.
+STOP_SAVE_S = 2.0
 
 
 def _store(request: web.Request) -> ResponseStore:
@@ -77,36 +79,43 @@ async def create(request: web.Request) -> web.StreamResponse:
         await turn.save()
         _run_in_background(request.app, turn)
         return _json(turn.response)
-    if asked.stream:
-        return await _stream(request, turn)
-    return _json(await turn.whole())
+    try:
+        return await _relay(request, turn) if asked.stream else _json(await turn.whole())
+    finally:
+        if turn.stored and not turn.saved_last:  # cut short: its client left, or it failed
+            if turn.response["status"] in RUNNING:
+                turn.response["status"] = "cancelled"
+            with contextlib.suppress(redis.RedisError, TimeoutError):
+                await asyncio.wait_for(turn.save(), STOP_SAVE_S)
 
 
-async def _stream(request: web.Request, turn: Turn) -> web.StreamResponse:
+async def _relay(request: web.Request, turn: Turn) -> web.StreamResponse:
+    """The turn's events as SSE, once its job has replied (an error before that is a 4xx)."""
     response: web.StreamResponse | None = None
     try:
         async with contextlib.aclosing(turn.events()) as events:
             async for batch in events:
-                if response is None:  # after the first reply: an error before it is a 4xx
+                if response is None:
                     response = web.StreamResponse(headers={
                         "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                         "X-Accel-Buffering": "no"})  # fmt: skip
                     await response.prepare(request)
-                for event in batch:
-                    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-                    await response.write(f"event: {event['type']}\ndata: {data}\n\n".encode())
-    except (ConnectionError, OSError):
-        assert response is not None  # before the stream began, nothing was written
-        return response  # the client left: its job is aborted as the events close
+                await _write(response, batch)
     except Exception as exc:
         if response is None:
             raise  # an ApiError is the request's 4xx, as chat's is
+        if isinstance(exc, (ConnectionError, OSError)):
+            return response  # the client left: its job is aborted as the events close
         logger.exception("response %s failed", turn.response["id"])
-        error = {"type": "error", "sequence_number": turn.builder.sequence,
-                 **error_body(handlers.internal(exc))["error"]}  # fmt: skip
-        await response.write(f"event: error\ndata: {json.dumps(error)}\n\n".encode())
+        await _write(response, turn.builder.failed(handlers.internal(exc)))
     await response.write_eof()
     return response
+
+
+async def _write(response: web.StreamResponse, events: list[dict[str, Any]]) -> None:
+    for event in events:
+        data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+        await response.write(f"event: {event['type']}\ndata: {data}\n\n".encode())
 
 
 def _run_in_background(app: web.Application, turn: Turn) -> None:

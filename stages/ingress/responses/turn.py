@@ -34,6 +34,7 @@ class Turn:
     store: ResponseStore | None  # None: store false, nothing is kept
     history: list[dict[str, Any]]  # the conversation before the answer: earlier turns, input
     stored: bool = False  # whether the store holds it yet
+    saved_last: bool = False  # whether the store holds it as it ended
     error: ApiError | None = None  # what failed it, after the first reply
 
     @property
@@ -70,6 +71,7 @@ class Turn:
                 if events:
                     yield events
         await self.save()
+        self.saved_last = True
 
     async def whole(self) -> dict[str, Any]:
         """The finished Response object; an error raised as the chat endpoint raises it."""
