@@ -300,3 +300,57 @@ def _data_line(reply) -> str:
     while not (line := reply.fp.readline().decode()).startswith("data: "):
         pass
     return line.removeprefix("data: ")
+
+
+DEAD = "ingress-deadhost-7-abcdef"
+
+
+def _left_by_a_dead_ingress(ingress, response_id: str, frontend: str = DEAD) -> None:
+    """What a replica killed while streaming `response_id` leaves in Redis: the stored
+    response as it began, its request's key, its job's replies on its reply stream."""
+    import redis
+
+    from jobs.protocol import ENTRY_FIELD, encode
+    from stages.ingress.responses.output import response_head
+    from stages.ingress.tenancy.ownership import key_owner, request_record
+
+    config, owner = ingress.config, key_owner("sk-a")
+    body = {"input": "Hi", "stream": True}
+    client = redis.Redis.from_url(config.redis_url)
+    client.hset(config.key_name("response", response_id), mapping={
+        "owner": owner, "status": "in_progress", "frontend": frontend,
+        "body": json.dumps(response_head(response_id, MODEL, body, "in_progress")),
+        "history": json.dumps([{"role": "user", "content": "Hi"}]), "request": json.dumps(body),
+    })  # fmt: skip
+    client.set(config.request_key(response_id), request_record(1, owner))
+    for delta in answer(type("Job", (), {"rid": response_id + "-0", "messages": [],
+                                         "tools": None})()):  # fmt: skip
+        client.xadd(config.reply_stream(frontend), {ENTRY_FIELD: encode(delta)})
+
+
+def test_a_stream_whose_replica_died_resumes_after_its_last_event(ingress):
+    client = api(ingress)
+    _left_by_a_dead_ingress(ingress, "resp_dead1")
+    whole = list(client.responses.retrieve("resp_dead1", stream=True))
+    assert [e.sequence_number for e in whole] == list(range(11))
+    assert whole[-1].type == "response.completed"
+    _left_by_a_dead_ingress(ingress, "resp_dead2")
+    rest = list(client.responses.retrieve("resp_dead2", stream=True, starting_after=5))
+    assert [e.sequence_number for e in rest] == list(range(6, 11))
+    assert [e.delta for e in rest if e.type == "response.output_text.delta"] == [" world"]
+    assert rest[0].item_id == "msg_dead2_0" == whole[2].item.id.replace("dead1", "dead2")
+    assert client.responses.retrieve("resp_dead2").output_text == "Hello world"
+    with pytest.raises(openai.NotFoundError):  # it has ended
+        list(client.responses.retrieve("resp_dead2", stream=True))
+    with pytest.raises(openai.NotFoundError):  # another owner's
+        list(api(ingress, "sk-b").responses.retrieve("resp_dead1", stream=True))
+
+
+def test_a_resume_is_refused_while_its_replica_lives_or_if_it_never_streamed(ingress):
+    client = api(ingress)
+    _left_by_a_dead_ingress(ingress, "resp_alive", frontend=ingress.state.frontend_id)
+    with pytest.raises(openai.ConflictError):
+        list(client.responses.retrieve("resp_alive", stream=True))
+    whole = client.responses.create(model=MODEL, input="Hi")
+    with pytest.raises(openai.BadRequestError):
+        list(client.responses.retrieve(whole.id, stream=True))

@@ -315,10 +315,17 @@ def _responses_paths() -> dict[str, Any]:
     del create["post"]["parameters"]  # no Last-Event-ID resume (yet)
     create["post"]["responses"]["200"]["description"] = "a Response object, or its stream events"
     one = ("response_id",)
+    get = _operation("get", "A stored response; with stream=true its stream resumed after "
+                     "starting_after (its replica died)", (400, 401, 404, 409), *one)  # fmt: skip
+    get["get"]["parameters"] += [
+        {"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean"}},
+        {"name": "starting_after", "in": "query", "required": False,
+         "schema": {"type": "integer"}},
+    ]  # fmt: skip
     return {
         "/v1/responses": create,
         "/v1/responses/{response_id}": {
-            **_operation("get", "A stored response", (401, 404), *one),
+            **get,
             **_operation("delete", "Delete a stored response", (401, 404), *one),
         },
         "/v1/responses/{response_id}/cancel": _operation(

@@ -4,5 +4,6 @@ request.py  a Responses body checked and turned into the chat job the pipeline r
 output.py   the job's replies as a Response object and its stream events, in OpenAI's order
 turn.py     one turn: the job submitted, its replies relayed, the response stored
 store.py    stored responses in Redis, owned by their tenant, with an expiry
+resume.py   a stream whose replica died, resumed by GET ?stream=true&starting_after=
 routes.py   create (whole, streamed, background), retrieve, delete, cancel
 """

@@ -11,7 +11,8 @@ request was aborted; ``response.failed`` on an error). Each event has its
 ``sequence_number``. A whole answer is the same object without the events.
 
 Calls are parsed from the text as chat's are (api/tool_call_parser.py); their ids come from
-the response id, so the stored object and the stream agree.
+the response id, as the items' ids do, so the stored object and the stream agree, and a
+stream replayed from the same replies (resume.py) is the same events.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class ResponseBuilder:
         return events
 
     def _open_message(self) -> list[dict[str, Any]]:
-        self.message = {"id": "msg_" + uuid.uuid4().hex, "type": "message",
+        self.message = {"id": self._item_id("msg"), "type": "message",
                         "status": "in_progress", "role": "assistant", "content": []}  # fmt: skip
         self.output.append(self.message)
         index = self._index(self.message)
@@ -142,11 +143,16 @@ class ResponseBuilder:
                 self._event("response.content_part.added", item_id=self.message["id"],
                             output_index=index, content_index=0, part=part)]  # fmt: skip
 
+    def _item_id(self, kind: str) -> str:
+        """From the response id and the item's place: a replayed stream (resume.py) names
+        its items as the first one did."""
+        return f"{kind}_{self.response['id'].removeprefix('resp_')}_{len(self.output)}"
+
     def _index(self, item: dict[str, Any]) -> int:
         return next(i for i, o in enumerate(self.output) if o is item)
 
     def _call(self, call: ToolCall) -> list[dict[str, Any]]:
-        item = {"id": "fc_" + uuid.uuid4().hex, "type": "function_call", "status": "in_progress",
+        item = {"id": self._item_id("fc"), "type": "function_call", "status": "in_progress",
                 "call_id": call.id, "name": call.name, "arguments": ""}  # fmt: skip
         self.output.append(item)
         index = self._index(item)
@@ -206,6 +212,8 @@ class ResponseBuilder:
         calls = [{"id": o["call_id"], "type": "function",
                   "function": {"name": o["name"], "arguments": o["arguments"]}}
                  for o in self.output if o["type"] == "function_call"]  # fmt: skip
+        if not self.output:
+            return []  # nothing answered yet
         message: dict[str, Any] = {"role": "assistant", "content": text or None}
         if calls:
             message["tool_calls"] = calls

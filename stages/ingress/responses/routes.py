@@ -25,9 +25,10 @@ from jobs.errors import RequestError
 from stages.ingress.api import handlers
 from stages.ingress.body import read_object
 from stages.ingress.errors import ApiError
+from stages.ingress.responses import resume
 from stages.ingress.responses.output import ResponseBuilder, new_response_id, response_head
 from stages.ingress.responses.request import parse_responses, renamed
-from stages.ingress.responses.store import RUNNING, ResponseStore
+from stages.ingress.responses.store import RUNNING, ResponseStore, StreamOrigin
 from stages.ingress.responses.turn import Turn
 from stages.ingress.state import STATE, IngressState
 from stages.ingress.tenancy.auth import bearer_key
@@ -73,23 +74,33 @@ async def create(request: web.Request) -> web.StreamResponse:
     status = "queued" if asked.background else "in_progress"
     builder = ResponseBuilder(response_head(response_id, state.model, asked.data, status),
                               None if job.tools is None else job.tools.names)  # fmt: skip
+    origin = StreamOrigin(state.frontend_id, asked.data) if asked.stream else None
     turn = Turn(state, job, builder, state.tenants.for_key(bearer_key(request)), store.owner,
-                store if asked.store else None, [*history, *asked.input])  # fmt: skip
+                store if asked.store else None, [*history, *asked.input], origin)  # fmt: skip
     if asked.background:
         await turn.save()
         _run_in_background(request.app, turn)
         return _json(turn.response)
+    return await _answer(request, turn, asked.stream)
+
+
+async def _answer(
+    request: web.Request, turn: Turn, stream: bool, starting_after: int = -1
+) -> web.StreamResponse:
+    """The turn answered whole or streamed (the events after `starting_after`)."""
     try:
-        return await _relay(request, turn) if asked.stream else _json(await turn.whole())
+        return await _relay(request, turn, starting_after) if stream else _json(await turn.whole())
     finally:
-        if turn.stored and not turn.saved_last:  # cut short: its client left, or it failed
+        # Cut short (its client left, it failed) but not handed over (streaming/submission.py):
+        # stored as it was left.
+        if turn.stored and not turn.saved_last and not turn.state.draining:
             if turn.response["status"] in RUNNING:
                 turn.response["status"] = "cancelled"
             with contextlib.suppress(redis.RedisError, TimeoutError):
                 await asyncio.wait_for(turn.save(), STOP_SAVE_S)
 
 
-async def _relay(request: web.Request, turn: Turn) -> web.StreamResponse:
+async def _relay(request: web.Request, turn: Turn, starting_after: int) -> web.StreamResponse:
     """The turn's events as SSE, once its job has replied (an error before that is a 4xx)."""
     response: web.StreamResponse | None = None
     try:
@@ -100,7 +111,7 @@ async def _relay(request: web.Request, turn: Turn) -> web.StreamResponse:
                         "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                         "X-Accel-Buffering": "no"})  # fmt: skip
                     await response.prepare(request)
-                await _write(response, batch)
+                await _write(response, [e for e in batch if e["sequence_number"] > starting_after])
     except Exception as exc:
         if response is None:
             raise  # an ApiError is the request's 4xx, as chat's is
@@ -149,8 +160,15 @@ async def _fail(turn: Turn, error: ApiError) -> None:
     await turn.save()
 
 
-async def retrieve(request: web.Request) -> web.Response:
-    return _json(await _store(request).get(request.match_info["response_id"]))
+async def retrieve(request: web.Request) -> web.StreamResponse:
+    """A stored response; with ``stream=true`` its stream resumed (resume.py)."""
+    store, response_id = _store(request), request.match_info["response_id"]
+    if request.query.get("stream", "false").lower() != "true":
+        return _json(await store.get(response_id))
+    after = resume.starting_after(request)
+    return await _answer(
+        request, await resume.resumed_turn(request.app[STATE], store, response_id), True, after
+    )
 
 
 async def delete(request: web.Request) -> web.Response:

@@ -4,7 +4,8 @@ ingress replica answers for any of them.
 A response is one hash, ``<p>:response:<id>``: its owner (tenancy/ownership.py; empty in
 single-tenant mode), its status, its Response object (JSON) and its conversation so far as
 chat messages (JSON: the earlier turns', this turn's input, its answer), which a later
-``previous_response_id`` continues. It expires ``response_ttl_s`` after its last write.
+``previous_response_id`` continues; a streamed one also the replica streaming it and its
+create body, which a resume needs (resume.py). It expires ``response_ttl_s`` after its last write.
 Another owner's response is a 404, as a missing one is.
 
 The status is a field of its own so that a cancel can set it without rewriting the object:
@@ -15,6 +16,7 @@ delete makes nothing again (both in one script, `_UPDATE`).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aredis
@@ -44,6 +46,14 @@ return status
 """
 
 
+@dataclass(frozen=True)
+class StreamOrigin:
+    """Where a streamed response can be resumed from (responses/resume.py)."""
+
+    frontend_id: str  # the ingress replica that streamed it: its reply stream holds the replies
+    request: dict[str, Any]  # the create body, which makes the same job again
+
+
 class ResponseStore:
     """The responses `owner` sees (every response when None)."""
 
@@ -55,19 +65,18 @@ class ResponseStore:
     def key(self, response_id: str) -> str:
         return self.config.key_name("response", response_id)
 
-    async def create(self, response: dict[str, Any], history: list[dict[str, Any]]) -> None:
-        """A new stored response (as it starts)."""
+    async def create(
+        self, response: dict[str, Any], history: list[dict[str, Any]],
+        stream: StreamOrigin | None = None,
+    ) -> None:  # fmt: skip
+        """A new stored response (as it starts); a streamed one with where it streams from."""
         key = self.key(response["id"])
+        fields = {"owner": self.owner or "", "status": response["status"],
+                  "body": _dumps(response), "history": _dumps(history)}  # fmt: skip
+        if stream is not None:
+            fields.update(frontend=stream.frontend_id, request=_dumps(stream.request))
         pipe = self.client.pipeline(transaction=True)
-        pipe.hset(
-            key,
-            mapping={
-                "owner": self.owner or "",
-                "status": response["status"],
-                "body": _dumps(response),
-                "history": _dumps(history),
-            },
-        )
+        pipe.hset(key, mapping=fields)
         pipe.expire(key, self.config.response_ttl_s)
         await pipe.execute()
 
@@ -91,6 +100,16 @@ class ResponseStore:
         response = json.loads(body)
         response["status"] = status.decode()
         return response
+
+    async def stream_origin(self, response_id: str) -> tuple[dict[str, Any], StreamOrigin | None]:
+        """A response (404 as `get`) and, if it was streamed, where from."""
+        status, body, frontend, request = await self._visible(
+            response_id, "status", "body", "frontend", "request"
+        )
+        response = {**json.loads(body), "status": status.decode()}
+        if frontend is None:
+            return response, None
+        return response, StreamOrigin(frontend.decode(), json.loads(request))
 
     async def history(self, response_id: str) -> list[dict[str, Any]]:
         """The conversation a later turn continues (404 as `get`)."""

@@ -19,8 +19,9 @@ from stages.ingress.api import handlers
 from stages.ingress.api.params import ApiRequest
 from stages.ingress.errors import ApiError
 from stages.ingress.responses.output import ResponseBuilder
-from stages.ingress.responses.store import ResponseStore
+from stages.ingress.responses.store import ResponseStore, StreamOrigin
 from stages.ingress.state import IngressState
+from stages.ingress.streaming.submission import Submission
 from stages.ingress.tenancy.tenants import Tenant
 
 
@@ -29,10 +30,12 @@ class Turn:
     state: IngressState
     job: ApiRequest
     builder: ResponseBuilder
-    tenant: Tenant
+    tenant: Tenant | None  # None: resumed (admitted when it began)
     owner: str | None
     store: ResponseStore | None  # None: store false, nothing is kept
     history: list[dict[str, Any]]  # the conversation before the answer: earlier turns, input
+    stream: StreamOrigin | None = None  # a stream's, kept with it for a resume
+    resumed: Submission | None = None  # a dead replica's job, read from its reply stream
     stored: bool = False  # whether the store holds it yet
     saved_last: bool = False  # whether the store holds it as it ended
     error: ApiError | None = None  # what failed it, after the first reply
@@ -49,15 +52,18 @@ class Turn:
         if self.stored:
             await self.store.update(self.response, history)
         else:
-            await self.store.create(self.response, history)
+            await self.store.create(self.response, history, self.stream)
             self.stored = True
 
     async def events(self) -> AsyncIterator[list[dict[str, Any]]]:
         """The events of the turn, a reply's at a time; run it in `contextlib.aclosing`, so
         the job is aborted as soon as its reader stops."""
-        response_id = self.response["id"]
-        async with await handlers.submit(self.state, self.job, response_id, self.tenant,
-                                         self.owner) as sub:  # fmt: skip
+        sub = self.resumed
+        if sub is None:
+            assert self.tenant is not None
+            sub = await handlers.submit(self.state, self.job, self.response["id"], self.tenant,
+                                        self.owner)  # fmt: skip
+        async with sub:
             await sub.first_replies()
             started = self.builder.started()
             await self.save()
