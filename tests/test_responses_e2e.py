@@ -2,12 +2,14 @@
 and two API keys, asked through the official `openai` client, whose own types parse every
 answer: create, stream (the events in order), retrieve, delete, a conversation continued by
 previous_response_id, a json_schema answer, a tool call, background responses completed and
-cancelled, and another tenant's 404. (tests/test_responses_api.py covers the shapes in detail
-on a scripted upstream.)"""
+cancelled, another tenant's 404, and a stream resumed after its ingress is killed.
+(tests/test_responses_api.py covers the shapes in detail on a scripted upstream.)"""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import openai
@@ -155,3 +157,36 @@ def test_another_tenants_key_gets_404(client, pipeline):
     with pytest.raises(openai.NotFoundError):
         other.responses.create(input="And?", previous_response_id=mine.id, **GREEDY)
     assert client.responses.retrieve(mine.id).output_text == mine.output_text
+
+
+def test_a_stream_whose_ingress_is_killed_resumes_from_its_last_sequence_number(client, pipeline):
+    asked = {"input": "Tell a story about a river.", "model": MODEL, "temperature": 0,
+             "max_output_tokens": 48}  # fmt: skip
+    expected = client.responses.create(store=False, **asked).output_text
+    stream = client.responses.create(stream=True, **asked)
+    text, last, response_id = "", -1, None
+    try:
+        for event in stream:
+            last = event.sequence_number
+            response_id = response_id or event.response.id
+            if event.type == "response.output_text.delta":
+                text += event.delta
+                if len(text) > 20 and pipeline.replica_pids("stage ingress"):
+                    for pid in pipeline.replica_pids("stage ingress"):
+                        os.kill(pid, signal.SIGKILL)
+    except Exception:  # the client transport's error: the stream broke with its ingress
+        pass
+    assert text != expected, "the stream ended before its ingress was killed"
+    deadline = time.monotonic() + 60
+    while True:  # until the launcher's new ingress is up and the dead one's liveness expired
+        try:
+            rest = list(client.responses.retrieve(response_id, stream=True, starting_after=last))
+            break
+        except (openai.APIConnectionError, openai.ConflictError):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    assert [e.sequence_number for e in rest] == list(range(last + 1, last + 1 + len(rest)))
+    text += "".join(e.delta for e in rest if e.type == "response.output_text.delta")
+    assert text == expected
+    assert rest[-1].response.output_text == expected
+    assert client.responses.retrieve(response_id).output_text == expected
