@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from jobs.protocol import TextDelta
+from stages.ingress.responses import background
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
 
 KEYS = ("sk-a", "sk-b")
@@ -237,8 +238,7 @@ def test_background_cancel_stops_its_job(ingress):
     assert cancelled.status == "cancelled"
     time.sleep(0.3)
     assert client.responses.retrieve(made.id).status == "cancelled"
-    assert not ingress.app[__import__("stages.ingress.responses.routes",
-                                      fromlist=["BACKGROUND"]).BACKGROUND]  # fmt: skip
+    assert not ingress.app[background.TASKS]  # its task has ended
     with pytest.raises(openai.BadRequestError):
         client.responses.cancel(client.responses.create(model=MODEL, input="Hi").id)
 
@@ -305,9 +305,13 @@ def _data_line(reply) -> str:
 DEAD = "ingress-deadhost-7-abcdef"
 
 
-def _left_by_a_dead_ingress(ingress, response_id: str, frontend: str = DEAD) -> None:
-    """What a replica killed while streaming `response_id` leaves in Redis: the stored
-    response as it began, its request's key, its job's replies on its reply stream."""
+def _left_by_a_dead_ingress(
+    ingress, response_id: str, frontend: str = DEAD, in_background: bool = False,
+    submitted: bool = True,
+) -> None:  # fmt: skip
+    """What a replica killed while streaming `response_id` (or running it in the background)
+    leaves in Redis: the stored response as it began, and once its job was `submitted` its
+    request's key and its job's replies on its reply stream."""
     import redis
 
     from jobs.protocol import ENTRY_FIELD, encode
@@ -315,13 +319,18 @@ def _left_by_a_dead_ingress(ingress, response_id: str, frontend: str = DEAD) -> 
     from stages.ingress.tenancy.ownership import key_owner, request_record
 
     config, owner = ingress.config, key_owner("sk-a")
-    body = {"input": "Hi", "stream": True}
+    body = {"input": "Hi", **({"background": True} if in_background else {"stream": True})}
     client = redis.Redis.from_url(config.redis_url)
     client.hset(config.key_name("response", response_id), mapping={
         "owner": owner, "status": "in_progress", "frontend": frontend,
         "body": json.dumps(response_head(response_id, MODEL, body, "in_progress")),
         "history": json.dumps([{"role": "user", "content": "Hi"}]), "request": json.dumps(body),
+        **({"runner": frontend, "tenant": ""} if in_background else {}),
     })  # fmt: skip
+    if in_background:
+        client.sadd(config.key_name("responses", "background"), response_id)
+    if not submitted:
+        return
     client.set(config.request_key(response_id), request_record(1, owner))
     for delta in answer(type("Job", (), {"rid": response_id + "-0", "messages": [],
                                          "tools": None})()):  # fmt: skip
@@ -354,3 +363,20 @@ def test_a_resume_is_refused_while_its_replica_lives_or_if_it_never_streamed(ing
     whole = client.responses.create(model=MODEL, input="Hi")
     with pytest.raises(openai.BadRequestError):
         list(client.responses.retrieve(whole.id, stream=True))
+
+
+@pytest.mark.parametrize("submitted", [True, False], ids=["replies-read-again", "run-again"])
+def test_a_background_response_whose_runner_died_is_taken_over(ingress, submitted):
+    response_id = f"resp_orphan{int(submitted)}"
+    before = len(ingress.upstream.requests)
+    _left_by_a_dead_ingress(ingress, response_id, in_background=True, submitted=submitted)
+    client = api(ingress)
+    deadline = time.monotonic() + 10
+    while (got := client.responses.retrieve(response_id)).status != "completed":
+        assert time.monotonic() < deadline, got
+        time.sleep(0.1)
+    assert got.output_text == "Hello world" and got.background
+    rerun = [r for r in ingress.upstream.requests[before:] if r.rid == response_id + "-0"]
+    assert len(rerun) == (0 if submitted else 1)  # submitted again only if it never was
+    if not submitted:
+        assert rerun[0].messages == [{"role": "user", "content": "Hi"}]

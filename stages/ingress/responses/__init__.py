@@ -5,5 +5,6 @@ output.py   the job's replies as a Response object and its stream events, in Ope
 turn.py     one turn: the job submitted, its replies relayed, the response stored
 store.py    stored responses in Redis, owned by their tenant, with an expiry
 resume.py   a stream whose replica died, resumed by GET ?stream=true&starting_after=
+background.py  background responses' tasks, taken over by another replica if theirs dies
 routes.py   create (whole, streamed, background), retrieve, delete, cancel
 """

@@ -1,12 +1,12 @@
 """``/v1/responses``: create (whole, streamed or in the background), retrieve, delete, cancel.
 
 A streamed response is SSE events of the form ``event: <type>`` then ``data: <JSON>``, as
-OpenAI sends them (no ``[DONE]``). A background response is answered at once, ``queued``,
-and runs in a task of the replica that took it; any replica answers its retrieve from the
-store, and its cancel: the replica running it stops its task, another one aborts its job
-on the bus (its request id is the response id) and marks it ``cancelled`` in the store,
-which its runner's last write then leaves as it is. Tasks still running when the replica
-stops are marked ``failed``.
+OpenAI sends them (no ``[DONE]``); with ``GET ...?stream=true`` one whose replica died is
+resumed (resume.py). A background response is answered at once, ``queued``, and runs in a
+task (background.py); any replica answers its retrieve from the store, and its cancel: the
+replica running it stops its task, another one aborts its job on the bus (its request id
+is the response id) and marks it ``cancelled`` in the store, which its runner's last write
+then leaves as it is.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from jobs.errors import RequestError
 from stages.ingress.api import handlers
 from stages.ingress.body import read_object
 from stages.ingress.errors import ApiError
-from stages.ingress.responses import resume
+from stages.ingress.responses import background, resume
 from stages.ingress.responses.output import ResponseBuilder, new_response_id, response_head
 from stages.ingress.responses.request import parse_responses, renamed
 from stages.ingress.responses.store import RUNNING, ResponseStore, StreamOrigin
@@ -35,12 +35,6 @@ from stages.ingress.tenancy.auth import bearer_key
 from stages.ingress.tenancy.ownership import owner_of
 
 logger = logging.getLogger(__name__)
-
-# This replica's background responses: id -> the task running it.
-BACKGROUND = web.AppKey("streamserve_background_responses", dict)
-# How long a response cut short (its replica stopping, its stream's client gone) may take to
-# be marked so in the store.
-STOP_SAVE_S = 2.0
 
 
 def _store(request: web.Request) -> ResponseStore:
@@ -74,12 +68,17 @@ async def create(request: web.Request) -> web.StreamResponse:
     status = "queued" if asked.background else "in_progress"
     builder = ResponseBuilder(response_head(response_id, state.model, asked.data, status),
                               None if job.tools is None else job.tools.names)  # fmt: skip
-    origin = StreamOrigin(state.frontend_id, asked.data) if asked.stream else None
+    if asked.background:
+        # Resumable, as a stream is: on SIGTERM its job is handed over, not aborted, and
+        # another replica takes it over (keeper.py).
+        job.stream = True
+    resumable = asked.stream or asked.background
+    origin = StreamOrigin(state.frontend_id, asked.data) if resumable else None
     turn = Turn(state, job, builder, state.tenants.for_key(bearer_key(request)), store.owner,
                 store if asked.store else None, [*history, *asked.input], origin)  # fmt: skip
     if asked.background:
         await turn.save()
-        _run_in_background(request.app, turn)
+        background.run(request.app, turn)
         return _json(turn.response)
     return await _answer(request, turn, asked.stream)
 
@@ -97,7 +96,7 @@ async def _answer(
             if turn.response["status"] in RUNNING:
                 turn.response["status"] = "cancelled"
             with contextlib.suppress(redis.RedisError, TimeoutError):
-                await asyncio.wait_for(turn.save(), STOP_SAVE_S)
+                await asyncio.wait_for(turn.save(), background.STOP_SAVE_S)
 
 
 async def _relay(request: web.Request, turn: Turn, starting_after: int) -> web.StreamResponse:
@@ -129,37 +128,6 @@ async def _write(response: web.StreamResponse, events: list[dict[str, Any]]) -> 
         await response.write(f"event: {event['type']}\ndata: {data}\n\n".encode())
 
 
-def _run_in_background(app: web.Application, turn: Turn) -> None:
-    tasks = app[BACKGROUND]
-    response_id = turn.response["id"]
-    task = asyncio.get_running_loop().create_task(_background(turn))
-    tasks[response_id] = task
-    task.add_done_callback(lambda _: tasks.pop(response_id, None))
-
-
-async def _background(turn: Turn) -> None:
-    try:
-        async with contextlib.aclosing(turn.events()) as events:
-            async for _ in events:
-                pass
-    except ApiError as exc:  # refused before its first reply: a full queue, a long prompt
-        await _fail(turn, exc)
-    except asyncio.CancelledError:
-        if turn.builder.response["status"] in RUNNING:  # not cancelled by its user: stopped
-            stopped = ApiError(503, "the ingress replica running it stopped", "server_error")
-            with contextlib.suppress(redis.RedisError, TimeoutError):
-                await asyncio.wait_for(_fail(turn, stopped), STOP_SAVE_S)
-        raise
-    except Exception:
-        logger.exception("background response %s failed", turn.response["id"])
-        await _fail(turn, ApiError(500, "internal error", "server_error"))
-
-
-async def _fail(turn: Turn, error: ApiError) -> None:
-    turn.builder.failed(error)
-    await turn.save()
-
-
 async def retrieve(request: web.Request) -> web.StreamResponse:
     """A stored response; with ``stream=true`` its stream resumed (resume.py)."""
     store, response_id = _store(request), request.match_info["response_id"]
@@ -175,9 +143,7 @@ async def delete(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
     store = _store(request)
     deleted = await store.delete(response_id)
-    task = request.app[BACKGROUND].get(response_id)
-    if task is not None:
-        task.cancel()  # nothing is left to write its answer to
+    background.stop(request.app, response_id)  # nothing is left to write its answer to
     return _json(deleted)
 
 
@@ -198,27 +164,16 @@ async def cancel(request: web.Request) -> web.Response:
 async def _stop(state: IngressState, app: web.Application, response_id: str,
                 owner: str | None) -> None:  # fmt: skip
     """Stop the job of a cancelled response, wherever it runs."""
-    task = app[BACKGROUND].get(response_id)
-    if task is not None:
-        task.cancel()  # its submission aborts the job
-        return
+    if background.stop(app, response_id):
+        return  # its submission aborts the job
     found = await state.sub_requests(response_id, owner)
     if found is not None:
         shard, rids = found
         await publish_aborts_async(shard.redis, shard.config, rids)
 
 
-async def _stop_background(app: web.Application) -> None:
-    """On shutdown, while Redis is still there: stop this replica's background responses."""
-    tasks = list(app[BACKGROUND].values())
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
 def add_routes(app: web.Application) -> None:
-    app[BACKGROUND] = {}
-    app.on_shutdown.append(_stop_background)
+    background.add_to(app)
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_delete("/v1/responses/{response_id}", delete)

@@ -52,7 +52,8 @@ class Turn:
         if self.stored:
             await self.store.update(self.response, history)
         else:
-            await self.store.create(self.response, history, self.stream)
+            tenant = None if self.tenant is None else self.tenant.id
+            await self.store.create(self.response, history, self.stream, tenant)
             self.stored = True
 
     async def events(self) -> AsyncIterator[list[dict[str, Any]]]:
