@@ -6,8 +6,8 @@ text a ``message`` item (``output_item.added``, ``content_part.added``, then one
 ``output_text.delta`` per piece of text, and at the end ``output_text.done``,
 ``content_part.done``, ``output_item.done``); for each tool call the model makes a
 ``function_call`` item (added, its arguments whole in one delta, done); and last
-``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it, or the
-request was aborted; ``response.failed`` on an error). Each event has its
+``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it, or it
+was aborted: then its status is ``cancelled``; ``response.failed`` on an error). Each event has its
 ``sequence_number``. A whole answer is the same object without the events.
 
 Calls are parsed from the text as chat's are (api/tool_call_parser.py); their ids come from
@@ -27,6 +27,9 @@ from stages.ingress.api.openai_format import Choice, usage
 from stages.ingress.api.tool_call_parser import ToolCall, ToolCallParser
 from stages.ingress.errors import ApiError
 
+# A finish reason -> the response's status (any other: incomplete). An abort is a cancel:
+# POST /v1/responses/{id}/cancel, or /v1/abort/{id}.
+FINISH_STATUS = {"stop": "completed", "tool_calls": "completed", "abort": "cancelled"}
 # An error's status -> the code OpenAI's ResponseError has for it.
 ERROR_CODES = {429: "rate_limit_exceeded", 400: "invalid_prompt"}
 
@@ -176,16 +179,17 @@ class ResponseBuilder:
         events = []
         if not self.output:
             events += self._open_message()
-        reason = self.choice.finish_reason
-        status = {"stop": "completed", "tool_calls": "completed"}.get(reason or "", "incomplete")
-        if self.message is not None:
-            events += self._close_message(status)
+        reason = self.choice.finish_reason or ""
+        status = FINISH_STATUS.get(reason, "incomplete")
+        if self.message is not None:  # a message item is completed or incomplete
+            events += self._close_message("completed" if status == "completed" else "incomplete")
         self.response["usage"] = response_usage(self.choice)
         self.response["status"] = status
-        if status == "incomplete":
-            cut = "max_output_tokens" if reason == "length" else "cancelled"
-            self.response["incomplete_details"] = {"reason": cut}
-        events.append(self._event(f"response.{status}", response=self.response))
+        if reason == "length":
+            self.response["incomplete_details"] = {"reason": "max_output_tokens"}
+        # OpenAI's stream has no event of its own for a cancelled response.
+        ending = "completed" if status == "completed" else "incomplete"
+        events.append(self._event(f"response.{ending}", response=self.response))
         return events
 
     def _close_message(self, status: str) -> list[dict[str, Any]]:

@@ -70,7 +70,7 @@ async def create(request: web.Request) -> web.StreamResponse:
                               None if job.tools is None else job.tools.names)  # fmt: skip
     if asked.background:
         # Resumable, as a stream is: on SIGTERM its job is handed over, not aborted, and
-        # another replica takes it over (keeper.py).
+        # another replica takes it over (background.py).
         job.stream = True
     resumable = asked.stream or asked.background
     origin = StreamOrigin(state.frontend_id, asked.data) if resumable else None
@@ -90,9 +90,10 @@ async def _answer(
     try:
         return await _relay(request, turn, starting_after) if stream else _json(await turn.whole())
     finally:
-        # Cut short (its client left, it failed) but not handed over (streaming/submission.py):
-        # stored as it was left.
-        if turn.stored and not turn.saved_last and not turn.state.draining:
+        # Cut short (its client left, it failed) and not handed over on a shutdown, as a
+        # stream is (streaming/submission.py): stored as it was left.
+        handed_over = turn.state.draining and turn.job.stream
+        if turn.stored and not turn.saved_last and not handed_over:
             if turn.response["status"] in RUNNING:
                 turn.response["status"] = "cancelled"
             with contextlib.suppress(redis.RedisError, TimeoutError):
