@@ -95,6 +95,8 @@ async def _keep(app: web.Application) -> None:
                 await _take_over(app, state, store, response_id)
         except REDIS_TRANSIENT as exc:
             logger.warning("background responses: Redis unreachable: %s", exc)
+        except Exception:  # the next pass tries again; the keeper must not end
+            logger.exception("background responses: a takeover failed")
         await asyncio.sleep(KEEPER_POLL_S)
 
 
