@@ -26,7 +26,7 @@ from aiohttp import web
 from bus.reconnect import REDIS_TRANSIENT
 from stages.ingress.errors import ApiError
 from stages.ingress.responses import resume
-from stages.ingress.responses.output import ResponseBuilder
+from stages.ingress.responses.output import ResponseBuilder, error_object
 from stages.ingress.responses.request import parse_responses
 from stages.ingress.responses.store import RUNNING, ResponseStore, StreamOrigin
 from stages.ingress.responses.turn import Turn
@@ -130,7 +130,13 @@ async def _take_over(app: web.Application, state: IngressState, store: ResponseS
             logger.warning("background response %s: cannot take it over: %s", response_id, exc)
             await store.take_over(response_id, state.frontend_id, dead)  # for a later try
             return
-        turn = await _again(state, store, response_id)  # never submitted: run it now
+        try:
+            turn = await _again(state, store, response_id)  # never submitted: run it now
+        except ApiError as refused:  # its body makes no job here (another model, a bound)
+            failed = {**await store.get(response_id), "status": "failed",
+                      "error": error_object(refused)}  # fmt: skip
+            await store.update(failed, await store.history(response_id))
+            return
     logger.info("background response %s: taken over from %s", response_id, dead)
     run(app, turn)
 
