@@ -380,3 +380,25 @@ def test_a_background_response_whose_runner_died_is_taken_over(ingress, submitte
     assert len(rerun) == (0 if submitted else 1)  # submitted again only if it never was
     if not submitted:
         assert rerun[0].messages == [{"role": "user", "content": "Hi"}]
+
+
+def test_a_background_response_waits_for_a_live_worker(redis_url):
+    import redis
+
+    from runtime.config import BusConfig
+
+    config = BusConfig(redis_url=redis_url, stream_prefix="no-worker-yet")
+    with RunningIngress(redis_url, config) as server, Upstream(redis_url, config, answer):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.responses.create(model=MODEL, input="Hi")  # in the foreground: a 503
+        assert refused.value.status_code == 503
+        made = client.responses.create(model=MODEL, input="Hi", background=True)
+        time.sleep(0.5)
+        assert client.responses.retrieve(made.id).status == "queued"
+        add_worker(redis.Redis.from_url(redis_url), config)
+        deadline = time.monotonic() + 10
+        while (got := client.responses.retrieve(made.id)).status != "completed":
+            assert time.monotonic() < deadline, got
+            time.sleep(0.1)
+        assert got.output_text == "Hello world"

@@ -8,7 +8,8 @@ running; one whose runner's liveness key is gone (streaming/resume.py: it expire
 after the replica dies) is taken by the first replica to claim it in the store. If its job
 was submitted (its request key is there), the new runner reads the rest of its replies from
 the dead replica's stream (resume.py), else it submits the job again; either way the
-response is answered once, by one runner. On SIGTERM a replica's tasks stop without
+response is answered once, by one runner. A job refused for a full queue or no live worker
+waits and tries again, as a batch line does. On SIGTERM a replica's tasks stop without
 aborting their jobs, which run on for the replica taking them over; a task stopped any
 other way (its response deleted) aborts its job.
 """
@@ -18,12 +19,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 
 import redis
 from aiohttp import web
 
 from bus.reconnect import REDIS_TRANSIENT
+from jobs.errors import RequestError
+from stages.ingress.batches.runner import RETRY_S
 from stages.ingress.errors import ApiError
 from stages.ingress.responses import resume
 from stages.ingress.responses.output import ResponseBuilder, error_object
@@ -54,10 +58,8 @@ def run(app: web.Application, turn: Turn) -> None:
 
 async def _run(turn: Turn) -> None:
     try:
-        async with contextlib.aclosing(turn.events()) as events:
-            async for _ in events:
-                pass
-    except ApiError as exc:  # refused before its first reply: a full queue, a long prompt
+        await _until_admitted(turn)
+    except ApiError as exc:  # refused before its first reply: a prompt past the context
         await _fail(turn, exc)
     except asyncio.CancelledError:
         if turn.state.draining:
@@ -70,6 +72,29 @@ async def _run(turn: Turn) -> None:
     except Exception:
         logger.exception("background response %s failed", turn.response["id"])
         await _fail(turn, ApiError(500, "internal error", "server_error"))
+
+
+async def _until_admitted(turn: Turn) -> None:
+    """Run the turn; a 429 or 503 before its job's first reply (a full queue, its tenant's
+    limits, no live worker) is waited out, as a batch line's is, until the response is
+    cancelled or deleted. Nothing of a refused job is left running (its id is used again)."""
+    for attempt in itertools.count():
+        try:
+            async with contextlib.aclosing(turn.events()) as events:
+                async for _ in events:
+                    pass
+            return
+        except ApiError as exc:
+            if exc.status not in (429, 503):
+                raise
+        await asyncio.sleep(RETRY_S[min(attempt, len(RETRY_S) - 1)])
+        assert turn.store is not None  # a background response is stored
+        try:
+            status = (await turn.store.get(turn.response["id"]))["status"]
+        except RequestError:
+            return  # deleted meanwhile
+        if status not in RUNNING:
+            return  # cancelled meanwhile
 
 
 async def _fail(turn: Turn, error: ApiError) -> None:
