@@ -402,3 +402,25 @@ def test_a_background_response_waits_for_a_live_worker(redis_url):
             assert time.monotonic() < deadline, got
             time.sleep(0.1)
         assert got.output_text == "Hello world"
+
+
+def test_input_items_list_the_turns_own_input(ingress):
+    client = api(ingress)
+    first = client.responses.create(model=MODEL, input="Hi")
+    [only] = client.responses.input_items.list(first.id).data
+    assert (only.type, only.role, only.content[0].type, only.content[0].text) == (
+        "message", "user", "input_text", "Hi")  # fmt: skip
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "a"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+    ])  # fmt: skip
+    listed = client.responses.input_items.list(second.id, order="asc")
+    assert [i.type for i in listed.data] == ["message", "function_call", "function_call_output"]
+    assert listed.data[2].output == "ok" and listed.data[1].name == "f"
+    newest = client.responses.input_items.list(second.id, limit=1)
+    assert [i.type for i in newest.data] == ["function_call_output"] and newest.has_more
+    rest = client.responses.input_items.list(second.id, limit=5, after=newest.data[0].id)
+    assert [i.type for i in rest.data] == ["function_call", "message"] and not rest.has_more
+    with pytest.raises(openai.NotFoundError):
+        api(ingress, "sk-b").responses.input_items.list(second.id)

@@ -6,5 +6,6 @@ turn.py     one turn: the job submitted, its replies relayed, the response store
 store.py    stored responses in Redis, owned by their tenant, with an expiry
 resume.py   a stream whose replica died, resumed by GET ?stream=true&starting_after=
 background.py  background responses' tasks, taken over by another replica if theirs dies
-routes.py   create (whole, streamed, background), retrieve, delete, cancel
+items.py    a response's input as OpenAI's items, for GET .../input_items
+routes.py   create (whole, streamed, background), retrieve, delete, cancel, input items
 """

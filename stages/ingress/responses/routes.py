@@ -1,4 +1,5 @@
-"""``/v1/responses``: create (whole, streamed or in the background), retrieve, delete, cancel.
+"""``/v1/responses``: create (whole, streamed or in the background), retrieve, delete, cancel,
+and a response's input items (items.py).
 
 A streamed response is SSE events of the form ``event: <type>`` then ``data: <JSON>``, as
 OpenAI sends them (no ``[DONE]``); with ``GET ...?stream=true`` one whose replica died is
@@ -25,7 +26,7 @@ from jobs.errors import RequestError
 from stages.ingress.api import handlers
 from stages.ingress.body import read_object
 from stages.ingress.errors import ApiError
-from stages.ingress.responses import background, resume
+from stages.ingress.responses import background, items, resume
 from stages.ingress.responses.output import ResponseBuilder, new_response_id, response_head
 from stages.ingress.responses.request import parse_responses, renamed
 from stages.ingress.responses.store import RUNNING, ResponseStore, StreamOrigin
@@ -75,7 +76,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     resumable = asked.stream or asked.background
     origin = StreamOrigin(state.frontend_id, asked.data) if resumable else None
     turn = Turn(state, job, builder, state.tenants.for_key(bearer_key(request)), store.owner,
-                store if asked.store else None, [*history, *asked.input], origin)  # fmt: skip
+                store if asked.store else None, [*history, *asked.input], origin,
+                request=asked.data)  # fmt: skip
     if asked.background:
         await turn.save()
         background.run(request.app, turn)
@@ -140,6 +142,18 @@ async def retrieve(request: web.Request) -> web.StreamResponse:
     )
 
 
+async def list_input_items(request: web.Request) -> web.Response:
+    store, response_id = _store(request), request.match_info["response_id"]
+    raw = (await store.request(response_id)).get("input")
+    limit = request.query.get("limit", "20")
+    if not limit.lstrip("-").isdigit():
+        raise ApiError(400, f"limit must be an integer; got {limit!r}", param="limit",
+                       code="invalid_value")  # fmt: skip
+    listed = items.page(items.input_items(raw, response_id), request.query.get("order", "desc"),
+                        request.query.get("after"), int(limit))  # fmt: skip
+    return _json(listed)
+
+
 async def delete(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
     store = _store(request)
@@ -178,4 +192,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_delete("/v1/responses/{response_id}", delete)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel)

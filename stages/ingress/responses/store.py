@@ -86,12 +86,16 @@ class ResponseStore:
     async def create(
         self, response: dict[str, Any], history: list[dict[str, Any]],
         stream: StreamOrigin | None = None, tenant: str | None = None,
+        request: dict[str, Any] | None = None,
     ) -> None:  # fmt: skip
-        """A new stored response (as it starts); a streamed or background one with where its
-        replies go and its body, a background one with its runner (that replica) and tenant."""
+        """A new stored response (as it starts), with its create body (`request`: its input
+        items); a streamed or background one with where its replies go, a background one
+        with its runner (that replica) and tenant."""
         key = self.key(response["id"])
         fields = {"owner": self.owner or "", "status": response["status"],
                   "body": _dumps(response), "history": _dumps(history)}  # fmt: skip
+        if request is not None:
+            fields["request"] = _dumps(request)
         if stream is not None:
             fields.update(frontend=stream.frontend_id, request=_dumps(stream.request))
         pipe = self.client.pipeline(transaction=True)
@@ -142,6 +146,11 @@ class ResponseStore:
         if frontend is None:
             return response, None
         return response, StreamOrigin(frontend.decode(), json.loads(request))
+
+    async def request(self, response_id: str) -> dict[str, Any]:
+        """The body that created a response (404 as `get`)."""
+        (request,) = await self._visible(response_id, "request")
+        return {} if request is None else json.loads(request)
 
     async def history(self, response_id: str) -> list[dict[str, Any]]:
         """The conversation a later turn continues (404 as `get`)."""

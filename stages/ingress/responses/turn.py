@@ -39,6 +39,7 @@ class Turn:
     stored: bool = False  # whether the store holds it yet
     saved_last: bool = False  # whether the store holds it as it ended
     error: ApiError | None = None  # what failed it, after the first reply
+    request: dict[str, Any] | None = None  # the create body, kept with it (its input items)
 
     @property
     def response(self) -> dict[str, Any]:
@@ -53,7 +54,7 @@ class Turn:
             await self.store.update(self.response, history)
         else:
             tenant = None if self.tenant is None else self.tenant.id
-            await self.store.create(self.response, history, self.stream, tenant)
+            await self.store.create(self.response, history, self.stream, tenant, self.request)
             self.stored = True
 
     async def events(self) -> AsyncIterator[list[dict[str, Any]]]:
