@@ -116,8 +116,8 @@ async def _keep(app: web.Application) -> None:
     store = ResponseStore(state.shards.home.redis, state.shards.home.config, None)
     while True:
         try:
-            for response_id in await _orphans(state, store, app[TASKS]):
-                await _take_over(app, state, store, response_id)
+            for orphan in await _orphans(state, store, app[TASKS]):
+                await _take_over(app, state, store, orphan)
         except REDIS_TRANSIENT as exc:
             logger.warning("background responses: Redis unreachable: %s", exc)
         except Exception:  # the next pass tries again; the keeper must not end
@@ -149,21 +149,30 @@ async def _take_over(app: web.Application, state: IngressState, store: ResponseS
     if not await store.take_over(response_id, dead, state.frontend_id):
         return  # another replica was first
     try:
-        turn = await resume.resumed_turn(state, store, response_id)
+        turn = await _turn_of(state, store, response_id)
+    except Exception:
+        await store.take_over(response_id, state.frontend_id, dead)  # for a later try
+        raise
+    if turn is not None:
+        logger.info("background response %s: taken over from %s", response_id, dead)
+        run(app, turn)
+
+
+async def _turn_of(state: IngressState, store: ResponseStore, response_id: str) -> Turn | None:
+    """The turn of an orphan: its job's replies read on, or its job submitted again; None
+    if it cannot run here (then it is stored failed)."""
+    try:
+        return await resume.resumed_turn(state, store, response_id)
     except ApiError as exc:
         if exc.status != 404:
-            logger.warning("background response %s: cannot take it over: %s", response_id, exc)
-            await store.take_over(response_id, state.frontend_id, dead)  # for a later try
-            return
-        try:
-            turn = await _again(state, store, response_id)  # never submitted: run it now
-        except ApiError as refused:  # its body makes no job here (another model, a bound)
-            failed = {**await store.get(response_id), "status": "failed",
-                      "error": error_object(refused)}  # fmt: skip
-            await store.update(failed, await store.history(response_id))
-            return
-    logger.info("background response %s: taken over from %s", response_id, dead)
-    run(app, turn)
+            raise
+    try:
+        return await _again(state, store, response_id)  # never submitted: run it now
+    except ApiError as refused:  # its body makes no job here (another model, a bound)
+        failed = {**await store.get(response_id), "status": "failed",
+                  "error": error_object(refused)}  # fmt: skip
+        await store.update(failed, await store.history(response_id))
+        return None
 
 
 async def _again(state: IngressState, store: ResponseStore, response_id: str) -> Turn:
