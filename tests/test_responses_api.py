@@ -56,6 +56,15 @@ def last_request(ingress):
     return ingress.upstream.requests[-1]
 
 
+def completed(client: openai.OpenAI, response_id: str, timeout_s: float = 10.0):
+    """The response, polled until it is completed."""
+    deadline = time.monotonic() + timeout_s
+    while (got := client.responses.retrieve(response_id)).status != "completed":
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+    return got
+
+
 def test_create_answers_a_typed_response_from_a_chat_job(ingress):
     response = api(ingress).responses.create(
         model=MODEL, input="Hi", instructions="Be brief.", max_output_tokens=8,
@@ -224,11 +233,7 @@ def test_background_completes_and_is_polled(ingress):
     client = api(ingress)
     made = client.responses.create(model=MODEL, input="Hi", background=True)
     assert made.status in ("queued", "in_progress") and made.background
-    deadline = time.monotonic() + 10
-    while (got := client.responses.retrieve(made.id)).status != "completed":
-        assert time.monotonic() < deadline, got
-        time.sleep(0.05)
-    assert got.output_text == "Hello world"
+    assert completed(client, made.id).output_text == "Hello world"
 
 
 def test_background_cancel_stops_its_job(ingress):
@@ -371,10 +376,7 @@ def test_a_background_response_whose_runner_died_is_taken_over(ingress, submitte
     before = len(ingress.upstream.requests)
     _left_by_a_dead_ingress(ingress, response_id, in_background=True, submitted=submitted)
     client = api(ingress)
-    deadline = time.monotonic() + 10
-    while (got := client.responses.retrieve(response_id)).status != "completed":
-        assert time.monotonic() < deadline, got
-        time.sleep(0.1)
+    got = completed(client, response_id)
     assert got.output_text == "Hello world" and got.background
     rerun = [r for r in ingress.upstream.requests[before:] if r.rid == response_id + "-0"]
     assert len(rerun) == (0 if submitted else 1)  # submitted again only if it never was
@@ -397,11 +399,7 @@ def test_a_background_response_waits_for_a_live_worker(redis_url):
         time.sleep(0.5)
         assert client.responses.retrieve(made.id).status == "queued"
         add_worker(redis.Redis.from_url(redis_url), config)
-        deadline = time.monotonic() + 10
-        while (got := client.responses.retrieve(made.id)).status != "completed":
-            assert time.monotonic() < deadline, got
-            time.sleep(0.1)
-        assert got.output_text == "Hello world"
+        assert completed(client, made.id).output_text == "Hello world"
 
 
 def test_input_items_list_the_turns_own_input(ingress):
