@@ -4,8 +4,7 @@ Environment variables read by ``BusConfig.from_env``:
 
 - ``REDIS_URL``: the server to use (``redis://``, ``rediss://`` or ``unix://``). Unset or
   empty: start the embedded server.
-- ``STREAMSERVE_STREAM_PREFIX``: prefix of every stream and key name (default
-  ``streamserve``).
+- ``STREAMSERVE_STREAM_PREFIX``: prefix of every stream and key name (default ``streamserve``).
 - ``STREAMSERVE_SHARD``: the Redis Cluster shard this process works on (runtime/cluster.py
   finds one by itself; set it to pin a process). Every stream and key name then carries it
   as a hash tag, ``<prefix>:{<shard>}:...``, so all of one shard's names hash to one slot
@@ -13,8 +12,7 @@ Environment variables read by ``BusConfig.from_env``:
 - ``STREAMSERVE_STREAM_MAXLEN``: approximate ``MAXLEN`` of the dead-letter stream (it is for
   people). The streams that carry work are never cut by a count: they are trimmed only below
   what every consumer group has acknowledged (bus/stream_trim.py).
-- ``STREAMSERVE_TRIM_INTERVAL_S``: seconds between two such trims of a stream by one of its
-  consumers.
+- ``STREAMSERVE_TRIM_INTERVAL_S``: seconds between two trims of a stream by one of its consumers.
 - ``STREAMSERVE_REDIS_MAXMEMORY``: ``maxmemory`` of the embedded server (valkey's units:
   ``512mb``, ``1gb``); it runs with ``noeviction``, so a full Redis refuses writes (the
   ingress answers 503 with Retry-After) rather than dropping keys a job needs.
@@ -27,8 +25,7 @@ Environment variables read by ``BusConfig.from_env``:
 - ``STREAMSERVE_MAX_DELIVERIES``: deliveries after which an entry (or a job whose workers
   died holding it, counted across the reaper's requeues) is dead-lettered with an error reply.
 - ``STREAMSERVE_HEARTBEAT_INTERVAL_S``: seconds between a worker's heartbeats.
-- ``STREAMSERVE_HEARTBEAT_TTL_S``: seconds a heartbeat key lives; a worker silent for
-  longer is taken as dead.
+- ``STREAMSERVE_HEARTBEAT_TTL_S``: seconds a heartbeat key lives; a worker silent longer is dead.
 - ``STREAMSERVE_WORKER_STALL_S``: seconds a worker's engine loop may go without turning
   (one step, or a wait for Redis) before the worker takes itself for hung and exits.
 - ``STREAMSERVE_REPLY_TTL_S``: seconds a reply stream lives after its expiry's last renewal
@@ -51,7 +48,8 @@ Environment variables read by ``BusConfig.from_env``:
   their bytes, one owner (an API key's tenant, docs/BOUNDS.md) may keep; an upload past
   either is a 4xx. A batch's output and error files count, but are never refused.
 - ``STREAMSERVE_FILE_EXPIRY_S``: seconds a file lives when its upload gives no
-  ``expires_after``, and a batch's output and error files (OpenAI's 30 days).
+  ``expires_after``, and a batch's output and error files (OpenAI's 30 days);
+  ``STREAMSERVE_RESPONSE_TTL_S``: a stored ``/v1/responses`` answer (also 30 days).
 - ``STREAMSERVE_BATCH_RESULT_TTL_S``: seconds a batch's per-line result hashes outlive its
   end (its output and error files hold the results from then on).
 - ``STREAMSERVE_INGRESS_HEADER_TIMEOUT_S``: seconds an ingress connection may take to send a
@@ -134,6 +132,7 @@ class BusConfig:
     max_bytes_per_owner: int = 2**30
     file_expiry_s: int = 30 * 24 * 3600  # OpenAI's default for batch files
     batch_result_ttl_s: int = 3_600  # the files hold the results; the hashes, for inspection
+    response_ttl_s: int = 30 * 24 * 3600  # a stored response (stages/ingress/responses/)
     # Above the idle time common HTTP clients keep a pooled connection (httpx 5 s, aiohttp
     # 15 s), so the server is not the one to close a connection a client is reusing.
     ingress_header_timeout_s: float = 20.0
@@ -195,6 +194,7 @@ class BusConfig:
             "max_bytes_per_owner",
             "file_expiry_s",
             "batch_result_ttl_s",
+            "response_ttl_s",
             "ingress_max_connections",
             "max_stop_strings",
             "max_stop_chars",

@@ -173,6 +173,29 @@ def test_a_json_schema_stream_whose_worker_dies_mid_object_completes_as_undistur
     _wait_for_metrics(pipeline, "worker_jobs_migrated_out_total", "worker_jobs_migrated_in_total")
 
 
+def test_a_streamed_response_whose_worker_dies_completes_as_undisturbed(pipeline):
+    """The Responses API (/v1/responses) rides on the same jobs: its stream goes on, its
+    events in order, its text that of the undisturbed answer."""
+    import openai
+
+    client = openai.OpenAI(base_url=pipeline.url + "/v1", api_key="unused", max_retries=0)
+    request = dict(model=pipeline.model, input=PROMPTS[1], max_output_tokens=MAX_TOKENS,
+                   temperature=0, timeout=180)  # fmt: skip
+    expected = client.responses.create(**request, store=False).output_text
+    text, killed, events = "", False, []
+    for event in client.responses.create(**request, stream=True):
+        events.append(event)
+        if event.type != "response.output_text.delta":
+            continue
+        text += event.delta
+        if not killed and len(text) > 12:
+            os.kill(_serving_worker_pid(pipeline, events[0].response.id + "-0"), signal.SIGKILL)
+            killed = True
+    assert killed
+    assert text == expected == events[-1].response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
 def _wait_for_metrics(pipeline: Pipeline, *counters: str) -> None:
     """Until each counter is above 0 at /metrics (processes publish every 2 s)."""
     deadline = time.monotonic() + 15

@@ -1,6 +1,6 @@
 """Ingress replicas attached to different shards of a Redis Cluster act as one deployment:
-a request is found (aborted, resumed) through any replica, files live on the home shard
-for all of them, and /status.json and /metrics cover every shard.
+a request is found (aborted, resumed) through any replica, files and stored responses live
+on the home shard for all of them, and /status.json and /metrics cover every shard.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import redis
 from jobs.protocol import ENTRY_FIELD, encode
 from runtime.cluster import shard_configs
 from runtime.config import BusConfig
-from tests.ingress_harness import MODEL, RunningIngress, add_worker, deltas, post_raw
+from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas, post_raw
 from tests.prometheus_text import total
 
 DEAD = "ingress-deadhost-1-abcdef"
@@ -76,6 +76,24 @@ def test_files_live_on_the_home_shard_for_every_replica(shards, replicas):
     assert any(home.scan_iter(match=home_config.key_name("*"), count=1000))
     for client, _ in others:  # nothing of the file elsewhere
         assert not any(upload.id.encode() in name for name in client.scan_iter(count=1000))
+
+
+def test_responses_live_on_the_home_shard_for_every_replica(shards, replicas):
+    import openai
+
+    (home, home_config), (_, s1), (_, s2) = shards
+
+    def script(request):
+        return deltas(request.rid, PIECES)
+
+    with Upstream(s1.redis_url, s1, script), Upstream(s2.redis_url, s2, script) as second_up:
+        first, second = (openai.OpenAI(base_url=r.url + "/v1", api_key="-") for r in replicas)
+        made = first.responses.create(model=MODEL, input="Hi")
+        assert second.responses.retrieve(made.id).output_text == "Once upon a time"
+        second.responses.create(model=MODEL, input="Again", previous_response_id=made.id)
+        assert [m["content"] for m in second_up.requests[-1].messages] == [
+            "Hi", "Once upon a time", "Again"]  # fmt: skip
+    assert home.exists(home_config.key_name("response", made.id))
 
 
 def test_status_and_metrics_cover_every_shard(shards, replicas):

@@ -12,6 +12,7 @@ connections.py    slow clients: read deadlines and the connection cap
 status_page.py    /status, the operators' live view (static/status.html)
 api/              the endpoints: bodies checked, requests made, answers formatted
 batches/          OpenAI's Batch API: /v1/files, /v1/batches and the runner
+responses/        OpenAI's Responses API (/v1/responses) over the chat path, stored responses
 tenancy/          API keys, tenants, their limits and what each may see
 streaming/        one HTTP request's sub-requests on the bus, and streams resumed
 """

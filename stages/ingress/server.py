@@ -36,6 +36,7 @@ from stages.ingress.connections import BODY_TIMEOUT_S, CappedSite, body_deadline
 from stages.ingress.errors import Handler, error_middleware
 from stages.ingress.health import QueueDepth, WorkerHealth
 from stages.ingress.metrics import IngressMetrics
+from stages.ingress.responses import routes as responses_api
 from stages.ingress.shards import Shards
 from stages.ingress.state import RENEWALS_PER_TTL, STATE, IngressState
 from stages.ingress.status_page import status_json, status_page
@@ -110,6 +111,7 @@ def create_app(
     app.router.add_get("/status", status_page)
     app.router.add_get("/status.json", status_json)
     batch_api.add_routes(app)
+    responses_api.add_routes(app)
     return app
 
 

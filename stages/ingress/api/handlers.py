@@ -119,6 +119,10 @@ async def _submit(
                       owner=owner)  # fmt: skip
 
 
+# What the Responses API (stages/ingress/responses/) submits its chat jobs through.
+submit = _submit
+
+
 def _tenant(request: web.Request, state: IngressState) -> Tenant:
     return state.tenants.for_key(bearer_key(request))
 
@@ -286,6 +290,9 @@ def _internal(exc: Exception) -> ApiError:
     if isinstance(exc, redis.OutOfMemoryError):
         return redis_full(exc)
     return ApiError(500, "internal error", "internal_error", None, "internal_error")
+
+
+internal = _internal  # the Responses API's streams name a failure as chat's do
 
 
 # ---- native /generate --------------------------------------------------------------------------

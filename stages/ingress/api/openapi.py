@@ -22,6 +22,7 @@ from stages.ingress.api.params import (
     GENERATE_FIELDS,
     OPENAI_SAMPLING,
 )
+from stages.ingress.responses import request as responses_request
 
 TOKEN_IDS = {
     "type": "array",
@@ -329,6 +330,31 @@ def _batch_paths() -> dict[str, Any]:
     }
 
 
+def _responses_paths() -> dict[str, Any]:
+    """OpenAI's Responses API (stages/ingress/responses/)."""
+    create = _generation("Create a response: whole, streamed (SSE `event:`/`data:` pairs), or "
+                         "in the background", "ResponseCreateRequest")  # fmt: skip
+    del create["post"]["parameters"]  # resumed by GET, not Last-Event-ID
+    create["post"]["responses"]["200"]["description"] = "a Response object, or its stream events"
+    one = ("response_id",)
+    get = _operation("get", "A stored response; with stream=true its stream resumed after "
+                     "starting_after (its replica died)", (400, 401, 404, 409), *one)  # fmt: skip
+    get["get"]["parameters"] += [{"name": name, "in": "query", "required": False,
+                                  "schema": {"type": kind}}
+                                 for name, kind in (("stream", "boolean"),
+                                                    ("starting_after", "integer"))]  # fmt: skip
+    return {
+        "/v1/responses": create,
+        "/v1/responses/{response_id}": {
+            **get, **_operation("delete", "Delete a stored response", (401, 404), *one)},
+        "/v1/responses/{response_id}/input_items": _operation(
+            "get", "A response's input items", (400, 401, 404), *one,
+            query=("after", "limit", "order")),
+        "/v1/responses/{response_id}/cancel": _operation(
+            "post", "Cancel a background response", (400, 401, 404), *one),
+    }  # fmt: skip
+
+
 def openapi_document(model: str) -> dict[str, Any]:
     abort = {
         "post": {
@@ -379,12 +405,14 @@ def openapi_document(model: str) -> dict[str, Any]:
                 503,
             ),  # fmt: skip
             **_batch_paths(),
+            **_responses_paths(),
         },
         "components": {
             "schemas": {
                 "ChatCompletionRequest": _chat_request(),
                 "CompletionRequest": _completion_request(),
                 "GenerateRequest": _generate_request(),
+                "ResponseCreateRequest": responses_request.openapi_schema(),
                 "Error": ERROR,
             }
         },
