@@ -149,21 +149,26 @@ def test_a_stream_its_live_ingress_still_serves_is_not_resumed_elsewhere(ingress
     assert (status, json.loads(data)["error"]["code"]) == (409, "stream_in_progress")
 
 
+def _stream_completion(port: int, headers: dict[str, str]):
+    """A streamed completion on the ingress at `port`, its response open to read by line."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    connection.request("POST", "/v1/completions", json.dumps(COMPLETION),
+                       {"Content-Type": "application/json", **headers})  # fmt: skip
+    return connection.getresponse()
+
+
 def test_a_stream_cut_by_sigterm_is_left_running_and_resumes_on_another_replica(
     redis_client, redis_url
 ):
-    import http.client
-
     first = RunningIngress(redis_url)
     with RunningIngress(redis_url) as second, first:
         add_worker(redis_client, first.config)
         config = first.config
         head = lambda request: deltas(request.rid, PIECES)[:2]  # noqa: E731 (still running)
         with Upstream(redis_url, config, head) as up:
-            connection = http.client.HTTPConnection("127.0.0.1", first.port, timeout=5)
-            connection.request("POST", "/v1/completions", json.dumps(COMPLETION),
-                               {"Content-Type": "application/json", **RESUMABLE})  # fmt: skip
-            response = connection.getresponse()
+            response = _stream_completion(first.port, RESUMABLE)
             last_id = None
             for _ in range(2):
                 last_id = response.readline().decode().removeprefix("id: ").strip()
@@ -184,18 +189,13 @@ def test_a_stream_cut_by_sigterm_is_left_running_and_resumes_on_another_replica(
 
 def test_a_stream_without_ids_cut_by_sigterm_is_aborted(redis_client, redis_url):
     """Its client cannot resume it, so nothing is left running for nobody."""
-    import http.client
-
     first = RunningIngress(redis_url)
     with first:
         add_worker(redis_client, first.config)
         config = first.config
         head = lambda request: deltas(request.rid, PIECES)[:2]  # noqa: E731 (still running)
         with Upstream(redis_url, config, head) as up:
-            connection = http.client.HTTPConnection("127.0.0.1", first.port, timeout=5)
-            connection.request("POST", "/v1/completions", json.dumps(COMPLETION),
-                               {"Content-Type": "application/json"})  # fmt: skip
-            response = connection.getresponse()
+            response = _stream_completion(first.port, {})
             assert response.readline().startswith(b"data: {")
             first.__exit__(None, None, None)  # SIGTERM: the stream is cut
             [request] = up.requests

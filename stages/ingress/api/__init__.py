@@ -9,4 +9,5 @@ response_format.py   `response_format` into a grammar
 tool_request.py      `tools` and `tool_choice` into the prompt and a grammar
 tool_call_parser.py  tool calls parsed back out of the model's text
 openapi.py           the OpenAPI document of the API
+openapi_schemas.py   its request schemas, built from the parsers' tables
 """
