@@ -35,10 +35,11 @@ import msgpack
 from jobs.kv_events import KvEvents
 from jobs.progress import ProgressEntry
 from jobs.requests import Abort, GenerateRequest, TokenizedRequest
-from jobs.token_records import PROMPT_CONTEXT_TOKENS, Finish, TokenItem, token_context
+from jobs.token_records import PROMPT_CONTEXT_TOKENS, Finish, TokenItem, check_floats, token_context
 
 # The codec's names are the protocol's too: an importer of messages needs no second import.
 from jobs.wire import (
+    BYTES,
     DEFLATED_MARK,
     ENTRY_FIELD,
     FLOAT,
@@ -110,7 +111,7 @@ class TextDelta(Message):
         "logprobs": LIST, "top_logprobs": LIST, "token_texts": LIST,
         "top_token_texts": LIST, "prompt_ids": IDS, "prompt_text": STR,
         "prompt_logprobs": LIST, "prompt_top_logprobs": LIST, "prompt_token_texts": LIST,
-        "prompt_top_token_texts": LIST,
+        "prompt_top_token_texts": LIST, "embedding": BYTES,
     }  # fmt: skip
     OPTIONAL = frozenset(FIELDS) - {"rid", "seq", "ids"}
 
@@ -131,12 +132,14 @@ class TextDelta(Message):
     prompt_top_logprobs: list[list[list[float]] | None] | None = None
     prompt_token_texts: list[str] | None = None
     prompt_top_token_texts: list[list[str] | None] | None = None
+    embedding: bytes | None = None  # an embedding job's vector, as its TokenItem's
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> TextDelta:
         delta = super().from_wire(data)
         if delta.finish is not None:
             Finish.from_wire(delta.finish)  # checked here, not where a reader trips on it
+        check_floats("embedding", delta.embedding)
         return delta
 
     def finish_info(self) -> Finish | None:
