@@ -14,7 +14,7 @@ from batch_store.files import EXPIRES_AFTER_S
 from jobs.protocol import MAX_TOKEN_ID
 from jobs.request_bounds import request_bounds
 from jobs.sampling_params import SAMPLING_FIELDS, Param
-from stages.ingress.api import response_format, tool_request
+from stages.ingress.api import embeddings, response_format, tool_request
 from stages.ingress.api.params import (
     CHAT_FIELDS,
     CHAT_ROLES,
@@ -338,6 +338,9 @@ def openapi_document(model: str) -> dict[str, Any]:
             "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest"),
             "/v1/completions": _generation("Text completion", "CompletionRequest"),
             "/generate": _generation("Native generation (text or token ids)", "GenerateRequest"),
+            "/v1/embeddings": embeddings.openapi_path(
+                _errors(400, 401, 403, 404, 408, 413, 422, 429, 503)
+            ),
             "/v1/abort/{id}": abort,
             "/v1/models": _get("The served model, as a list", "application/json", 401),
             "/v1/models/{model}": model_path,
@@ -363,6 +366,7 @@ def openapi_document(model: str) -> dict[str, Any]:
                 "ChatCompletionRequest": _chat_request(),
                 "CompletionRequest": _completion_request(),
                 "GenerateRequest": _generate_request(),
+                "EmbeddingRequest": embeddings.openapi_request(),
                 "Error": ERROR,
             }
         },
