@@ -26,6 +26,8 @@ def tiny_model(tmp_path_factory):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**SHAPE)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # not ones: pooled before the final norm would then differ
+        model.model.norm.weight.normal_(1.0, 0.5)
     path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path)
     return str(path), model
@@ -34,7 +36,7 @@ def tiny_model(tmp_path_factory):
 def _reference(model, ids: list[int], pooling: str) -> torch.Tensor:
     """transformers' last hidden state (after the final norm), pooled and normalized."""
     with torch.no_grad():
-        hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+        hidden = model.model(torch.tensor([ids])).last_hidden_state[0]
     pooled = hidden.mean(0) if pooling == "mean" else hidden[-1]
     return torch.nn.functional.normalize(pooled, dim=0)
 
