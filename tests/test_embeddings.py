@@ -1,18 +1,37 @@
 """Embeddings in the engine (gpu_worker/scheduling/pooling.py) equal transformers' final hidden
 states for the same weights, pooled and L2-normalized, on a small random Llama in float32:
 whole or in prefill chunks, batched with a generation, after a prefix the cache holds (an
-embedding computes every position it pools), and with either pooling."""
+embedding computes every position it pools), and with either pooling. On the wire: a job's
+``pooling`` and a reply's packed float32 vector travel, through the detokenizer, and bad
+ones are protocol errors."""
 
 from __future__ import annotations
 
 import random
 
+import msgpack
+import numpy as np
 import pytest
 import torch
 import transformers
 
+from bus.actor import Inbound
 from gpu_worker import Engine
 from jobs.field_error import FieldError
+from jobs.protocol import (
+    Finish,
+    GenerateRequest,
+    ProtocolError,
+    TextDelta,
+    TokenBatch,
+    TokenItem,
+    TokenizedRequest,
+    decode,
+    encode,
+)
+from jobs.token_records import pack_floats
+from runtime.config import BusConfig
+from stages.detokenizer.stage import DetokenizerStage
 from tests.tiny_configs import tiny_shape
 
 VOCAB = 256
@@ -104,3 +123,44 @@ def test_bad_embedding_requests_are_refused(tiny_model):
     with pytest.raises(FieldError, match="context length"):
         engine.embed(input_ids=[1] * 257)
     assert len(engine.embed(input_ids=[1] * 256)) == SHAPE["hidden_size"]  # the whole context
+
+
+# ---- on the wire ----------------------------------------------------------------------------
+
+
+def test_a_jobs_pooling_and_a_replys_vector_survive_the_wire():
+    job = GenerateRequest("r-0", "reply:x", prompt="hi", sampling={"max_new_tokens": 0},
+                          pooling="last")  # fmt: skip
+    assert decode(encode(job), GenerateRequest).pooling == "last"
+    tokenized = TokenizedRequest("r-0", "reply:x", [1, 2], {"max_new_tokens": 0}, pooling="mean")
+    assert decode(encode(tokenized), TokenizedRequest).pooling == "mean"
+    vector = [0.6, -0.8, 0.0]
+    item = TokenItem("r-0", "reply:x", 0, [], [], 0, finish=Finish("stop", None, 2, 0),
+                     bundle=True, embedding=pack_floats(vector))  # fmt: skip
+    batch = decode(encode(TokenBatch("w0", 1, [item])), TokenBatch)
+    # The detokenizer passes the vector on as it is, beside the finish.
+    (delta,) = (
+        DetokenizerStage(BusConfig(), None).handle([Inbound(b"1-0", batch)])[0].message.deltas
+    )
+    assert np.frombuffer(delta.embedding, "<f4").tolist() == pytest.approx(vector)
+    assert delta.finish_info().prompt_tokens == 2
+
+
+@pytest.mark.parametrize(
+    "message, accepted",
+    [
+        (GenerateRequest("r", "x", prompt="hi"), GenerateRequest),
+        (TokenizedRequest("r", "x", [1], {}), TokenizedRequest),
+    ],
+)
+def test_an_unknown_pooling_is_a_protocol_error_naming_it(message, accepted):
+    wire = {**message.to_wire(), "pooling": "max"}
+    with pytest.raises(ProtocolError, match="pooling") as caught:
+        decode(msgpack.packb(wire), accepted)
+    assert caught.value.field == "pooling"
+
+
+def test_a_vector_that_is_not_whole_float32s_is_a_protocol_error():
+    delta = {**TextDelta("r", 0, []).to_wire(), "embedding": b"\x00" * 5}
+    with pytest.raises(ProtocolError, match="multiple of 4"):
+        decode(msgpack.packb(delta), TextDelta)
