@@ -111,6 +111,7 @@ def test_a_prefix_in_the_cache_and_a_generation_beside_it_change_nothing(
         ({"input": "hi", "dimensions": HIDDEN + 1}, 400, "dimensions"),
         ({"input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
         ({"input": "hi", "pooling": "max"}, 400, "pooling"),
+        ({"input": "hi", "pooling": ""}, 400, "pooling"),
         ({"input": "hi", "extra": 1}, 400, "extra"),
         ({"input": "hi", "model": "other"}, 404, "model"),
     ],

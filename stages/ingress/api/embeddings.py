@@ -98,13 +98,13 @@ def parse_embeddings(data: dict[str, Any], served: str) -> EmbeddingRequest:
         raise ApiError(400, f"at most {limit} inputs per request, got {len(inputs)}",
                        param="input", code="invalid_value")  # fmt: skip
     check_prompt_size(inputs, 1, "input")
-    encoding = field(data, "encoding_format", STR) or "float"
+    encoding = _or_default(field(data, "encoding_format", STR), "float")
     if encoding not in ENCODINGS:
         raise _invalid("encoding_format", f"must be float or base64, got {encoding!r}")
     dimensions = field(data, "dimensions", INT)
     if dimensions is not None and dimensions < 1:
         raise _invalid("dimensions", f"must be at least 1, got {dimensions}")
-    pooling = field(data, "pooling", STR) or DEFAULT_POOLING
+    pooling = _or_default(field(data, "pooling", STR), DEFAULT_POOLING)
     if pooling not in POOLINGS:
         raise _invalid("pooling", f"must be one of {', '.join(POOLINGS)}, got {pooling!r}")
     field(data, "user", STR)
@@ -127,6 +127,10 @@ def embedding_inputs(value: Any) -> list[dict[str, Any]]:
     if all(isinstance(item, list) for item in value):
         return [{"input_ids": token_ids(ids, "input")} for ids in value]
     return [{"input_ids": token_ids(value, "input")}]
+
+
+def _or_default(value: str | None, default: str) -> str:
+    return default if value is None else value  # "" is a value, and a wrong one
 
 
 def _invalid(name: str, problem: str, prefix: bool = True) -> ApiError:
