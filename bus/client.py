@@ -16,8 +16,11 @@ entries ``{kind: "delta", rid, seq, ids, text, finish?}`` (``finish`` on the las
 ``{kind: "error", rid, status, message, type, param, code}``.
 
 A submitted job's replies are kept for its `stream` until the request ends or is aborted;
-stream (or abort) every job you submit. `Client` also has OpenAI's Batch API
-(batch_store/client_methods.py: `upload_batch_file`, `create_batch`, `batch`, `batch_results`, ...).
+stream (or abort) every job you submit. A job with ``pooling="mean"`` or ``"last"`` is an
+embedding job (jobs/requests.py): no sampling, and its one chunk (and `generate`'s result)
+holds ``embedding``, the prompt's pooled, L2-normalized hidden states as a list of floats.
+`Client` also has OpenAI's Batch API (batch_store/client_methods.py: `upload_batch_file`,
+`create_batch`, `batch`, `batch_results`, ...).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypedDict
 
+import numpy as np
 import redis
 import redis.asyncio as aredis
 
@@ -63,6 +67,7 @@ def new_request(
     input_ids: list[int] | None = None,
     sampling: Mapping[str, Any] | None = None,
     rid: str | None = None,
+    pooling: str | None = None,
 ) -> GenerateRequest:
     """A checked GenerateRequest (ValueError for a bad one)."""
     if input_ids is not None:
@@ -74,8 +79,10 @@ def new_request(
             raise ValueError(f"input_ids: {bad!r} is not a token id")
     if sampling is not None and not isinstance(sampling, Mapping):
         raise ValueError(f"sampling must be a mapping; got {type(sampling).__name__}")
+    if pooling is not None and sampling:
+        raise ValueError("an embedding job (pooling) takes no sampling parameters")
     # Checked and normalised here, where the job enters; its priority travels beside it.
-    wire, priority = lift_priority(wire_sampling(sampling))
+    wire, priority = lift_priority(wire_sampling(sampling)) if pooling is None else ({}, None)
     request = GenerateRequest(
         rid=rid or uuid.uuid4().hex,
         reply_to=reply_to,
@@ -86,7 +93,10 @@ def new_request(
         created=time.time(),
         priority=priority,
         bundle_replies=True,  # its ReplyReader reads TextDeltas
+        pooling=pooling,
     )
+    if pooling is not None:
+        request.sampling = {"max_new_tokens": 0}  # the prompt alone must fit the context
     # The checks every stage makes of what it reads (types of prompt, messages, rid...):
     # a job refused here is never queued.
     try:
@@ -124,6 +134,7 @@ class JobOptions(TypedDict, total=False):
     input_ids: list[int] | None
     sampling: Mapping[str, Any] | None
     rid: str | None
+    pooling: str | None  # an embedding job's: "mean" or "last"
 
 
 class JobSpec(JobOptions, total=False):
@@ -172,6 +183,8 @@ def chunk_of(rid: str, message: Reply | None) -> dict[str, Any]:
     if message.logprobs is not None:
         chunk["logprobs"] = message.logprobs
         chunk["top_logprobs"] = message.top_logprobs
+    if message.embedding is not None:
+        chunk["embedding"] = np.frombuffer(message.embedding, dtype="<f4").tolist()
     finish = message.finish_info()
     if finish is not None:
         chunk.update(finish_reason=finish.reason, matched_stop=finish.matched, usage=finish.usage())
@@ -204,6 +217,7 @@ class GenerateResult:
             "finish_reason": self.last.get("finish_reason"),
             "matched_stop": self.last.get("matched_stop"),
             "usage": self.last.get("usage"),
+            **({"embedding": self.last["embedding"]} if "embedding" in self.last else {}),
         }
 
 

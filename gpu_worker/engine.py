@@ -3,6 +3,7 @@
     engine = Engine(model="smollm2-135m-instruct")
     engine.generate(["Hello"], {"temperature": 0, "max_new_tokens": 32})
     for chunk in engine.generate_stream("Hello", {"max_new_tokens": 32}): ...
+    engine.embed(["Hello", "World"], pooling="mean")  # L2-normalized pooled hidden states
 
 The engine is synchronous: a call steps the shared scheduler until its own requests are
 done, so requests from interleaved calls batch together. Use it from one thread.
@@ -19,6 +20,7 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
+import numpy as np
 import torch
 
 from gpu_worker.config import DEFAULT_MODEL, EngineConfig
@@ -32,13 +34,16 @@ from gpu_worker.text_stream import TextStream
 from jobs.field_error import FieldError
 from jobs.request_normaliser import (
     ModelLimits,
+    check_fits,
     check_request,
     check_resumed_ids,
+    check_token_ids,
     encode_prompts,
     sampling_maps,
     split_prompts,
 )
 from jobs.request_normaliser import sampling_params as params_with_defaults
+from jobs.requests import POOLINGS
 from jobs.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -82,13 +87,20 @@ class Engine:
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Run to completion. One prompt gives one dict; a list gives a list in order."""
         reqs, single = self._submit(prompt, sampling_params, **inputs)
-        try:
-            while not all(req.finished for req in reqs):
-                self._step()
-        finally:
-            self._abort_unfinished(reqs)
-        results = [self._result(req) for req in reqs]
+        results = [self._result(req) for req in self._run(reqs)]
         return results[0] if single else results
+
+    def embed(
+        self, prompt: Prompts = None, pooling: str = "mean", **inputs: Unpack[Inputs]
+    ) -> list[float] | list[list[float]]:
+        """Each prompt's embedding: its final hidden states pooled over the prompt (`pooling`
+        "mean" or "last") and L2-normalized (gpu_worker/scheduling/pooling.py). One prompt
+        gives one vector; a list gives a list in order."""
+        if pooling not in POOLINGS:
+            raise FieldError("pooling", f"pooling must be one of {', '.join(POOLINGS)}")
+        reqs, single = self._submit(prompt, {"max_new_tokens": 0}, pooling=pooling, **inputs)
+        vectors = [np.frombuffer(req.embedding, "<f4").tolist() for req in self._run(reqs)]
+        return vectors[0] if single else vectors
 
     def generate_stream(
         self, prompt: Prompts = None, sampling_params: Sampling = None, **inputs: Unpack[Inputs]
@@ -123,6 +135,7 @@ class Engine:
         detokenize: bool = True,
         output_ids: list[int] | None = None,
         field: str = "input_ids",
+        pooling: str | None = None,
     ) -> Req:
         """A checked request, ready for `scheduler.add_request`; a FieldError names the field
         (`field`: what the prompt came as). The checks are the request normaliser's.
@@ -131,13 +144,20 @@ class Engine:
         (the worker stage leaves text to the detokenizer and only needs to find stops).
         `output_ids` resumes a request another worker began: those tokens count as output
         already generated (as after a retraction), and generation continues after them; a
-        grammar's matcher consumes them, so the output goes on matching it.
+        grammar's matcher consumes them, so the output goes on matching it. With `pooling` the
+        request is an embedding (scheduling/pooling.py): it samples nothing, so only its ids
+        and the prompt's fit are checked.
         """
-        check_request(input_ids, params, field, self.limits)
+        if pooling is None:
+            check_request(input_ids, params, field, self.limits)
+        else:
+            check_token_ids(input_ids, field, self.vocab_size)
+            check_fits(len(input_ids), 0, field, self.limits)
         if params.stop and self.tokenizer is None:
             raise FieldError("stop", "stop: stop strings need a tokenizer; this model has none")
         req = self._make_req(input_ids, params, rid, detokenize or bool(params.stop))
         req.matcher = self.grammars.matcher(params)
+        req.pooling = pooling
         if output_ids:
             check_resumed_ids(output_ids, params, self.vocab_size)
             if req.matcher is not None and not req.matcher.consume_tokens(list(output_ids)):
@@ -189,6 +209,7 @@ class Engine:
         input_ids: TokenPrompts | None = None,
         messages: Sequence[Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        pooling: str | None = None,
     ) -> tuple[list[Req], bool]:
         prompts, single = split_prompts(prompt, messages, input_ids, tools, many=True)
         encoded = encode_prompts(prompts, self._prompt_tokenizer)
@@ -199,7 +220,8 @@ class Engine:
             if isinstance(ids, ValueError):
                 raise ids
             params = self.sampling_params(sampling, len(ids), one.field)
-            reqs.append(self.build_request(uuid.uuid4().hex, ids, params, field=one.field))
+            rid = uuid.uuid4().hex
+            reqs.append(self.build_request(rid, ids, params, field=one.field, pooling=pooling))
         for req in reqs:
             self.scheduler.add_request(req)
         return reqs, single
@@ -216,6 +238,15 @@ class Engine:
                 self.tokenizer, params.stop, params.skip_special_tokens, prompt_ids=ids
             )
         return Req(rid, ids, params, self.eos_ids, generator, text_stream)
+
+    def _run(self, reqs: list[Req]) -> list[Req]:
+        """Step until `reqs` are finished (those left unfinished by an error are aborted)."""
+        try:
+            while not all(req.finished for req in reqs):
+                self._step()
+        finally:
+            self._abort_unfinished(reqs)
+        return reqs
 
     def _step(self) -> None:
         if self.scheduler.step() is None:

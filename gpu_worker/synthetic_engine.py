@@ -262,10 +262,12 @@ class SyntheticEngine:
 
     def build_request(
         self, rid: str, input_ids: list[int], params: SamplingParams, detokenize: bool = True,
-        output_ids: list[int] | None = None, field: str = "input_ids",
+        output_ids: list[int] | None = None, field: str = "input_ids", pooling: str | None = None,
     ) -> Req:  # fmt: skip
         """A checked request, as `Engine.build_request` makes it (the normaliser's checks),
         refusing what a synthetic engine cannot honour."""
+        if pooling is not None:
+            raise FieldError("pooling", f"pooling: this worker runs the {NO_MODEL}: no embeddings")
         check_request(input_ids, params, field, self.limits)
         grammar = grammar_field(vars(params))
         if grammar is not None:

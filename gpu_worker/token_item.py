@@ -59,6 +59,7 @@ def token_item(
         req.params.stop, req.params.skip_special_tokens, reply_version=reply_version,
         bundle=bundle,
     )  # fmt: skip
+    item.embedding = req.embedding  # an embedding's vector, once its prefill is done
     if req.params.logprobs:
         item.logprobs = req.logprobs[start:end]
         if req.params.top_logprobs:

@@ -278,9 +278,8 @@ class Worker:
                 deadline = time.monotonic() + request_bounds().grammar_compile_timeout_s
                 self.grammar_waits.park(Waiting(entry_id, job, generated, *compiling, deadline))
                 return
-            req = self.engine.build_request(
-                job.rid, job.input_ids, params, detokenize=False, output_ids=generated
-            )
+            req = self.engine.build_request(job.rid, job.input_ids, params, detokenize=False,
+                                            output_ids=generated, pooling=job.pooling)  # fmt: skip
             req.tenant = job.tenant or ""
             req.weight = job.weight or 1.0
             req.priority = job.priority or 0  # the job's, beside its sampling

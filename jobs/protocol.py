@@ -36,11 +36,12 @@ import msgpack
 from jobs.kv_events import KvEvents
 from jobs.progress import ProgressEntry
 from jobs.requests import Abort, GenerateRequest, TokenizedRequest
-from jobs.token_records import PROMPT_CONTEXT_TOKENS, Finish, TokenItem, token_context
+from jobs.token_records import PROMPT_CONTEXT_TOKENS, Finish, TokenItem, check_floats, token_context
 
 # The codec's names are the protocol's too: an importer of messages needs no second import.
 from jobs.wire import (
     BOOL,
+    BYTES,
     DEFLATED_MARK,
     ENTRY_FIELD,
     FLOAT,
@@ -140,7 +141,7 @@ class TextDelta(Message):
         "logprobs": LIST, "top_logprobs": LIST, "token_texts": LIST,
         "top_token_texts": LIST, "prompt_ids": IDS, "prompt_text": STR,
         "prompt_logprobs": LIST, "prompt_top_logprobs": LIST, "prompt_token_texts": LIST,
-        "prompt_top_token_texts": LIST,
+        "prompt_top_token_texts": LIST, "embedding": BYTES,
     }  # fmt: skip
     OPTIONAL = frozenset(FIELDS) - {"rid", "seq", "ids"}
 
@@ -161,6 +162,7 @@ class TextDelta(Message):
     prompt_top_logprobs: list[list[list[float]] | None] | None = None
     prompt_token_texts: list[str] | None = None
     prompt_top_token_texts: list[list[str] | None] | None = None
+    embedding: bytes | None = None  # an embedding job's vector, as its TokenItem's
 
     def to_wire(self) -> dict[str, Any]:
         return {"kind": self.KIND, **self.fields_wire()}
@@ -199,6 +201,7 @@ class TextDelta(Message):
             delta = super().from_wire(data)
         if delta.finish is not None:
             Finish.from_wire(delta.finish)  # checked here, not where a reader trips on it
+        check_floats("embedding", delta.embedding)
         return delta
 
     def finish_info(self) -> Finish | None:

@@ -20,6 +20,13 @@ A job with ``bundle_replies`` true says its requester reads `TextDeltas` (jobs/p
 the detokenizer then writes, per batch it reads, one entry to the reply stream with the deltas
 of every such job bound to it, where a job without it gets one entry per delta. The ingress
 and `Client` ask for it; a program that reads its reply stream entry by entry need not.
+
+A job with ``pooling`` (``mean`` or ``last``; `POOLINGS`) asks for an embedding, not a
+generation: the worker runs its prompt's prefill only (no prefix-cache hit, so every position
+it pools is computed), pools the final hidden states over the prompt, L2-normalizes them, and
+answers with one TokenItem carrying the vector (`TokenItem.embedding`) and its Finish. Its
+``sampling`` is ``{"max_new_tokens": 0}`` (the ingress's), so the prompt alone must fit the
+context; other sampling parameters are not read.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from jobs.wire import (
 
 JOB_VERSION = WIRE_VERSION  # what the ingress and Client write; this code reads 1 to it
 PRIORITY = "priority"
+POOLINGS = ("mean", "last")  # an embedding job's pooling over its prompt (module docstring)
 
 
 def lift_priority(sampling: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
@@ -101,10 +109,10 @@ class GenerateRequest(_Job):
     FIELDS = {
         "rid": STR, "reply_to": STR, "prompt": STR, "messages": LIST, "input_ids": IDS,
         "sampling": MAP, "created": FLOAT, "tools": LIST, "tenant": STR, "weight": FLOAT,
-        "priority": INT, "v": INT, "bundle_replies": BOOL,
+        "priority": INT, "v": INT, "bundle_replies": BOOL, "pooling": STR,
     }  # fmt: skip
     OPTIONAL = frozenset({"prompt", "messages", "input_ids", "created", "tools", "tenant",
-                          "weight", "priority", "v", "bundle_replies"})  # fmt: skip
+                          "weight", "priority", "v", "bundle_replies", "pooling"})  # fmt: skip
 
     rid: str
     reply_to: str
@@ -119,6 +127,7 @@ class GenerateRequest(_Job):
     priority: int | None = None
     v: int = JOB_VERSION
     bundle_replies: bool | None = None  # its requester reads TextDeltas (module docstring)
+    pooling: str | None = None  # an embedding job's (module docstring); None: a generation
 
     def __post_init__(self) -> None:
         given = [n for n in ("prompt", "messages", "input_ids") if getattr(self, n) is not None]
@@ -129,6 +138,7 @@ class GenerateRequest(_Job):
         if self.tools is not None and self.messages is None:
             raise ProtocolError("tools come with a chat job (messages)")
         _check_scheduling(self.weight, self.priority)
+        _check_pooling(self.pooling)
 
 
 @dataclass
@@ -146,6 +156,7 @@ class TokenizedRequest(_Job):
         "rid": STR, "reply_to": STR, "input_ids": IDS, "sampling": MAP, "created": FLOAT,
         "tenant": STR, "weight": FLOAT, "attempts": INT, "priority": INT, "v": INT,
         "progress": IDS, "bundle_replies": BOOL, "route_reason": STR, "expected_cached": INT,
+        "pooling": STR,
     }  # fmt: skip
     OPTIONAL = frozenset(FIELDS) - {"rid", "reply_to", "input_ids", "sampling"}
 
@@ -163,9 +174,11 @@ class TokenizedRequest(_Job):
     bundle_replies: bool | None = None  # as the GenerateRequest's
     route_reason: str | None = None  # set by the router
     expected_cached: int | None = None
+    pooling: str | None = None  # as the GenerateRequest's
 
     def __post_init__(self) -> None:
         _check_scheduling(self.weight, self.priority)
+        _check_pooling(self.pooling)
         if self.attempts is not None and not 0 <= self.attempts < 2**31:
             raise ProtocolError(f"attempts must be a count >= 0; got {self.attempts}")
 
@@ -177,6 +190,12 @@ def _check_scheduling(weight: float | None, priority: int | None) -> None:
     problem = None if priority is None else check_priority(PRIORITY, priority)
     if problem is not None:
         raise ProtocolError(problem, field=PRIORITY)
+
+
+def _check_pooling(pooling: str | None) -> None:
+    if pooling is not None and pooling not in POOLINGS:
+        raise ProtocolError(f"pooling must be one of {', '.join(POOLINGS)}; got {pooling!r}",
+                            field="pooling")  # fmt: skip
 
 
 @dataclass

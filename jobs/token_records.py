@@ -12,9 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
+
 from jobs.legacy_records import finish_fields_from_list, token_item_fields_from_list
 from jobs.wire import (
     BOOL,
+    BYTES,
     FLOAT,
     IDS,
     INT,
@@ -114,13 +117,15 @@ class TokenItem(Record):
     stages/detokenizer/incremental.py). ``reply_version`` is the wire version the job's
     requester reads (its job's; jobs/requests.py): its deltas' ``finish`` is written in it.
     ``bundle`` is its job's ``bundle_replies``: its delta may share an entry with others.
+    ``embedding`` is an embedding job's answer (jobs/requests.py's ``pooling``), on its one
+    item: the L2-normalized pooled hidden state as packed little-endian float32 (`pack_floats`).
     """
 
     FIELDS: ClassVar[dict[str, str]] = {
         "rid": STR, "reply_to": STR, "start": INT, "ids": IDS, "context": IDS,
         "prompt_context": INT, "stop": LIST, "skip_special_tokens": BOOL, "finish": RECORD,
         "logprobs": LIST, "top_logprobs": LIST, "prompt_ids": IDS, "prompt_logprobs": LIST,
-        "prompt_top_logprobs": LIST, "reply_version": INT, "bundle": BOOL,
+        "prompt_top_logprobs": LIST, "reply_version": INT, "bundle": BOOL, "embedding": BYTES,
     }  # fmt: skip
     OPTIONAL: ClassVar[frozenset[str]] = frozenset(FIELDS) - {
         "rid", "reply_to", "start", "ids", "context"
@@ -144,6 +149,7 @@ class TokenItem(Record):
     prompt_top_logprobs: list[list[list[float]] | None] | None = None
     reply_version: int = WIRE_VERSION
     bundle: bool = False
+    embedding: bytes | None = None
 
     def to_wire(self, shared_reply: tuple[str, bool] | None = None) -> dict[str, Any]:
         """`shared_reply`: the (reply_to, bundle) its batch writes once for the items that
@@ -176,6 +182,8 @@ class TokenItem(Record):
             wire["reply_version"] = self.reply_version
         if self.bundle and not shared:
             wire["bundle"] = True
+        if self.embedding is not None:
+            wire["embedding"] = self.embedding
         return wire
 
     @classmethod
@@ -200,6 +208,18 @@ class TokenItem(Record):
             raise ProtocolError("field 'prompt_context' exceeds the context")
         if not 1 <= self.reply_version <= WIRE_VERSION:
             raise ProtocolError(f"field 'reply_version' must be 1 to {WIRE_VERSION}")
+        check_floats("embedding", self.embedding)
+
+
+def pack_floats(values: Any) -> bytes:
+    """A vector as packed little-endian float32 (an embedding on the wire, and OpenAI's
+    base64 encoding of one)."""
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def check_floats(name: str, packed: bytes | None) -> None:
+    if packed is not None and len(packed) % 4:
+        raise ProtocolError(f"field {name!r}: {len(packed)} bytes is not a multiple of 4")
 
 
 def token_context(

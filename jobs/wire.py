@@ -77,6 +77,7 @@ def unpack_ids(data: bytes) -> list[int]:
 # Each message class lists its fields' wire kinds; `decode` checks them, `encode` packs them.
 
 STR, INT, FLOAT, BOOL, MAP, LIST, IDS = "str", "int", "float", "bool", "map", "list", "ids"
+BYTES = "bytes"  # raw bytes, kept as they are (an embedding's packed float32s)
 # A record written by name (a map, version 2) or by position (a list, version 1).
 RECORD = "map or list"
 
@@ -90,6 +91,7 @@ _TYPE_CHECKS = {
     MAP: lambda v: isinstance(v, dict),
     LIST: lambda v: isinstance(v, list),
     IDS: lambda v: isinstance(v, bytes),
+    BYTES: lambda v: isinstance(v, bytes),
     RECORD: lambda v: isinstance(v, (dict, list)),
 }
 

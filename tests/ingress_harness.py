@@ -22,6 +22,7 @@ from typing import Any
 import redis
 
 from jobs.protocol import Finish, GenerateRequest, Heartbeat, TextDelta, decode
+from jobs.token_records import pack_floats
 from jobs.wire import ENTRY_FIELD, Message, ProtocolError, encode
 from runtime.config import BusConfig
 from stages.ingress.server import create_app, serve
@@ -78,6 +79,12 @@ def deltas(
     finish = Finish(reason, matched, prompt_tokens, seq, cached_tokens)
     out[-1].finish = finish.to_wire()
     return out
+
+
+def embedding_delta(rid: str, vector: list[float], prompt_tokens: int = 7) -> TextDelta:
+    """An embedding job's one reply: its vector (packed float32) and its finish."""
+    finish = Finish("stop", None, prompt_tokens, 0)
+    return TextDelta(rid, 0, [], None, finish.to_wire(), embedding=pack_floats(vector))
 
 
 class Upstream:

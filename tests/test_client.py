@@ -9,7 +9,7 @@ import pytest
 from bus.client import AsyncClient, Client, RequestError
 from jobs.protocol import ENTRY_FIELD, Abort, ErrorReply, GenerateRequest, decode
 from runtime.config import BusConfig
-from tests.ingress_harness import Upstream, deltas
+from tests.ingress_harness import Upstream, deltas, embedding_delta
 
 PIECES = [("Hel", [10, 11]), ("lo", [12]), ("!", [13])]
 
@@ -154,3 +154,18 @@ def test_async_client_generates_streams_and_aborts(config, upstream, redis_clien
     assert streamed == [["Hel", "lo", "!"]] * 2
     assert ended[-1]["finish_reason"] == "abort"
     assert not redis_client.exists(stream)
+
+
+def test_an_embedding_job_answers_its_vector(config):
+    def embed(job: GenerateRequest):
+        assert job.pooling == "last" and job.sampling == {"max_new_tokens": 0}
+        return [embedding_delta(job.rid, [0.6, 0.8], prompt_tokens=2)]
+
+    with Upstream(config.redis_url, config, embed), Client(config=config) as client:
+        result = client.generate(input_ids=[1, 2], pooling="last", timeout=5)
+        with pytest.raises(ValueError, match="pooling"):
+            client.submit("hi", pooling="mean", sampling={"temperature": 0})
+        with pytest.raises(ValueError, match="pooling"):
+            client.submit("hi", pooling="max")
+    assert result["embedding"] == pytest.approx([0.6, 0.8])
+    assert result["finish_reason"] == "stop" and result["usage"]["prompt_tokens"] == 2

@@ -17,7 +17,14 @@ from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from stages.ingress.api.openapi import openapi_document
-from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
+from tests.ingress_harness import (
+    MODEL,
+    RunningIngress,
+    Upstream,
+    add_worker,
+    deltas,
+    embedding_delta,
+)
 
 DOCUMENT = openapi_document(MODEL)
 SCHEMA = schemathesis.openapi.from_dict(DOCUMENT)
@@ -29,8 +36,14 @@ def ingress(redis_url):
     redis.Redis.from_url(redis_url).flushall()
     with RunningIngress(redis_url) as server:
         add_worker(redis.Redis.from_url(redis_url), server.config)
-        with Upstream(redis_url, server.config, lambda r: deltas(r.rid, [("Hi", [1]), ("!", [2])])):
+        with Upstream(redis_url, server.config, _answer):
             yield server
+
+
+def _answer(job):
+    if job.pooling is not None:  # an embedding job: one reply, with its vector
+        return [embedding_delta(job.rid, [0.6, 0.8, 0.0])]
+    return deltas(job.rid, [("Hi", [1]), ("!", [2])])
 
 
 def test_every_route_is_described_and_every_description_routed(ingress):

@@ -34,10 +34,20 @@ class ForwardBatch:
     # EXTEND: token-axis indices of prompt positions whose logits prompt logprobs need; the
     # forward returns their logits after those of `last_token_indices`.
     prompt_logit_indices: torch.Tensor | None = None
+    # EXTEND: [start, end) token-axis ranges whose hidden states an embedding pools
+    # (scheduling/pooling.py); the forward sets `pooled`, each range's rows summed.
+    pool_ranges: list[tuple[int, int]] | None = None
+    pooled: torch.Tensor | None = None  # [ranges, hidden] float32, on device; set by the forward
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def pool_sums(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each pool range's rows of the final hidden states `hidden` [num_tokens, hidden],
+        summed in float32: [ranges, hidden]."""
+        assert self.pool_ranges
+        return torch.stack([hidden[start:end].float().sum(0) for start, end in self.pool_ranges])
 
     def last_token_indices(self) -> torch.Tensor:
         """Index into the token axis of the tokens that need logits: each request's last new

@@ -187,4 +187,6 @@ class ModelRunner:
 
     def _logits(self, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(forward_batch.input_ids, forward_batch.positions)
+        if forward_batch.pool_ranges:  # an extend with embeddings in it (never a decode)
+            forward_batch.pooled = forward_batch.pool_sums(hidden)
         return self.model.compute_logits(hidden[forward_batch.logit_indices()])

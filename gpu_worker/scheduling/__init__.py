@@ -7,4 +7,5 @@ schedule_batch.py  the requests chosen for one forward, turned into a ForwardBat
 request_kv.py      KV slots moved between requests, the allocator and the prefix cache
 policy.py          which waiting requests to admit first (priority classes first)
 fair_share.py      weighted fair queueing between tenants within a class
+pooling.py         embeddings: the hidden states a prefill pools, normalized into a vector
 """

@@ -36,6 +36,8 @@ def shares_prefix_with_batch(
     """Whether `req` shares at least `min_shared` uncached tokens with a request already in
     this batch. Such a request waits one step: the batch will put that prefix in the cache,
     and computing it twice in one forward would waste the work."""
+    if req.pooling is not None:
+        return False  # an embedding takes nothing from the cache (scheduling/pooling.py)
     end = cached_len + min_shared
     ids = req.all_ids
     if len(ids) <= end:

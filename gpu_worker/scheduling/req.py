@@ -83,6 +83,12 @@ class Req:
         self.tenant = ""
         self.weight = 1.0
         self.fair_tag = 0.0
+        # An embedding request's (scheduling/pooling.py): its pooling, "mean" or "last" (None:
+        # it generates), the float32 sum of the hidden states pooled so far, and, once its
+        # prefill is done, the normalized vector as packed float32.
+        self.pooling: str | None = None
+        self.pooled: torch.Tensor | None = None
+        self.embedding: bytes | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -141,7 +141,10 @@ class RequestKV:
 
     def _matchable_ids(self, req: Req) -> list[int]:
         # At least one token must be computed: its logits give the next token. Positions
-        # whose logits the prompt logprobs still need are computed too.
+        # whose logits the prompt logprobs still need are computed too, and all an embedding
+        # pools: a cached position has KV but no hidden state (scheduling/pooling.py).
+        if req.pooling is not None:
+            return []
         return req.all_ids[: min(req.num_tokens - 1, req.prompt_logits_from)]
 
     def _last_slot(self, req: Req) -> int:

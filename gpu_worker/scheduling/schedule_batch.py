@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.model_executor.forward_batch import ForwardBatch, ForwardMode
+from gpu_worker.scheduling.pooling import pool_spans
 from gpu_worker.scheduling.req import Req
 
 
@@ -39,6 +40,14 @@ class ScheduleBatch:
             if start < end:
                 spans.append((i, start, end))
         return spans
+
+    @functools.cached_property
+    def pool_spans(self) -> list[tuple[int, int, int]]:
+        """(request row, first position, end position) of the positions this forward pools
+        for embedding requests (scheduling/pooling.py)."""
+        if self.mode != ForwardMode.EXTEND:
+            return []
+        return pool_spans(self.reqs, self.prefix_lens, self.extend_lens)
 
     def to_forward_batch(self, device: torch.device) -> ForwardBatch:
         seq_lens = [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
@@ -71,6 +80,12 @@ class ScheduleBatch:
                 torch.arange(start, end, dtype=torch.int64) + offsets[i] - self.prefix_lens[i]
                 for i, start, end in spans
             ]).to(device, non_blocking=True)  # fmt: skip
+        pool_ranges = None
+        if self.pool_spans:  # token-axis ranges: where each request's new tokens begin
+            offsets = [0, *itertools.accumulate(self.extend_lens)]
+            pool_ranges = [(offsets[i] + start - self.prefix_lens[i],
+                            offsets[i] + end - self.prefix_lens[i])
+                           for i, start, end in self.pool_spans]  # fmt: skip
         return ForwardBatch(
             forward_mode=self.mode,
             batch_size=len(self.reqs),
@@ -85,6 +100,7 @@ class ScheduleBatch:
             extend_seq_lens_cpu=list(self.extend_lens),
             extend_prefix_lens_cpu=list(self.prefix_lens),
             prompt_logit_indices=prompt_rows,
+            pool_ranges=pool_ranges,
         )
 
 

@@ -25,6 +25,7 @@ from gpu_worker.sampling.sampler import sample
 from gpu_worker.scheduling.fair_share import FairShare
 from gpu_worker.scheduling.outputs import append_token, finish_output, sampling_batch
 from gpu_worker.scheduling.policy import order_waiting, shares_prefix_with_batch
+from gpu_worker.scheduling.pooling import add_pooled, embedding_of
 from gpu_worker.scheduling.req import FinishReason, Req
 from gpu_worker.scheduling.request_kv import RequestKV
 from gpu_worker.scheduling.schedule_batch import ScheduleBatch
@@ -129,7 +130,10 @@ class Scheduler:
         self.stepping = [req.rid for req in batch.reqs]
         self.last_mode = batch.mode
         started = time.perf_counter()
-        logits = self.runner.forward(batch.to_forward_batch(self.runner.device))
+        forward_batch = batch.to_forward_batch(self.runner.device)
+        logits = self.runner.forward(forward_batch)
+        if forward_batch.pooled is not None:  # embeddings' hidden states (scheduling/pooling.py)
+            add_pooled(batch.reqs, batch.pool_spans, forward_batch.pooled)
         sampled = self.process_batch_result(batch, logits)
         if self.drafter is not None and batch.mode != ForwardMode.EXTEND:
             # What each kind of step costs here decides when drafts are worth verifying.
@@ -296,6 +300,9 @@ class Scheduler:
                 self.kv.cache_prefix(req)
             if req.kv_len < req.num_tokens:
                 self.chunked = req  # a prefill chunk: nothing to sample yet
+            elif req.pooling is not None:  # an embedding: its prefill was all it needed
+                req.embedding = embedding_of(req)
+                prompt_only.append(self._finish(req, FinishReason("stop")))
             elif req.params.max_new_tokens == 0:  # only its prompt's logprobs were asked for
                 prompt_only.append(self._finish(req, FinishReason("length")))
             else:

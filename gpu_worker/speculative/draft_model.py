@@ -44,6 +44,7 @@ class DraftSeq:
         self.cached_len = 0
         self.last_node = None
         self.prompt_cache_hit: int | None = None
+        self.pooling = None  # only generations draft (an embedding never decodes)
 
     @property
     def origin_input_ids(self) -> list[int]:

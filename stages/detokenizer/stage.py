@@ -75,7 +75,7 @@ class DetokenizerStage:
         self.expiries.forget()
 
     def _delta(self, item: TokenItem, text: str | None) -> TextDelta:
-        delta = TextDelta(item.rid, item.start, item.ids, text)
+        delta = TextDelta(item.rid, item.start, item.ids, text, embedding=item.embedding)
         if item.finish is not None:
             # In the version its requester reads: a job written without one gets the list.
             delta.finish = (

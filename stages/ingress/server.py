@@ -29,6 +29,7 @@ from bus.replies import AsyncReplyReader
 from observability.metrics import start_publisher
 from runtime.config import BusConfig
 from stages.ingress.api import handlers, service_endpoints
+from stages.ingress.api.embeddings import embeddings
 from stages.ingress.api.openapi import openapi_document
 from stages.ingress.batches import routes as batch_api
 from stages.ingress.batches.runner import BatchRunner
@@ -104,6 +105,7 @@ def create_app(
     app.router.add_get("/v1/models", service_endpoints.models)
     app.router.add_get("/v1/models/{model}", service_endpoints.model)
     app.router.add_post("/generate", handlers.generate)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/abort/{id}", service_endpoints.abort)
     app.router.add_get("/health", service_endpoints.health)
     app.router.add_get("/metrics", service_endpoints.metrics)

@@ -64,8 +64,8 @@ class TokenizerStage:
                 continue
             tokenized = TokenizedRequest(job.rid, job.reply_to, ids, job.sampling, job.created,
                                          job.tenant, job.weight, priority=job.priority,
-                                         v=job.v,
-                                         bundle_replies=job.bundle_replies)  # fmt: skip
+                                         v=job.v, bundle_replies=job.bundle_replies,
+                                         pooling=job.pooling)  # fmt: skip
             outputs.append(Outbound(self.config.tokenized_stream(), tokenized))
         return outputs
 

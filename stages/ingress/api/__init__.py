@@ -1,6 +1,7 @@
 """The ingress's HTTP API: OpenAI's endpoints and the native /generate.
 
 handlers.py          the generation endpoints (chat, completions, /generate)
+embeddings.py        /v1/embeddings: pooled hidden states, one embedding job per input
 service_endpoints.py the rest: models, aborts, OpenAPI document, health, metrics
 params.py            request bodies checked and turned into GenerateRequests
 openai_format.py     OpenAI response bodies, stream chunks and logprobs

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from batch_store.files import EXPIRES_AFTER_S
+from stages.ingress.api import embeddings
 from stages.ingress.api.openapi_schemas import (
     chat_request,
     completion_request,
@@ -253,6 +254,9 @@ def openapi_document(model: str) -> dict[str, Any]:
             "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest"),
             "/v1/completions": _generation("Text completion", "CompletionRequest"),
             "/generate": _generation("Native generation (text or token ids)", "GenerateRequest"),
+            "/v1/embeddings": embeddings.openapi_path(
+                _errors(400, 401, 403, 404, 408, 413, 422, 429, 503)
+            ),
             "/v1/abort/{id}": abort,
             "/v1/models": _get("The served model, as a list", "application/json", 401),
             "/v1/models/{model}": model_path,
@@ -280,6 +284,7 @@ def openapi_document(model: str) -> dict[str, Any]:
                 "CompletionRequest": completion_request(),
                 "GenerateRequest": generate_request(),
                 "ResponseCreateRequest": responses_request.openapi_schema(),
+                "EmbeddingRequest": embeddings.openapi_request(),
                 "Error": ERROR,
             }
         },
