@@ -97,6 +97,28 @@ def test_expires_after_sets_the_files_expiry_and_its_keys_ttl(redis_client, redi
             assert body["param"] == param
 
 
+@pytest.mark.parametrize("field, values", [("expires_after[seconds]", ["3600", "7200"]),
+                                           ("purpose", ["batch", "batch"])])  # fmt: skip
+def test_a_form_field_given_twice_is_refused_naming_it(redis_client, redis_url, field, values):
+    import urllib.error
+    import urllib.request
+
+    fields = [("expires_after[anchor]", "created_at"), *((field, v) for v in values)]
+    if field != "purpose":
+        fields.append(("purpose", "batch"))
+    parts = [f'--b\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'
+             for name, value in fields]  # fmt: skip
+    upload = '--b\r\nContent-Disposition: form-data; name="file"; filename="1.jsonl"\r\n\r\n'
+    body = ("".join(parts) + upload).encode() + jsonl([chat_line(1)]).read() + b"\r\n--b--\r\n"
+    headers = {"Authorization": "Bearer sk-a", "Content-Type": "multipart/form-data; boundary=b"}
+    with running(redis_client, redis_url) as server:
+        request = urllib.request.Request(server.url + "/v1/files", body, headers)
+        with pytest.raises(urllib.error.HTTPError) as refusal:
+            urllib.request.urlopen(request, timeout=10)
+    assert refusal.value.code == 400
+    assert json.loads(refusal.value.read())["error"]["param"] == field
+
+
 def test_an_expired_file_is_gone_from_reads_and_lists_and_frees_its_room(redis_client):
     config = BusConfig(redis_url="redis://unused", file_expiry_s=1, max_files_per_owner=1)
     files = FileStore(redis_client, config, owner="key-test")

@@ -81,10 +81,16 @@ async def _read_form(request: web.Request, max_bytes: int) -> tuple[Any, Any, An
     """(purpose, filename, content, expires_after) of an upload form, each None if it is
     missing."""
     purpose, filename, content, expires_after = None, None, None, {}
+    seen: set[str] = set()
     reader = await request.multipart()
     while (part := await reader.next()) is not None:
         if not isinstance(part, BodyPartReader):
             continue
+        if part.name in seen:  # which one would count is anyone's guess: neither
+            raise ApiError(400, f"the form field {part.name!r} is given more than once",
+                           param=part.name)  # fmt: skip
+        if part.name is not None:
+            seen.add(part.name)
         if part.name == "purpose":
             purpose = (await part.text()).strip()
         elif part.name == "file":
