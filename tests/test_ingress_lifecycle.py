@@ -105,8 +105,7 @@ def test_any_client_can_abort_a_running_request_by_its_id(ingress, redis_client)
         connection.request("POST", "/v1/completions", json.dumps(body),
                            {"Content-Type": "application/json"})  # fmt: skip
         response = connection.getresponse()
-        response.readline()  # the event's id
-        first = json.loads(response.readline().removeprefix(b"data: "))
+        first = json.loads(response.readline().removeprefix(b"data: "))  # no id: line asked
         status, answer = ingress.post(f"/v1/abort/{first['id']}", {})
         assert (status, answer["aborted"]) == (200, 2)
         rids = sorted(request.rid for request in up.requests)
