@@ -200,12 +200,19 @@ class TextDelta(Message):
         else:
             delta = super().from_wire(data)
         if delta.finish is not None:
-            Finish.from_wire(delta.finish)  # checked here, not where a reader trips on it
+            # Checked here, not where a reader trips on it; kept for finish_info.
+            delta._read_finish = (delta.finish, Finish.from_wire(delta.finish))
         check_floats("embedding", delta.embedding)
         return delta
 
     def finish_info(self) -> Finish | None:
-        return None if self.finish is None else Finish.from_wire(self.finish)
+        """Its ``finish`` as a Finish (read once per delta: a reader asks several times)."""
+        if self.finish is None:
+            return None
+        read = self.__dict__.get("_read_finish")
+        if read is None or read[0] is not self.finish:  # none read, or finish replaced since
+            read = self._read_finish = (self.finish, Finish.from_wire(self.finish))
+        return read[1]
 
 
 # A delta's fields past those of nearly every one: logprobs and the prompt's, asked for.
