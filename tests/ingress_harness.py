@@ -11,10 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 import threading
 import time
+import traceback
 import urllib.error
 import urllib.request
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -30,6 +33,7 @@ from stages.ingress.tenancy.tenants import KEY_LIMITS_ENV, tenants_from_env
 
 MODEL = "test-model"
 START_TIMEOUT_S = 5.0
+STOP_TIMEOUT_S = 10.0
 
 Script = Callable[[GenerateRequest], Iterable[Message]]
 
@@ -157,7 +161,17 @@ class RunningIngress:
     def __exit__(self, *exc_info: object) -> None:
         if self._thread.is_alive() and self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)  # SIGTERM, as serve() takes it
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=STOP_TIMEOUT_S)
+        if self._thread.is_alive() and self._loop is not None:
+            # A replica left running would go on taking batches and background responses
+            # from the session's Redis under its own settings, in later tests: say where it
+            # hung, then stop its loop (asyncio.run ends with an error, the thread with it).
+            frame = sys._current_frames().get(self._thread.ident)
+            where = "".join(traceback.format_stack(frame)[-8:]) if frame else "?"
+            warnings.warn(f"the ingress on port {self.port} did not stop in {STOP_TIMEOUT_S} "
+                          f"s; stopping its loop. It hung at:\n{where}", stacklevel=2)  # fmt: skip
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=STOP_TIMEOUT_S)
 
     @property
     def state(self):
