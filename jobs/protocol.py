@@ -179,7 +179,7 @@ class TextDelta(Message):
         for name in _DELTA_EXTRAS:
             value = getattr(self, name)
             if value is not None:
-                wire[name] = pack_ids(value) if name == "prompt_ids" else value
+                wire[name] = pack_ids(value) if name in _DELTA_IDS else value
         return wire
 
     @classmethod
@@ -218,6 +218,7 @@ class TextDelta(Message):
 # A delta's fields past those of nearly every one: logprobs and the prompt's, asked for.
 _DELTA_COMMON = frozenset({"kind", "rid", "seq", "ids", "text", "finish"})
 _DELTA_EXTRAS = tuple(name for name in TextDelta.FIELDS if name not in _DELTA_COMMON)
+_DELTA_IDS = frozenset(name for name in _DELTA_EXTRAS if TextDelta.FIELDS[name] == IDS)
 
 
 @dataclass

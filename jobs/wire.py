@@ -10,11 +10,12 @@ message kinds themselves are in jobs/protocol.py.
 The bus's bulkiest entries (a worker's token batch and progress log entry, a detokenizer's
 bundle of deltas: `Message.COMPRESSIBLE`) are written zlib-deflated once they pass
 `COMPRESS_FROM_BYTES`: their field names, reply stream names and id prefixes repeat item
-after item, and deflating at level 1 halves them (and what Redis stores, copies and sends
-with them) for ~0.2 µs of CPU per token. A deflated payload starts with zlib's header byte
-`DEFLATED_MARK`, which no msgpack map starts with, so readers tell the two apart by it
-(`inflate`); only streams that take a compressible kind accept one, and never inflated past
-`MAX_INFLATED_BYTES`.
+after item, and deflating at level 1 more than halves them (and what Redis stores, copies
+and sends with them) for ~0.45 µs of the worker's CPU per token, which its readers about
+win back on the thinner records (benchmarks/bench_wire_codec.py). A deflated payload starts
+with zlib's header byte `DEFLATED_MARK`, which no msgpack map starts with, so readers tell
+the two apart by it (`inflate`); only streams that take a compressible kind accept one, and
+none is inflated past `MAX_INFLATED_BYTES`.
 """
 
 from __future__ import annotations
