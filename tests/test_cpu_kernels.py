@@ -152,6 +152,29 @@ def test_rms_norm_matches_the_torch_layer(kernels, dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (3, 100), (200, 576)])  # 100: a tail
+def test_add_rms_norm_matches_the_add_then_the_torch_layer(kernels, dtype, rows, hidden):
+    torch.manual_seed(rows)
+    norm = RMSNorm(hidden, 1e-5, dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3)
+    x, residual = torch.randn(rows, hidden, dtype=dtype) * 3, torch.randn(rows, hidden, dtype=dtype)
+    total = residual + x  # the decoder layer's add, then its norm: transformers' ops
+    expected = norm(total)
+    got_total, got = kernels.add_rms_norm(x, residual, norm.weight.detach(), norm.eps)
+    assert torch.equal(got_total, total)  # one rounded add either way
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    # The layer's fused path is the kernel; with a hook on the norm it calls the module.
+    norm.cpu_kernels = kernels
+    assert torch.equal(norm.add_then_norm(x, residual)[1], got)
+    seen = []
+    norm.register_forward_hook(lambda module, args, out: seen.append(out))
+    hooked_total, hooked = norm.add_then_norm(x, residual)
+    assert len(seen) == 1 and torch.equal(hooked_total, total) and hooked is seen[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 300])
 def test_rotary_in_place_matches_apply_rotary(kernels, dtype, tokens):
     torch.manual_seed(tokens)

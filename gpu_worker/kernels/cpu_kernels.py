@@ -70,6 +70,9 @@ class CpuKernels:
         self._rms_norm = library.rms_norm
         self._rms_norm.restype = _int
         self._rms_norm.argtypes = [_ptr, _ptr, _ptr, _int, _i64, _i64, _f32]
+        self._add_rms_norm = library.add_rms_norm
+        self._add_rms_norm.restype = _int
+        self._add_rms_norm.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _f32]
         self._silu_and_mul = library.silu_and_mul
         self._silu_and_mul.restype = _int
         self._silu_and_mul.argtypes = [_ptr, _i64, _ptr, _int, _i64, _i64]
@@ -193,6 +196,19 @@ class CpuKernels:
             x.shape[0], x.shape[1], eps,
         )  # fmt: skip
         return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, RMSNorm of that sum) in one pass, both new tensors of x's dtype
+        (x, residual [rows, hidden] and weight of one dtype; the sum rounded as torch's add)."""
+        x, residual = x.contiguous(), residual.contiguous()
+        total, out = torch.empty_like(x), torch.empty_like(x)
+        self._add_rms_norm(
+            x.data_ptr(), residual.data_ptr(), weight.data_ptr(), total.data_ptr(),
+            out.data_ptr(), _DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], eps,
+        )  # fmt: skip
+        return total, out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of x [rows, 2 * inter] = [gate | up] (rows may be strided), rounded

@@ -21,6 +21,9 @@
 #define MAX_EXT_GROUP 8
 #define MAX_EXT_HEAD_DIM 256
 
+/* Two bfloat16 values as one word, read and written through uint16_t memory. */
+typedef uint32_t pair16 __attribute__((may_alias, aligned(2)));
+
 #if defined(__AVX512F__)
 /* scores[r][0 .. keys) = q_r . k for 8 rows of q (float32 [8][head_dim], pre-scaled) against
  * the transposed key blocks kt ([blocks][head_dim][KEY_BLOCK]). */
@@ -212,16 +215,23 @@ int extend_attention(const void *q, int q_dtype, int64_t q_token_stride,
                 memset(kp + (keys / KEY_BLOCK) * head_dim * KEY_BLOCK, 0,
                        (size_t)((padded - keys / KEY_BLOCK * KEY_BLOCK) * head_dim) * element);
                 memset(vp + keys / 2 * 2 * head_dim, 0, (size_t)((padded - keys / 2 * 2) * head_dim) * element);
+                /* A dimension pair (or a pair of keys' values) moves as one 32-bit word: half
+                 * the stores of the element loop this replaced, and the values' loop
+                 * vectorizes (the copies were ~0.1 s of a 19k-token prefill). */
+                const uint16_t *k_head = (const uint16_t *)k_cache + h * kv_head_stride;
+                const uint16_t *v_head = (const uint16_t *)v_cache + h * kv_head_stride;
                 for (int64_t j = 0; j < keys; j++) {
-                    const int64_t offset = h * kv_head_stride + slots[j] * kv_slot_stride;
-                    const uint16_t *k = (const uint16_t *)k_cache + offset;
-                    const uint16_t *v = (const uint16_t *)v_cache + offset;
-                    uint16_t *kblock = kp + (j / KEY_BLOCK) * head_dim * KEY_BLOCK + (j % KEY_BLOCK) * 2;
-                    uint16_t *vpair = vp + (j / 2) * head_dim * 2 + j % 2;
-                    for (int64_t d = 0; d < head_dim; d++) {
-                        kblock[(d / 2) * 2 * KEY_BLOCK + d % 2] = k[d];
-                        vpair[d * 2] = v[d];
-                    }
+                    const pair16 *k = (const pair16 *)(k_head + slots[j] * kv_slot_stride);
+                    pair16 *kblock = (pair16 *)(kp + (j / KEY_BLOCK) * head_dim * KEY_BLOCK) + j % KEY_BLOCK;
+                    for (int64_t dp = 0; dp < head_dim / 2; dp++) kblock[dp * KEY_BLOCK] = k[dp];
+                }
+                for (int64_t j = 0; j < keys; j += 2) {
+                    const uint16_t *v0 = v_head + slots[j] * kv_slot_stride;
+                    const uint16_t *v1 = j + 1 < keys ? v_head + slots[j + 1] * kv_slot_stride : v0;
+                    const uint32_t second = j + 1 < keys ? 0xffffu : 0u; /* a lone last key */
+                    pair16 *vpair = (pair16 *)(vp + (j / 2) * head_dim * 2);
+                    for (int64_t d = 0; d < head_dim; d++)
+                        vpair[d] = (uint32_t)v0[d] | ((uint32_t)v1[d] & second) << 16;
                 }
                 continue;
             }

@@ -47,6 +47,23 @@ class RMSNorm(nn.Module):
         # Cast before the weight multiply, as transformers does, so bf16 rounding matches.
         return self.weight * x.to(input_dtype)
 
+    def add_then_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, this norm of it): one kernel pass on CPU, where the add on torch
+        wrote a sum only for the norm to read it again. A hook on this norm keeps the two
+        calls, so it sees the module called as before."""
+        kernels = self.cpu_kernels
+        if (
+            kernels is not None
+            and x.dim() == 2
+            and x.dtype == residual.dtype == self.weight.dtype
+            and not (self._forward_hooks or self._forward_pre_hooks)
+        ):
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        total = residual + x
+        return total, self(total)
+
 
 class Linear(nn.Linear):
     # Attached by the ModelRunner (attach_cpu_kernels) when the model serves on CPU.

@@ -96,8 +96,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin)
+        hidden, normed = self.post_attention_layernorm.add_then_norm(attended, hidden)
+        return hidden + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

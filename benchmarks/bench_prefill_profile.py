@@ -1,0 +1,112 @@
+"""Where an in-process prefill spends its time: matmuls, attention, the rest.
+
+    python benchmarks/bench_prefill_profile.py [--workload mixed-64] [--rounds 2]
+
+Prefills every prompt of a workload (one output token each, greedy) through `Engine`, with
+the prefix cache cleared before each round, and times on the wall clock each call into a
+linear layer (the matmuls: oneDNN, or the small-row kernel), into each CPU kernel (extend
+attention, RMSNorm with or without its residual add, rotary, SiLU-and-mul, the KV write) and
+the whole. "rest" is what is left: residual adds on torch, the embedding, copies, Python
+per layer and the scheduler. Prints one JSON line per round (seconds per part, and
+`outside_matmuls_s`: everything but the matmuls, issue 30's figure) and a table on stderr.
+Run alone on the machine: the parts are wall-clock times.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.engine_args import engine_parser, parse_engine_args  # noqa: E402
+from benchmarks.jsonl import emit, machine  # noqa: E402
+from cli.workloads import WORKLOADS, make_workload  # noqa: E402
+from gpu_worker import Engine  # noqa: E402
+from gpu_worker.kernels.cpu_kernels import CpuKernels  # noqa: E402
+from gpu_worker.models import layers  # noqa: E402
+
+# The kernels a prefill calls, by the part of the table they count in.
+KERNEL_PARTS = {
+    "extend_attention": "attention",
+    "write_kv": "kv_write",
+    "rms_norm": "rms_norm",
+    "add_rms_norm": "rms_norm",
+    "rotary_inplace": "rotary",
+    "silu_and_mul": "silu_and_mul",
+}
+
+
+class Timers:
+    """Seconds per part, from wrappers around the linear layers and the kernels."""
+
+    def __init__(self) -> None:
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.depth = 0  # a kernel a linear layer calls counts in the linear
+
+    def wrap(self, owner: type, name: str, part: str) -> None:
+        original = getattr(owner, name, None)
+        if original is None:
+            return  # a kernel this version does not have
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            if self.depth:
+                return original(*args, **kwargs)
+            self.depth += 1
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - started
+                self.depth -= 1
+
+        setattr(owner, name, timed)
+
+
+def main() -> None:
+    parser = engine_parser(__doc__)
+    parser.add_argument("--workload", default="mixed-64", choices=WORKLOADS)
+    parser.add_argument("--seed", type=int, default=0, help="the workload's prompts")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parse_engine_args(parser)
+    timers = Timers()
+    timers.wrap(layers.Linear, "forward", "matmuls")
+    for name, part in KERNEL_PARTS.items():
+        timers.wrap(CpuKernels, name, part)
+    workload = make_workload(args.workload, args.seed)
+    engine = Engine(model=args.model, dtype=args.dtype)
+    params = [{"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}] * len(workload.prompts)
+    engine.generate(input_ids=workload.prompts[:2], sampling_params=params[:2])  # warm-up
+    for round_ in range(args.rounds):
+        engine.flush_cache()
+        timers.seconds.clear()
+        started = time.perf_counter()
+        engine.generate(input_ids=workload.prompts, sampling_params=params)
+        wall = time.perf_counter() - started
+        parts = {part: round(seconds, 3) for part, seconds in timers.seconds.most_common()}
+        rest = wall - sum(timers.seconds.values())
+        row = {
+            "benchmark": "prefill-profile",
+            "workload": args.workload,
+            "seed": args.seed,
+            "round": round_,
+            "dtype": args.dtype,
+            "prompt_tokens": sum(len(p) for p in workload.prompts),
+            "wall_s": round(wall, 3),
+            "outside_matmuls_s": round(wall - timers.seconds["matmuls"], 3),
+            **{f"{part}_s": seconds for part, seconds in parts.items()},
+            "rest_s": round(rest, 3),
+            **machine(),
+            "model": args.model,
+        }
+        emit(row, args.out)
+        table = "  ".join(f"{part} {seconds:.2f}" for part, seconds in parts.items())
+        print(f"round {round_}: wall {wall:.2f} s = {table}  rest {rest:.2f}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
