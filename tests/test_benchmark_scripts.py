@@ -52,6 +52,25 @@ def test_the_bus_load_benchmark_measures_a_short_run_of_synthetic_workers(tmp_pa
     assert "| Redis shard |" in table and "| ingress |" in table
 
 
+def test_the_prefill_profile_splits_a_prefill_into_matmuls_kernels_and_the_rest(tmp_path):
+    out = tmp_path / "profile.jsonl"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_prefill_profile.py"), "--model",
+         "random:smollm2-135m", "--dtype", "float32", "--workload", "single", "--rounds", "1",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(out.read_text())
+    assert row["benchmark"] == "prefill-profile" and row["prompt_tokens"] == 128
+    parts = {k: v for k, v in row.items() if k.endswith("_s") and k not in
+             ("wall_s", "outside_matmuls_s")}  # fmt: skip
+    assert row["matmuls_s"] > 0 and row["attention_s"] > 0 and row["rest_s"] >= 0
+    # The parts are disjoint: with the rest they make up the wall time.
+    assert sum(parts.values()) == pytest.approx(row["wall_s"], abs=0.01)
+    assert row["outside_matmuls_s"] == pytest.approx(row["wall_s"] - row["matmuls_s"], abs=0.01)
+
+
 def test_the_bus_load_benchmark_runs_on_a_redis_cluster_of_two_shards(tmp_path):
     out = tmp_path / "load.jsonl"
     done = subprocess.run(
