@@ -228,6 +228,7 @@ def _workers_table(workers: list[dict[str, Any]]) -> RenderableType:
                    "heartbeat"):  # fmt: skip
         table.add_column(column, justify="right")
     table.add_column("attention")
+    table.add_column("weights")  # the version served; -> the one it loads; ! a failed load
     for worker in workers:
         table.add_row(
             worker["id"],
@@ -241,8 +242,18 @@ def _workers_table(workers: list[dict[str, Any]]) -> RenderableType:
             f"{worker['lag']}/{worker['pending']}",
             f"{worker['heartbeat_age_s']:.1f} s",
             worker["attention"] or "-",
+            _weights(worker),
         )
     return table
+
+
+def _weights(worker: dict[str, Any]) -> str:
+    text = worker.get("weights_version") or "-"
+    if worker.get("weights_target"):
+        text += f" -> {worker['weights_target']}"
+    if worker.get("weights_error"):
+        text += f" (! {worker['weights_error']})"
+    return text
 
 
 def _throughput(status: dict[str, Any]) -> Group:

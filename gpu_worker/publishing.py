@@ -51,6 +51,9 @@ class Publisher:
         self._taken_back: set[bytes] = set()  # entries whose progress is in our own log
         # rid -> why the router sent the job here and what it expected cached, for its Finish.
         self._routes: dict[str, tuple[str, int]] = {}
+        # The weights serving (gpu_worker/weights_update.py), named in every Finish: a worker
+        # swaps only with nothing running, so they computed the whole request.
+        self.weights_version: str | None = None
         # What the prefix cache holds (None: the engine has none, and publishes no events).
         self.blocks = watch_prefix_cache(scheduler, worker_id, config.kv_block_tokens,
                                          config.kv_snapshot_interval_s)  # fmt: skip
@@ -103,6 +106,7 @@ class Publisher:
         if req.finished:
             self.log.forget(req.rid)
             item.finish = finish_of(req, job.queue_seconds)
+            item.finish.weights_version = self.weights_version
             route = self._routes.pop(req.rid, None)
             if route is not None:
                 item.finish.route_reason, item.finish.expected_cached_tokens = route

@@ -30,6 +30,9 @@ on ``max_deliveries`` times, or whose workers died holding it as often (its ``at
 the deliveries of a previous life under this id), is set aside: dead-lettered, with an error
 reply.
 
+New weights are taken between jobs (gpu_worker/weights_update.py): when the fleet's record
+names another version, the worker admits nothing, lets what runs finish, swaps, and resumes.
+
 Jobs become engine requests here, their tokens items in publishing.py; the CLI is cli.py.
 """
 
@@ -51,6 +54,7 @@ from gpu_worker.probation import Probation
 from gpu_worker.publishing import Publisher
 from gpu_worker.scheduling.req import Req
 from gpu_worker.token_item import RunningJob, aborted_item, stop_window
+from gpu_worker.weights_update import WeightsUpdates
 from gpu_worker.worker_metrics import WorkerMetrics
 from jobs.job_failures import failure_reply, malformed_reply, too_many_deliveries
 from jobs.protocol import (
@@ -63,6 +67,7 @@ from jobs.protocol import (
     decode,
 )
 from jobs.request_bounds import request_bounds
+from jobs.weights import WeightsRecord, initial_version
 from observability.metrics import ProcessMetrics, start_publisher
 from runtime.config import BusConfig
 
@@ -74,8 +79,9 @@ logger = logging.getLogger(__name__)
 
 class Worker:
     def __init__(
-        self, engine: Engine, client: redis.Redis, config: BusConfig, worker_id: str, model: str
-    ) -> None:
+        self, engine: Engine, client: redis.Redis, config: BusConfig, worker_id: str, model: str,
+        weights: WeightsUpdates | None = None,  # default: `model`'s, with no update yet
+    ) -> None:  # fmt: skip
         self.engine = engine
         self.scheduler = engine.scheduler
         self.client = client
@@ -92,9 +98,10 @@ class Worker:
         # The jobs that were in a step that raised (gpu_worker/probation.py).
         self.probation: Probation[Req] = Probation()
         self.grammar_waits = GrammarWaits()  # jobs whose grammar compiles off this thread
+        self.weights = weights or WeightsUpdates(worker_id, initial_version(model))
         self.heartbeat = HeartbeatThread(
             client, config, worker_id, self.bus.stream, model, engine.runner.max_total_tokens,
-            attention=engine.runner.serving_path(),
+            attention=engine.runner.serving_path(), weights=self.weights,
         )  # fmt: skip
         runner = engine.runner
         self.metrics = WorkerMetrics(
@@ -104,6 +111,7 @@ class Worker:
                               runner.cpu_kernels is not None)  # fmt: skip
         self.publisher = Publisher(client, config, worker_id, self.bus, self.metrics,
                                    self._finished, self.scheduler)  # fmt: skip
+        self.publisher.weights_version = self.weights.version
         self._publisher = None
 
     # ---- the loop ------------------------------------------------------------------------
@@ -131,7 +139,29 @@ class Worker:
 
     def _turn(self) -> None:
         """Admit what arrived, then step and commit with a read of new jobs, or, idle, commit
-        and wait for jobs."""
+        and wait for jobs. While new weights are due, admit and read nothing: step what runs
+        until nothing does, then swap (the inbox waits, pending, for the new weights)."""
+        update = self.weights.due()
+        if update is None:
+            self._admit_arrivals()
+        released = self.probation.release()
+        if released is not None:
+            self.scheduler.add_request(released)
+        if self.scheduler.has_work():
+            again = self._step_or_recover()
+            if again or self.publisher.due(self.scheduler.has_work()):
+                started = time.perf_counter()
+                self._inbox += again + self._commit(read=update is None)
+                self.bus_seconds += time.perf_counter() - started
+        else:
+            self._commit(read=False)
+            if update is None:
+                self._inbox = self.bus.read_blocking()
+            elif not self.jobs:  # drained (a job on probation is not: it is released next)
+                self._update_weights(update)
+        self._report_load()
+
+    def _admit_arrivals(self) -> None:
         for waiting, too_late in self.grammar_waits.due():
             if too_late is not None:
                 self._refuse(waiting.entry_id, waiting.job, too_late)
@@ -140,19 +170,13 @@ class Worker:
         if self._inbox:
             self._admit(self._inbox)
             self._inbox = []
-        released = self.probation.release()
-        if released is not None:
-            self.scheduler.add_request(released)
-        if self.scheduler.has_work():
-            again = self._step_or_recover()
-            if again or self.publisher.due(self.scheduler.has_work()):
-                started = time.perf_counter()
-                self._inbox = again + self._commit(read=True)
-                self.bus_seconds += time.perf_counter() - started
-        else:
-            self._commit(read=False)
-            self._inbox = self.bus.read_blocking()
-        self._report_load()
+
+    def _update_weights(self, record: WeightsRecord) -> None:
+        """Swap to `record`'s weights, nothing running; on failure serve on (weights_update.py)."""
+        self.weights.apply(self.engine, record)
+        self.publisher.weights_version = self.weights.version
+        self.heartbeat.report(self.heartbeat.load)  # the swap was a turn: not a stall
+        self.heartbeat.beat()  # announce the version (or the error) now, not in a second
 
     def _commit(self, read: bool) -> list[Entry]:
         """Publish what the steps since the last publish generated, with everything else
