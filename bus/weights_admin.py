@@ -14,16 +14,16 @@ import redis
 import redis.asyncio as aredis
 
 from bus.liveness import read_liveness, read_liveness_async
-from jobs.weights import WeightsRecord, fleet_view, new_record
+from jobs.weights import WeightsRecord, fleet_view, new_record, weights_key
 from runtime.config import BusConfig
 
 
 def set_weights(shards: list[tuple[redis.Redis, BusConfig]], source: str) -> WeightsRecord:
     """Ask every worker of every shard to serve `source`; the record written."""
     client, config = shards[0]
-    record = new_record(client.hincrby(config.weights_key(), "serial", 1), source)
+    record = new_record(client.hincrby(weights_key(config), "serial", 1), source)
     for client, config in shards:
-        client.hset(config.weights_key(), mapping=record.to_mapping())
+        client.hset(weights_key(config), mapping=record.to_mapping())
     return record
 
 
@@ -32,16 +32,16 @@ async def set_weights_async(
 ) -> WeightsRecord:
     """`set_weights` on asyncio clients."""
     client, config = shards[0]
-    record = new_record(await client.hincrby(config.weights_key(), "serial", 1), source)
+    record = new_record(await client.hincrby(weights_key(config), "serial", 1), source)
     for client, config in shards:
-        await client.hset(config.weights_key(), mapping=record.to_mapping())
+        await client.hset(weights_key(config), mapping=record.to_mapping())
     return record
 
 
 def read_fleet(shards: list[tuple[redis.Redis, BusConfig]]) -> dict[str, Any]:
     """The version asked for and each live worker's (jobs/weights.py's `fleet_view`)."""
     client, config = shards[0]
-    record = _record(client.hgetall(config.weights_key()))
+    record = _record(client.hgetall(weights_key(config)))
     beats = [beat for c, cfg in shards for beat in read_liveness(c, cfg).beats.values()]
     return fleet_view(record, beats)
 
@@ -49,7 +49,7 @@ def read_fleet(shards: list[tuple[redis.Redis, BusConfig]]) -> dict[str, Any]:
 async def read_fleet_async(shards: list[tuple[aredis.Redis, BusConfig]]) -> dict[str, Any]:
     """`read_fleet` on asyncio clients."""
     client, config = shards[0]
-    record = _record(await client.hgetall(config.weights_key()))
+    record = _record(await client.hgetall(weights_key(config)))
     beats = []
     for c, cfg in shards:
         beats.extend((await read_liveness_async(c, cfg)).beats.values())

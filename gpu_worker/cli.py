@@ -27,7 +27,7 @@ from bus.actor import stop_on_signals
 from gpu_worker import worker as worker_module
 from gpu_worker.synthetic_engine import add_synthetic_arguments, synthetic_engine_from
 from gpu_worker.weights_update import WeightsUpdates
-from jobs.weights import WeightsRecord, initial_version
+from jobs.weights import WeightsRecord, initial_version, weights_key
 from runtime.cluster import EXIT_SHARD_MOVED, is_slot_moved
 from runtime.config import BusConfig
 from runtime.model_files import DEFAULT_MODEL
@@ -130,7 +130,7 @@ def _engine_on_fleet_weights(
     error, record = None, None
     try:
         record = WeightsRecord.from_mapping(
-            redis.Redis.from_url(config.redis_url).hgetall(config.weights_key())
+            redis.Redis.from_url(config.redis_url).hgetall(weights_key(config))
         )
     except ValueError as exc:  # a record written by hand, malformed: serve --model
         error = str(exc)

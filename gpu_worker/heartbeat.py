@@ -31,6 +31,7 @@ import redis
 
 from gpu_worker.weights_update import WeightsUpdates
 from jobs.protocol import Heartbeat, encode
+from jobs.weights import weights_key
 from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class HeartbeatThread(threading.Thread):
                  px=int(self.config.heartbeat_ttl_s * 1000))  # fmt: skip
         pipe.sadd(self.config.workers_key(), self.worker_id)  # 1: we were not a member
         if weights is not None:
-            pipe.hgetall(self.config.weights_key())
+            pipe.hgetall(weights_key(self.config))
         answers = pipe.execute()
         added = answers[1]
         if weights is not None:

@@ -30,8 +30,8 @@ on ``max_deliveries`` times, or whose workers died holding it as often (its ``at
 the deliveries of a previous life under this id), is set aside: dead-lettered, with an error
 reply.
 
-New weights are taken between jobs (gpu_worker/weights_update.py): when the fleet's record
-names another version, the worker admits nothing, lets what runs finish, swaps, and resumes.
+New weights (gpu_worker/weights_update.py): the worker admits nothing, lets what runs
+finish, swaps, and resumes.
 
 Jobs become engine requests here, their tokens items in publishing.py; the CLI is cli.py.
 """
@@ -53,7 +53,7 @@ from gpu_worker.heartbeat import HeartbeatThread, Load
 from gpu_worker.probation import Probation
 from gpu_worker.publishing import Publisher
 from gpu_worker.scheduling.req import Req
-from gpu_worker.token_item import RunningJob, aborted_item, stop_window
+from gpu_worker.token_item import RunningJob, stop_window
 from gpu_worker.weights_update import WeightsUpdates
 from gpu_worker.worker_metrics import WorkerMetrics
 from jobs.job_failures import failure_reply, malformed_reply, too_many_deliveries
@@ -62,12 +62,11 @@ from jobs.protocol import (
     Abort,
     ErrorReply,
     ProtocolError,
-    TokenItem,
     TokenizedRequest,
     decode,
 )
 from jobs.request_bounds import request_bounds
-from jobs.weights import WeightsRecord, initial_version
+from jobs.weights import initial_version
 from observability.metrics import ProcessMetrics, start_publisher
 from runtime.config import BusConfig
 
@@ -110,8 +109,7 @@ class Worker:
         self.metrics.describe(model, runner.attention_path, runner.graph_runner is not None,
                               runner.cpu_kernels is not None)  # fmt: skip
         self.publisher = Publisher(client, config, worker_id, self.bus, self.metrics,
-                                   self._finished, self.scheduler)  # fmt: skip
-        self.publisher.weights_version = self.weights.version
+                                   self._finished, self.scheduler, self.weights)  # fmt: skip
         self._publisher = None
 
     # ---- the loop ------------------------------------------------------------------------
@@ -142,8 +140,14 @@ class Worker:
         and wait for jobs. While new weights are due, admit and read nothing: step what runs
         until nothing does, then swap (the inbox waits, pending, for the new weights)."""
         update = self.weights.due()
-        if update is None:
-            self._admit_arrivals()
+        for waiting, too_late in self.grammar_waits.due() if update is None else ():
+            if too_late is not None:
+                self._refuse(waiting.entry_id, waiting.job, too_late)
+            else:
+                self._start(waiting.entry_id, waiting.job, waiting.progress, compiled=True)
+        if self._inbox and update is None:
+            self._admit(self._inbox)
+            self._inbox = []
         released = self.probation.release()
         if released is not None:
             self.scheduler.add_request(released)
@@ -158,25 +162,8 @@ class Worker:
             if update is None:
                 self._inbox = self.bus.read_blocking()
             elif not self.jobs:  # drained (a job on probation is not: it is released next)
-                self._update_weights(update)
+                self.weights.apply(self.engine, update)  # on failure, serves on: never raises
         self._report_load()
-
-    def _admit_arrivals(self) -> None:
-        for waiting, too_late in self.grammar_waits.due():
-            if too_late is not None:
-                self._refuse(waiting.entry_id, waiting.job, too_late)
-            else:
-                self._start(waiting.entry_id, waiting.job, waiting.progress, compiled=True)
-        if self._inbox:
-            self._admit(self._inbox)
-            self._inbox = []
-
-    def _update_weights(self, record: WeightsRecord) -> None:
-        """Swap to `record`'s weights, nothing running; on failure serve on (weights_update.py)."""
-        self.weights.apply(self.engine, record)
-        self.publisher.weights_version = self.weights.version
-        self.heartbeat.report(self.heartbeat.load)  # the swap was a turn: not a stall
-        self.heartbeat.beat()  # announce the version (or the error) now, not in a second
 
     def _commit(self, read: bool) -> list[Entry]:
         """Publish what the steps since the last publish generated, with everything else
@@ -253,10 +240,7 @@ class Worker:
         for (entry_id, job), abort_flag in zip(jobs, aborted, strict=True):
             if abort_flag is not None:
                 self.bus.acks.append(entry_id)
-                self.publisher.log.forget(job.rid)
-                self.publisher.publish_items(
-                    [self._aborted_on_arrival(job, progress[job.rid])], self.steps
-                )
+                self.publisher.publish_aborted(job, progress[job.rid], self.steps)
             else:
                 self._start(entry_id, job, progress[job.rid])
 
@@ -278,13 +262,6 @@ class Worker:
             self.probation.forget(answer[1].rid)
             self.publisher.log.forget(answer[1].rid)
             self.bus.outbox.append(reply(self.config, *answer))
-
-    def _aborted_on_arrival(self, job: TokenizedRequest, progress: list[int]) -> TokenItem:
-        """The last item of a job aborted on its way here: its stream ends with "abort"
-        (whoever aborted it may still be reading: POST /v1/abort, Client.abort)."""
-        item = aborted_item(job, len(progress))
-        self.metrics.finished(item.finish)
-        return item
 
     def _start(
         self, entry_id: bytes, job: TokenizedRequest, generated: list[int],
@@ -338,10 +315,7 @@ class Worker:
         waiting = self.grammar_waits.pop(rid)
         if waiting is not None:  # never reached the engine
             self.bus.acks.append(waiting.entry_id)
-            self.publisher.log.forget(rid)
-            self.publisher.publish_items(
-                [self._aborted_on_arrival(waiting.job, waiting.progress)], self.steps
-            )
+            self.publisher.publish_aborted(waiting.job, waiting.progress, self.steps)
             return
         held = self.probation.forget(rid)
         if held is not None:  # never reached the engine: end it as the engine would have

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobs.field_error import FieldError
+from runtime.config import BusConfig
 
 MAX_SOURCE_CHARS = 4096  # a path or model name; longer is a mistake, not a checkpoint
 
@@ -58,6 +59,11 @@ class WeightsRecord:
         except ValueError:
             set_at = 0.0
         return cls(source, version, set_at)
+
+
+def weights_key(config: BusConfig) -> str:
+    """The record's key, ``<p>:weights``."""
+    return config.key_name("weights")
 
 
 def version_of(serial: int, source: str) -> str:

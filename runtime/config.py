@@ -360,11 +360,6 @@ class BusConfig:
         stream it served can be resumed elsewhere only once it is gone."""
         return self._name("frontend", _require_id("frontend_id", frontend_id))
 
-    def weights_key(self) -> str:
-        """A hash: the weights the fleet should serve (jobs/weights.py), set by the admin
-        call and read by every worker at start and at each heartbeat."""
-        return self._name("weights")
-
     def abort_key(self, rid: str) -> str:
         """Set when `rid` is aborted, so a job still on its way is dropped on arrival."""
         return self._name("abort", rid)
