@@ -228,7 +228,6 @@ def _workers_table(workers: list[dict[str, Any]]) -> RenderableType:
                    "heartbeat"):  # fmt: skip
         table.add_column(column, justify="right")
     table.add_column("attention")
-    table.add_column("weights")  # the version served; -> the one it loads; ! a failed load
     for worker in workers:
         table.add_row(
             worker["id"],
@@ -242,18 +241,22 @@ def _workers_table(workers: list[dict[str, Any]]) -> RenderableType:
             f"{worker['lag']}/{worker['pending']}",
             f"{worker['heartbeat_age_s']:.1f} s",
             worker["attention"] or "-",
-            _weights(worker),
         )
-    return table
+    return Group(table, *_weights_lines(workers))
 
 
-def _weights(worker: dict[str, Any]) -> str:
-    text = worker.get("weights_version") or "-"
-    if worker.get("weights_target"):
-        text += f" -> {worker['weights_target']}"
-    if worker.get("weights_error"):
-        text += f" (! {worker['weights_error']})"
-    return text
+def _weights_lines(workers: list[dict[str, Any]]) -> list[Text]:
+    """The weights each worker serves, under the table (a column would squeeze the ids): one
+    line per version, then each update under way and each failed one."""
+    serving: dict[str, list[str]] = {}
+    for worker in workers:
+        serving.setdefault(worker.get("weights_version") or "-", []).append(worker["id"])
+    lines = [Text(f"weights {version}: {', '.join(ids)}") for version, ids in serving.items()]
+    lines += [Text(f"  {w['id']} updating to {w['weights_target']}", style="yellow")
+              for w in workers if w.get("weights_target")]  # fmt: skip
+    lines += [Text(f"  {w['id']} failed to update: {w['weights_error']}", style="red")
+              for w in workers if w.get("weights_error")]  # fmt: skip
+    return lines
 
 
 def _throughput(status: dict[str, Any]) -> Group:
