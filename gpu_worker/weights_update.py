@@ -93,6 +93,7 @@ class WeightsUpdates:
         """The record to update to now, if any: admission stops until `apply` returns."""
         record = self._wanted
         if record is None or self._version_due() is None:
+            self._paused_at = None  # (the record went back to what serves, mid-drain)
             return None
         if self._paused_at is None:
             self._paused_at = time.monotonic()

@@ -187,3 +187,29 @@ def test_a_worker_started_after_an_update_loads_the_new_version(redis_client, co
     engine, model, weights = _engine_on_fleet_weights(config, str(checkpoints["a"]), options, "w9")
     assert model == str(checkpoints["a"]) and weights.version == initial_version(model)
     assert weights.error.startswith(bad.version) and weights.due() is None
+
+
+def _record(version: str, source: str = "/ckpt") -> dict[bytes, bytes]:
+    return {b"source": source.encode(), b"version": version.encode(), b"serial": b"1"}
+
+
+def test_an_update_is_due_until_applied_and_a_failed_version_is_not_tried_again(checkpoints):
+    from gpu_worker.synthetic_engine import SyntheticEngine
+    from gpu_worker.weights_update import WeightsUpdates
+
+    weights = WeightsUpdates("w", "w0-aaaa")
+    assert weights.due() is None and weights.target is None  # no record: serve on
+    weights.noticed(_record("w0-aaaa"))
+    assert weights.due() is None  # the version it serves
+    weights.noticed(_record("w1-bbbb"))
+    assert weights.due().version == "w1-bbbb" and weights.target == "w1-bbbb"
+    # Asked back to what it serves before the drain ended: nothing to do, nothing paused.
+    weights.noticed(_record("w0-aaaa"))
+    assert weights.due() is None and weights.target is None
+    weights.noticed(_record("w2-cccc"))
+    update = weights.apply(SyntheticEngine(str(checkpoints["a"])), weights.due())
+    assert not update.ok and "no weights to update" in update.error
+    assert weights.version == "w0-aaaa" and weights.error.startswith("w2-cccc: ")
+    assert weights.due() is None and weights.target is None  # not tried again
+    weights.noticed({b"source": b"/x"})  # written by hand, no version: reported, ignored
+    assert "no source or version" in weights.error and weights.due() is None
