@@ -134,6 +134,9 @@ def _engine_on_fleet_weights(
         )
     except ValueError as exc:  # a record written by hand, malformed: serve --model
         error = str(exc)
+    except redis.RedisError as exc:  # the heartbeat reads it once Redis answers, and updates
+        logger.warning("worker %s: cannot read the fleet's weights record (%s); loading %s",
+                       worker_id, exc, model)  # fmt: skip
     if record is not None:
         try:
             engine = Engine(record.source, **options)

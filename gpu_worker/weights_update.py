@@ -4,9 +4,9 @@ The fleet's record (jobs/weights.py) is read by the heartbeat thread at every be
 handed to `noticed`. When it names a version this worker does not serve (and has not
 already failed to load), the worker (gpu_worker/worker.py) updates:
 
-1. It stops admitting: jobs not yet read stay on its stream, jobs read stay in its inbox,
-   pending, so nothing is lost, and a job that arrives during the update runs on the new
-   weights.
+1. It stops admitting: jobs read stay in its inbox, pending, so nothing is lost, and a job
+   that arrives during the update runs on the new weights. It goes on reading its stream
+   for aborts (`split_aborts`): a client that leaves during the drain stops its request.
 2. It drains: the requests already running finish on the old weights. Drain, not keep (stop
    and resume them on the new weights), because a request computed partly by each version
    would name neither, and its KV would have to be recomputed anyway; the cost is that the
@@ -36,6 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from bus.fenced_stream import Entry
+from jobs.protocol import ENTRY_FIELD, Abort, ProtocolError, decode
 from jobs.weights import WeightsRecord
 
 logger = logging.getLogger(__name__)
@@ -157,3 +159,15 @@ def _release_cached_gpu_memory(engine: Any) -> None:
         import torch
 
         torch.cuda.empty_cache()
+
+
+def split_aborts(entries: list[Entry]) -> tuple[list[tuple[bytes, str]], list[Entry]]:
+    """What a draining worker read: the aborts (entry id, rid), to act on now, and the rest,
+    kept in order for after the update (a malformed entry is set aside then, as always)."""
+    aborts, kept = [], []
+    for entry_id, fields in entries:
+        try:
+            aborts.append((entry_id, decode((fields or {}).get(ENTRY_FIELD), Abort).rid))
+        except ProtocolError:
+            kept.append((entry_id, fields))
+    return aborts, kept

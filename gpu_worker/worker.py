@@ -30,9 +30,7 @@ on ``max_deliveries`` times, or whose workers died holding it as often (its ``at
 the deliveries of a previous life under this id), is set aside: dead-lettered, with an error
 reply.
 
-New weights (gpu_worker/weights_update.py): the worker admits nothing, lets what runs
-finish, swaps, and resumes.
-
+New weights (gpu_worker/weights_update.py): admit nothing, let what runs finish, swap, resume.
 Jobs become engine requests here, their tokens items in publishing.py; the CLI is cli.py.
 """
 
@@ -54,7 +52,7 @@ from gpu_worker.probation import Probation
 from gpu_worker.publishing import Publisher
 from gpu_worker.scheduling.req import Req
 from gpu_worker.token_item import RunningJob, stop_window
-from gpu_worker.weights_update import WeightsUpdates
+from gpu_worker.weights_update import WeightsUpdates, split_aborts
 from gpu_worker.worker_metrics import WorkerMetrics
 from jobs.job_failures import failure_reply, malformed_reply, too_many_deliveries
 from jobs.protocol import (
@@ -137,8 +135,7 @@ class Worker:
 
     def _turn(self) -> None:
         """Admit what arrived, then step and commit with a read of new jobs, or, idle, commit
-        and wait for jobs. While new weights are due, admit and read nothing: step what runs
-        until nothing does, then swap (the inbox waits, pending, for the new weights)."""
+        and wait for jobs. New weights due: admit only aborts, step until nothing runs, swap."""
         update = self.weights.due()
         for waiting, too_late in self.grammar_waits.due() if update is None else ():
             if too_late is not None:
@@ -148,6 +145,10 @@ class Worker:
         if self._inbox and update is None:
             self._admit(self._inbox)
             self._inbox = []
+        elif self._inbox:  # draining for new weights: aborts act now, jobs wait, pending
+            aborts, self._inbox = split_aborts(self._inbox)
+            for entry_id, rid in aborts:
+                self._abort(rid, entry_id)
         released = self.probation.release()
         if released is not None:
             self.scheduler.add_request(released)
@@ -155,12 +156,12 @@ class Worker:
             again = self._step_or_recover()
             if again or self.publisher.due(self.scheduler.has_work()):
                 started = time.perf_counter()
-                self._inbox += again + self._commit(read=update is None)
+                self._inbox += again + self._commit(read=True)  # fenced: all still ours
                 self.bus_seconds += time.perf_counter() - started
         else:
-            self._commit(read=False)
+            self._inbox += self._commit(read=False)  # fenced: all still ours
             if update is None:
-                self._inbox = self.bus.read_blocking()
+                self._inbox += self.bus.read_blocking()
             elif not self.jobs:  # drained (a job on probation is not: it is released next)
                 self.weights.apply(self.engine, update)  # on failure, serves on: never raises
         self._report_load()
@@ -190,13 +191,13 @@ class Worker:
         self.publisher.dropped()
         self.probation.clear()
         self.grammar_waits.clear()
+        self._inbox.clear()  # in place: read again with all still ours (`_turn` extends it)
         return self.publisher.handed_back(self.bus.restart_fenced())
 
     def _report_load(self) -> None:
         load = self.scheduler.load()
-        self.heartbeat.report(
-            Load(load["running"], load["waiting"], load["free_kv_tokens"], self.admitted)
-        )
+        self.heartbeat.report(Load(load["running"], load["waiting"], load["free_kv_tokens"],
+                                   self.admitted))  # fmt: skip
         self.metrics.load(load["running"], load["waiting"], load["free_kv_tokens"],
                           self.scheduler.num_retractions)  # fmt: skip
 
@@ -221,8 +222,7 @@ class Worker:
                 self._set_aside(entry_id, payload, str(exc), malformed_reply(payload, exc))
                 continue
             if isinstance(message, Abort):
-                self.bus.acks.append(entry_id)
-                self._abort(message.rid)
+                self._abort(message.rid, entry_id)
                 continue
             failures = self._failures(entry_id, message)
             if failures >= self.config.max_deliveries:
@@ -311,7 +311,9 @@ class Worker:
             self.bus.dead.append(dead_letter_fields(self.bus.stream, entry_id, payload, None))
         self.bus.outbox.append(reply(self.config, job.reply_to, answer))
 
-    def _abort(self, rid: str) -> None:
+    def _abort(self, rid: str, entry_id: bytes | None = None) -> None:
+        if entry_id is not None:  # an Abort entry: acknowledged with what the abort writes
+            self.bus.acks.append(entry_id)
         waiting = self.grammar_waits.pop(rid)
         if waiting is not None:  # never reached the engine
             self.bus.acks.append(waiting.entry_id)
@@ -344,6 +346,7 @@ class Worker:
             self.jobs.clear()
             self.publisher.dropped()  # what was not published is generated again
             self.grammar_waits.clear()  # their entries are read again with the others
+            self._inbox.clear()  # and so are these
             self.scheduler.reset()
             self.metrics.step_failures.inc()
             return self.publisher.handed_back(self.bus.pending_entries())

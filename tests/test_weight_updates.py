@@ -16,7 +16,15 @@ from bus.weights_admin import read_fleet, set_weights
 from gpu_worker import Engine
 from gpu_worker.cli import _engine_on_fleet_weights
 from gpu_worker.worker import Worker
-from jobs.protocol import ENTRY_FIELD, Heartbeat, TokenBatch, TokenizedRequest, decode, encode
+from jobs.protocol import (
+    ENTRY_FIELD,
+    Abort,
+    Heartbeat,
+    TokenBatch,
+    TokenizedRequest,
+    decode,
+    encode,
+)
 from jobs.weights import initial_version, weights_key
 from runtime.config import BusConfig
 from tests.weights_checkpoints import (
@@ -140,6 +148,24 @@ def test_a_running_request_finishes_on_the_old_weights_and_a_later_one_runs_on_t
     assert answers["long"] == (checkpoints["long_a"], version_a)
     assert answers["after"] == (checkpoints["expected"]["b"][1], record.version)
     assert worker_on_a.weights.history[-1].drain_seconds > 0
+
+
+def test_an_abort_during_the_drain_stops_the_running_request_and_the_update_goes_on(
+    redis_client, config, checkpoints, worker_on_a
+):
+    _send(redis_client, config, "long", PROMPTS[0], LONG)
+    _wait(lambda: worker_on_a.jobs)
+    record = set_weights([(redis_client, config)], str(checkpoints["b"]))
+    _wait(lambda: _beat(redis_client, config).weights_target == record.version)
+    _send(redis_client, config, "after", PROMPTS[1], MAX_NEW)  # waits for B, pending
+    redis_client.xadd(config.worker_stream("w1"), {ENTRY_FIELD: encode(Abort("long"))})
+    _wait(lambda: {"long", "after"} <= set(_answers(redis_client, config)))
+    ids, version = _answers(redis_client, config)["long"]
+    assert len(ids) < LONG and ids == checkpoints["long_a"][: len(ids)]  # stopped, on A
+    assert version == initial_version(str(checkpoints["a"]))
+    assert _answers(redis_client, config)["after"] == (checkpoints["expected"]["b"][1],
+                                                       record.version)  # fmt: skip
+    assert redis_client.xpending(config.worker_stream("w1"), "worker")["pending"] == 0
 
 
 @pytest.mark.parametrize("bad", ["wrong_shape", "other_shape", "missing"])
