@@ -85,7 +85,8 @@ class HeartbeatThread(threading.Thread):
         )  # fmt: skip
         weights = self.weights
         if weights is not None:
-            heartbeat = dataclasses.replace(heartbeat, weights_version=weights.version,
+            heartbeat = dataclasses.replace(heartbeat, model=weights.source or heartbeat.model,
+                                            weights_version=weights.version,
                                             weights_target=weights.target,
                                             weights_error=weights.error)  # fmt: skip
         pipe = self.client.pipeline(transaction=True)

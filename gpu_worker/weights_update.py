@@ -60,10 +60,12 @@ class Update:
 
 class WeightsUpdates:
     def __init__(
-        self, worker_id: str, version: str, error: str | None = None, failed: tuple[str, ...] = ()
-    ) -> None:
+        self, worker_id: str, version: str, error: str | None = None, failed: tuple[str, ...] = (),
+        source: str | None = None,
+    ) -> None:  # fmt: skip
         self.worker_id = worker_id
         self.version = version  # the weights serving now
+        self.source = source  # what they were loaded from (None: the worker's model argument)
         self.error = error  # why the last update (or the start's record) failed
         self.history: list[Update] = []
         self._wanted: WeightsRecord | None = None  # the fleet's record, set by the heartbeat
@@ -126,7 +128,7 @@ class WeightsUpdates:
                         "load and check %.2f s)", self.worker_id, self.version, record.version,
                         record.source, update.paused_seconds, update.drain_seconds,
                         update.load_seconds)  # fmt: skip
-            self.version, self.error = record.version, None
+            self.version, self.source, self.error = record.version, record.source, None
         else:
             logger.error("worker %s: weights %s not loaded, serving %s: %s", self.worker_id,
                          record.version, self.version, error)  # fmt: skip

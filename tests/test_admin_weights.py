@@ -15,6 +15,7 @@ import redis
 
 from jobs.protocol import Heartbeat, encode
 from jobs.weights import WeightsRecord, weights_key
+from runtime.config import BusConfig
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
 
 ADMIN_KEY = "admin-secret"
@@ -131,3 +132,28 @@ def test_the_version_a_finish_names_is_the_answers_system_fingerprint(redis_url)
     finishing = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert [c["system_fingerprint"] for c in finishing] == ["w3-0123abcd"]
     assert chunks[-1]["usage"] and chunks[-1]["system_fingerprint"] == "w3-0123abcd"
+
+
+def test_the_cli_sets_the_record_and_shows_each_workers_version(redis_url, capsys):
+    from cli.main import main
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    assert main(["weights", "update", "", "--redis-url", redis_url]) == 2  # names nothing
+    assert "model must be a non-empty string" in capsys.readouterr().err
+    assert main(["weights", "update", "/ckpt/c", "--redis-url", redis_url]) == 0
+    record = WeightsRecord.from_mapping(client.hgetall(weights_key(BusConfig(redis_url=redis_url))))
+    assert record.source == "/ckpt/c" and record.version in capsys.readouterr().err
+    config = BusConfig(redis_url=redis_url)
+    beat = Heartbeat("w7", config.worker_stream("w7"), MODEL, 0, 0, 1000, 1000, 0, 0.0,
+                     weights_version="w0-0", weights_error=f"{record.version}: no")  # fmt: skip
+    client.sadd(config.workers_key(), "w7")
+    client.set(config.heartbeat_key("w7"), encode(beat), ex=60)
+    assert main(["weights", "status", "--json", "--redis-url", redis_url]) == 0
+    view = json.loads(capsys.readouterr().out)
+    assert view["desired"]["version"] == record.version and view["converged"] is True
+    assert view["workers"][0]["error"] == f"{record.version}: no"
+    # --wait gives up after its timeout while a worker has not got there: exit 1, and why.
+    argv = ["weights", "update", "/ckpt/d", "--redis-url", redis_url, "--wait", "--timeout", "1"]
+    assert main(argv) == 1
+    assert "not every worker serves" in capsys.readouterr().err

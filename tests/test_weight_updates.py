@@ -128,6 +128,7 @@ def test_an_update_serves_the_new_weights_and_keeps_nothing_of_the_old(
     assert update.ok and update.version == record.version and update.paused_seconds > 0
     beat = _beat(redis_client, config)
     assert beat.weights_error is None and beat.weights_target is None
+    assert beat.model == str(checkpoints["b"])  # what it serves, as /status shows it
     view = read_fleet([(redis_client, config)])
     assert view["converged"] and view["workers"][0]["version"] == record.version
 
