@@ -129,9 +129,8 @@ def _engine_on_fleet_weights(
 
     error, record = None, None
     try:
-        record = WeightsRecord.from_mapping(
-            redis.Redis.from_url(config.redis_url).hgetall(weights_key(config))
-        )
+        with redis.Redis.from_url(config.redis_url) as client:
+            record = WeightsRecord.from_mapping(client.hgetall(weights_key(config)))
     except ValueError as exc:  # a record written by hand, malformed: serve --model
         error = str(exc)
     except redis.RedisError as exc:  # the heartbeat reads it once Redis answers, and updates
