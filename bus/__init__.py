@@ -12,4 +12,5 @@ client.py         direct Redis jobs: `Client` and `AsyncClient`
 replies.py        reading a reply stream, in order, for many requests at once
 access.py         the credentials a process is given, checked at start-up
 async_pool.py     the ingress's asyncio connection pool
+weights_admin.py  the fleet's weights record set, and each worker's version read
 """

@@ -9,6 +9,7 @@ bench.py           `bench`: the load generator; workloads.py its workloads
 status.py          `status`: the deployment's live picture in the terminal
 batch.py           `batch`: submit, status, results, cancel, list; batch_sources.py reaches
                    the batches through Redis or an ingress's HTTP API
+weights.py         `weights`: new weights for every worker (update), and where they are
 __main__.py        `python -m cli`
 """
 

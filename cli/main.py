@@ -7,6 +7,7 @@
   streamserve status                 a live view of a deployment's stages, workers, throughput
   streamserve batch <action>         OpenAI batches: submit, status, results, cancel, list
   streamserve gpu-check              the GPU path checked and timed on this machine's GPU
+  streamserve weights <action>       new weights for every worker: update, status
 
 Every command takes the Redis URL from --redis-url or $REDIS_URL, and the model from
 --model or $STREAMSERVE_MODEL; `status` and `batch` read an ingress's URL (--url) instead
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from batch_store.input_file import ENDPOINTS
 from cli.run_stage import STAGES
+from cli.weights import add_arguments as weights_arguments
 from cli.worker_command import GPU_CHECK_MODULE, worker_command
 from runtime.config import BusConfig
 from runtime.model_files import DEFAULT_MODEL
@@ -161,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(bench)
     _status(commands.add_parser("status", help="a live view of a deployment (Ctrl-C ends it)"))
     _batch(commands.add_parser("batch", help="OpenAI batches: submit, status, results, ..."))
+    weights_arguments(commands.add_parser("weights", help="new weights for every worker"))
     commands.add_parser(
         "gpu-check", add_help=False,
         help="check and time the GPU path on this machine (flags: streamserve gpu-check --help)",
@@ -181,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         from cli.status import run as show_status
 
         return show_status(args)
+    if args.command == "weights":  # a writer of one record, and a reader
+        from cli.weights import run as run_weights
+
+        return run_weights(args)
     if args.command == "batch":  # a reader too
         from cli.batch import run as run_batch
 

@@ -242,7 +242,21 @@ def _workers_table(workers: list[dict[str, Any]]) -> RenderableType:
             f"{worker['heartbeat_age_s']:.1f} s",
             worker["attention"] or "-",
         )
-    return table
+    return Group(table, *_weights_lines(workers))
+
+
+def _weights_lines(workers: list[dict[str, Any]]) -> list[Text]:
+    """The weights each worker serves, under the table (a column would squeeze the ids): one
+    line per version, then each update under way and each failed one."""
+    serving: dict[str, list[str]] = {}
+    for worker in workers:
+        serving.setdefault(worker.get("weights_version") or "-", []).append(worker["id"])
+    lines = [Text(f"weights {version}: {', '.join(ids)}") for version, ids in serving.items()]
+    lines += [Text(f"  {w['id']} updating to {w['weights_target']}", style="yellow")
+              for w in workers if w.get("weights_target")]  # fmt: skip
+    lines += [Text(f"  {w['id']} failed to update: {w['weights_error']}", style="red")
+              for w in workers if w.get("weights_error")]  # fmt: skip
+    return lines
 
 
 def _throughput(status: dict[str, Any]) -> Group:

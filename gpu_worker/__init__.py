@@ -9,6 +9,7 @@ cached_blocks.py   the blocks the prefix cache holds, and the next KvEvents entr
 probation.py       the jobs of a step that raised, admitted again one at a time
 grammar_waits.py   jobs whose grammar compiles beside the engine
 heartbeat.py       the heartbeat thread: load figures under a key with a TTL
+weights_update.py  the weights a worker serves, and its updates: drain, load, check, swap
 worker_metrics.py  what a worker measures (vLLM's names)
 engine.py          `Engine`, the in-process API (`generate`, `generate_stream`)
 synthetic_engine.py  no model: tokens at a set rate for bus load tests (`--synthetic` only)

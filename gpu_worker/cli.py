@@ -6,7 +6,11 @@ takes that engine's flags instead of the model's (nor does it import torch).
 On a Redis Cluster the worker attaches to one shard by itself (runtime/cluster.py: the one
 with the fewest live workers, or ``STREAMSERVE_SHARD``'s), and exits with
 `EXIT_SHARD_MOVED` if that shard's slots move while it runs, for its supervisor to start it
-again on the new layout."""
+again on the new layout.
+
+A worker loads the weights the fleet's record names (jobs/weights.py) when one is set, not its
+``--model``: so a worker started after an update serves the new version. Where that record's
+weights cannot load here, it serves ``--model`` and reports why in its heartbeat."""
 
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from bus.access import attach_checked, redacted
 from bus.actor import stop_on_signals
 from gpu_worker import worker as worker_module
 from gpu_worker.synthetic_engine import add_synthetic_arguments, synthetic_engine_from
+from gpu_worker.weights_update import WeightsUpdates
+from jobs.weights import WeightsRecord, initial_version, weights_key
 from runtime.cluster import EXIT_SHARD_MOVED, is_slot_moved
 from runtime.config import BusConfig
 from runtime.model_files import DEFAULT_MODEL
@@ -83,14 +89,15 @@ def main(argv: list[str] | None = None) -> int:
         and key not in ("redis_url", "model", "worker_id", "log_level", *SYNTHETIC_OPTIONS)
     }
     requested = config
+    worker_id = args.worker_id or default_worker_id()
+    model, weights = args.model, None
     try:
         # Before the model loads: a typo should fail fast.
         config = attach_checked(config, "worker")
         engine = synthetic_engine_from(args)
         if engine is None:
-            from gpu_worker.engine import Engine  # torch: only for a worker with a model
-
-            engine = Engine(args.model, **options)
+            engine, model, weights = _engine_on_fleet_weights(config, args.model, options,
+                                                              worker_id)  # fmt: skip
         if requested.shard is None and config.shard is not None:
             # Picked again now: workers started together were all loading until now, none
             # beating, so the first pick put them all on one shard.
@@ -99,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     client = redis.Redis.from_url(config.redis_url)
-    worker = worker_module.Worker(
-        engine, client, config, args.worker_id or default_worker_id(), args.model
-    )
+    worker = worker_module.Worker(engine, client, config, worker_id, model, weights)
     stop_on_signals(worker.stop)
     try:
         worker.run()
@@ -112,3 +117,33 @@ def main(argv: list[str] | None = None) -> int:
                      config.shard, redacted(config.redis_url), exc)  # fmt: skip
         return EXIT_SHARD_MOVED
     return 0
+
+
+def _engine_on_fleet_weights(
+    config: BusConfig, model: str, options: dict, worker_id: str
+) -> tuple[object, str, WeightsUpdates]:
+    """The engine on the fleet record's weights, what it loaded, and its weights' state; on
+    `model` where no record is set or the record's weights fail to load here (then the
+    worker does not try that version again, and its heartbeat says why)."""
+    from gpu_worker.engine import Engine  # torch: only for a worker with a model
+
+    error, record = None, None
+    try:
+        with redis.Redis.from_url(config.redis_url) as client:
+            record = WeightsRecord.from_mapping(client.hgetall(weights_key(config)))
+    except ValueError as exc:  # a record written by hand, malformed: serve --model
+        error = str(exc)
+    except redis.RedisError as exc:  # the heartbeat reads it once Redis answers, and updates
+        logger.warning("worker %s: cannot read the fleet's weights record (%s); loading %s",
+                       worker_id, exc, model)  # fmt: skip
+    if record is not None:
+        try:
+            engine = Engine(record.source, **options)
+            return engine, record.source, WeightsUpdates(worker_id, record.version)
+        except Exception as exc:  # the record's weights do not load here
+            error = f"{record.version}: {type(exc).__name__}: {exc}"
+            logger.error("worker %s: the fleet's weights %s (%s) did not load: %s; serving %s",
+                         worker_id, record.version, record.source, exc, model)  # fmt: skip
+    failed = () if record is None else (record.version,)
+    weights = WeightsUpdates(worker_id, initial_version(model), error, failed)
+    return Engine(model, **options), model, weights

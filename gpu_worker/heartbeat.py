@@ -12,6 +12,9 @@ on its stream, with their progress in Redis.
 A beat that finds this worker gone from the workers set (the reaper forgot it while it was
 alive) puts it back, and says so; what the reaper took off it, the worker learns from its
 fence (bus/fenced_stream.py).
+
+Each beat also reads the fleet's weights record (jobs/weights.py) in its MULTI, for the
+worker's `WeightsUpdates`, and announces the version the worker serves.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from dataclasses import dataclass
 
 import redis
 
+from gpu_worker.weights_update import WeightsUpdates
 from jobs.protocol import Heartbeat, encode
+from jobs.weights import weights_key
 from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
@@ -51,6 +56,7 @@ class HeartbeatThread(threading.Thread):
         max_total_tokens: int,
         on_stall: Callable[[], None] | None = None,
         attention: str | None = None,  # what serves attention, announced with the load
+        weights: WeightsUpdates | None = None,  # the weights served, told of the fleet's record
     ) -> None:
         super().__init__(name=f"heartbeat-{worker_id}", daemon=True)
         self.client = client
@@ -59,6 +65,7 @@ class HeartbeatThread(threading.Thread):
         # What every beat says: who we are and serve, with the load and time of the beat.
         self._beat = Heartbeat(worker_id, stream, model, 0, 0, max_total_tokens,
                                max_total_tokens, 0, 0.0, attention)  # fmt: skip
+        self.weights = weights
         self.on_stall = on_stall or _exit_hung
         self.load = Load(0, 0, max_total_tokens, 0)
         self.stop = threading.Event()
@@ -76,11 +83,22 @@ class HeartbeatThread(threading.Thread):
             self._beat, running=load.running, waiting=load.waiting,
             free_kv_tokens=load.free_kv_tokens, admitted=load.admitted, time=time.time(),
         )  # fmt: skip
+        weights = self.weights
+        if weights is not None:
+            heartbeat = dataclasses.replace(heartbeat, model=weights.source or heartbeat.model,
+                                            weights_version=weights.version,
+                                            weights_target=weights.target,
+                                            weights_error=weights.error)  # fmt: skip
         pipe = self.client.pipeline(transaction=True)
         pipe.set(self.config.heartbeat_key(self.worker_id), encode(heartbeat),
                  px=int(self.config.heartbeat_ttl_s * 1000))  # fmt: skip
         pipe.sadd(self.config.workers_key(), self.worker_id)  # 1: we were not a member
-        added = pipe.execute()[1]
+        if weights is not None:
+            pipe.hgetall(weights_key(self.config))
+        answers = pipe.execute()
+        added = answers[1]
+        if weights is not None:
+            weights.noticed(answers[2])
         if self._registered and added:
             logger.warning("worker %s: was taken for dead (heartbeat lapsed); registered "
                            "again", self.worker_id)  # fmt: skip
@@ -89,7 +107,8 @@ class HeartbeatThread(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(self.config.heartbeat_interval_s):
             stalled = time.monotonic() - self._turned_at
-            if stalled > self.config.worker_stall_s:
+            loading = self.weights is not None and self.weights.loading  # busy, not hung
+            if stalled > self.config.worker_stall_s and not loading:
                 logger.error(
                     "worker %s: the engine loop has not turned for %.0f s; stopping the "
                     "heartbeat so its jobs move to live workers", self.worker_id, stalled,

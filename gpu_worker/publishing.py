@@ -27,7 +27,8 @@ from bus.effects import ExpireKey, Outbound
 from bus.fenced_stream import Entry, FencedStream, read_progress_log
 from gpu_worker.cached_blocks import watch_prefix_cache
 from gpu_worker.progress_log import ProgressLog
-from gpu_worker.token_item import RunningJob, finish_of, token_item
+from gpu_worker.token_item import RunningJob, aborted_item, finish_of, token_item
+from gpu_worker.weights_update import WeightsUpdates
 from gpu_worker.worker_metrics import WorkerMetrics
 from jobs.progress import rebuild
 from jobs.protocol import TokenBatch, TokenItem, TokenizedRequest, encode
@@ -38,6 +39,7 @@ class Publisher:
     def __init__(
         self, client: redis.Redis, config: BusConfig, worker_id: str, bus: FencedStream,
         metrics: WorkerMetrics, finished: Callable[[RunningJob], None], scheduler: object = None,
+        weights: WeightsUpdates | None = None,
     ) -> None:  # fmt: skip
         self.client = client
         self.config = config
@@ -51,6 +53,9 @@ class Publisher:
         self._taken_back: set[bytes] = set()  # entries whose progress is in our own log
         # rid -> why the router sent the job here and what it expected cached, for its Finish.
         self._routes: dict[str, tuple[str, int]] = {}
+        # The weights serving (gpu_worker/weights_update.py), named in every Finish: a worker
+        # swaps only with nothing running, so they computed the whole request.
+        self.weights = weights
         # What the prefix cache holds (None: the engine has none, and publishes no events).
         self.blocks = watch_prefix_cache(scheduler, worker_id, config.kv_block_tokens,
                                          config.kv_snapshot_interval_s)  # fmt: skip
@@ -103,12 +108,21 @@ class Publisher:
         if req.finished:
             self.log.forget(req.rid)
             item.finish = finish_of(req, job.queue_seconds)
+            item.finish.weights_version = self.weights.version if self.weights else None
             route = self._routes.pop(req.rid, None)
             if route is not None:
                 item.finish.route_reason, item.finish.expected_cached_tokens = route
             self.metrics.finished(item.finish)
             self.finished(job)
         return item
+
+    def publish_aborted(self, job: TokenizedRequest, progress: list[int], step: int) -> None:
+        """The last item of a job aborted on its way to the engine: its stream ends with
+        "abort" (whoever aborted it may still be reading: POST /v1/abort, Client.abort)."""
+        self.log.forget(job.rid)
+        item = aborted_item(job, len(progress))
+        self.metrics.finished(item.finish)
+        self.publish_items([item], step)
 
     def committed(self, written: bool) -> None:
         """The bus's commit wrote what was queued (False: it was fenced, and wrote nothing)."""

@@ -30,6 +30,7 @@ on ``max_deliveries`` times, or whose workers died holding it as often (its ``at
 the deliveries of a previous life under this id), is set aside: dead-lettered, with an error
 reply.
 
+New weights (gpu_worker/weights_update.py): admit nothing, let what runs finish, swap, resume.
 Jobs become engine requests here, their tokens items in publishing.py; the CLI is cli.py.
 """
 
@@ -50,7 +51,8 @@ from gpu_worker.heartbeat import HeartbeatThread, Load
 from gpu_worker.probation import Probation
 from gpu_worker.publishing import Publisher
 from gpu_worker.scheduling.req import Req
-from gpu_worker.token_item import RunningJob, aborted_item, stop_window
+from gpu_worker.token_item import RunningJob, stop_window
+from gpu_worker.weights_update import WeightsUpdates, split_aborts
 from gpu_worker.worker_metrics import WorkerMetrics
 from jobs.job_failures import failure_reply, malformed_reply, too_many_deliveries
 from jobs.protocol import (
@@ -58,11 +60,11 @@ from jobs.protocol import (
     Abort,
     ErrorReply,
     ProtocolError,
-    TokenItem,
     TokenizedRequest,
     decode,
 )
 from jobs.request_bounds import request_bounds
+from jobs.weights import initial_version
 from observability.metrics import ProcessMetrics, start_publisher
 from runtime.config import BusConfig
 
@@ -74,8 +76,9 @@ logger = logging.getLogger(__name__)
 
 class Worker:
     def __init__(
-        self, engine: Engine, client: redis.Redis, config: BusConfig, worker_id: str, model: str
-    ) -> None:
+        self, engine: Engine, client: redis.Redis, config: BusConfig, worker_id: str, model: str,
+        weights: WeightsUpdates | None = None,  # default: `model`'s, with no update yet
+    ) -> None:  # fmt: skip
         self.engine = engine
         self.scheduler = engine.scheduler
         self.client = client
@@ -92,9 +95,10 @@ class Worker:
         # The jobs that were in a step that raised (gpu_worker/probation.py).
         self.probation: Probation[Req] = Probation()
         self.grammar_waits = GrammarWaits()  # jobs whose grammar compiles off this thread
+        self.weights = weights or WeightsUpdates(worker_id, initial_version(model))
         self.heartbeat = HeartbeatThread(
             client, config, worker_id, self.bus.stream, model, engine.runner.max_total_tokens,
-            attention=engine.runner.serving_path(),
+            attention=engine.runner.serving_path(), weights=self.weights,
         )  # fmt: skip
         runner = engine.runner
         self.metrics = WorkerMetrics(
@@ -103,7 +107,7 @@ class Worker:
         self.metrics.describe(model, runner.attention_path, runner.graph_runner is not None,
                               runner.cpu_kernels is not None)  # fmt: skip
         self.publisher = Publisher(client, config, worker_id, self.bus, self.metrics,
-                                   self._finished, self.scheduler)  # fmt: skip
+                                   self._finished, self.scheduler, self.weights)  # fmt: skip
         self._publisher = None
 
     # ---- the loop ------------------------------------------------------------------------
@@ -131,15 +135,20 @@ class Worker:
 
     def _turn(self) -> None:
         """Admit what arrived, then step and commit with a read of new jobs, or, idle, commit
-        and wait for jobs."""
-        for waiting, too_late in self.grammar_waits.due():
+        and wait for jobs. New weights due: admit only aborts, step until nothing runs, swap."""
+        update = self.weights.due()
+        for waiting, too_late in self.grammar_waits.due() if update is None else ():
             if too_late is not None:
                 self._refuse(waiting.entry_id, waiting.job, too_late)
             else:
                 self._start(waiting.entry_id, waiting.job, waiting.progress, compiled=True)
-        if self._inbox:
+        if self._inbox and update is None:
             self._admit(self._inbox)
             self._inbox = []
+        elif self._inbox:  # draining for new weights: aborts act now, jobs wait, pending
+            aborts, self._inbox = split_aborts(self._inbox)
+            for entry_id, rid in aborts:
+                self._abort(rid, entry_id)
         released = self.probation.release()
         if released is not None:
             self.scheduler.add_request(released)
@@ -147,11 +156,14 @@ class Worker:
             again = self._step_or_recover()
             if again or self.publisher.due(self.scheduler.has_work()):
                 started = time.perf_counter()
-                self._inbox = again + self._commit(read=True)
+                self._inbox += again + self._commit(read=True)  # fenced: all still ours
                 self.bus_seconds += time.perf_counter() - started
         else:
-            self._commit(read=False)
-            self._inbox = self.bus.read_blocking()
+            self._inbox += self._commit(read=False)  # fenced: all still ours
+            if update is None:
+                self._inbox += self.bus.read_blocking()
+            elif not self.jobs:  # drained (a job on probation is not: it is released next)
+                self.weights.apply(self.engine, update)  # on failure, serves on: never raises
         self._report_load()
 
     def _commit(self, read: bool) -> list[Entry]:
@@ -179,13 +191,13 @@ class Worker:
         self.publisher.dropped()
         self.probation.clear()
         self.grammar_waits.clear()
+        self._inbox.clear()  # in place: read again with all still ours (`_turn` extends it)
         return self.publisher.handed_back(self.bus.restart_fenced())
 
     def _report_load(self) -> None:
         load = self.scheduler.load()
-        self.heartbeat.report(
-            Load(load["running"], load["waiting"], load["free_kv_tokens"], self.admitted)
-        )
+        self.heartbeat.report(Load(load["running"], load["waiting"], load["free_kv_tokens"],
+                                   self.admitted))  # fmt: skip
         self.metrics.load(load["running"], load["waiting"], load["free_kv_tokens"],
                           self.scheduler.num_retractions)  # fmt: skip
 
@@ -210,8 +222,7 @@ class Worker:
                 self._set_aside(entry_id, payload, str(exc), malformed_reply(payload, exc))
                 continue
             if isinstance(message, Abort):
-                self.bus.acks.append(entry_id)
-                self._abort(message.rid)
+                self._abort(message.rid, entry_id)
                 continue
             failures = self._failures(entry_id, message)
             if failures >= self.config.max_deliveries:
@@ -229,10 +240,7 @@ class Worker:
         for (entry_id, job), abort_flag in zip(jobs, aborted, strict=True):
             if abort_flag is not None:
                 self.bus.acks.append(entry_id)
-                self.publisher.log.forget(job.rid)
-                self.publisher.publish_items(
-                    [self._aborted_on_arrival(job, progress[job.rid])], self.steps
-                )
+                self.publisher.publish_aborted(job, progress[job.rid], self.steps)
             else:
                 self._start(entry_id, job, progress[job.rid])
 
@@ -254,13 +262,6 @@ class Worker:
             self.probation.forget(answer[1].rid)
             self.publisher.log.forget(answer[1].rid)
             self.bus.outbox.append(reply(self.config, *answer))
-
-    def _aborted_on_arrival(self, job: TokenizedRequest, progress: list[int]) -> TokenItem:
-        """The last item of a job aborted on its way here: its stream ends with "abort"
-        (whoever aborted it may still be reading: POST /v1/abort, Client.abort)."""
-        item = aborted_item(job, len(progress))
-        self.metrics.finished(item.finish)
-        return item
 
     def _start(
         self, entry_id: bytes, job: TokenizedRequest, generated: list[int],
@@ -310,14 +311,13 @@ class Worker:
             self.bus.dead.append(dead_letter_fields(self.bus.stream, entry_id, payload, None))
         self.bus.outbox.append(reply(self.config, job.reply_to, answer))
 
-    def _abort(self, rid: str) -> None:
+    def _abort(self, rid: str, entry_id: bytes | None = None) -> None:
+        if entry_id is not None:  # an Abort entry: acknowledged with what the abort writes
+            self.bus.acks.append(entry_id)
         waiting = self.grammar_waits.pop(rid)
         if waiting is not None:  # never reached the engine
             self.bus.acks.append(waiting.entry_id)
-            self.publisher.log.forget(rid)
-            self.publisher.publish_items(
-                [self._aborted_on_arrival(waiting.job, waiting.progress)], self.steps
-            )
+            self.publisher.publish_aborted(waiting.job, waiting.progress, self.steps)
             return
         held = self.probation.forget(rid)
         if held is not None:  # never reached the engine: end it as the engine would have
@@ -346,6 +346,7 @@ class Worker:
             self.jobs.clear()
             self.publisher.dropped()  # what was not published is generated again
             self.grammar_waits.clear()  # their entries are read again with the others
+            self._inbox.clear()  # and so are these
             self.scheduler.reset()
             self.metrics.step_failures.inc()
             return self.publisher.handed_back(self.bus.pending_entries())

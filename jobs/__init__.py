@@ -9,6 +9,7 @@ legacy_records.py      version 1's positional lists, still read, and written to 
 progress.py            a worker's progress log entries, and a job's ids rebuilt from them
 kv_blocks.py           the chained hashes naming a token sequence's blocks (KV routing)
 kv_events.py           `KvEvents`: the blocks a worker's prefix cache stored and removed
+weights.py             the fleet's weights record: the version every worker should serve
 wire.py                the codec: one msgpack map per entry, `Record`s, the wire version
 sampling_params.py     `SamplingParams`, the one table of sampling parameters
 sampling_checks.py     the type and range checks of its rows

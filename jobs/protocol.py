@@ -270,9 +270,10 @@ class Heartbeat(Message):
     FIELDS = {
         "worker_id": STR, "stream": STR, "model": STR, "running": INT, "waiting": INT,
         "free_kv_tokens": INT, "total_kv_tokens": INT, "admitted": INT, "time": FLOAT,
-        "attention": STR,
+        "attention": STR, "weights_version": STR, "weights_target": STR, "weights_error": STR,
     }  # fmt: skip
-    OPTIONAL = frozenset({"attention"})  # workers from before it was added leave it out
+    # Workers from before they were added leave them out.
+    OPTIONAL = frozenset({"attention", "weights_version", "weights_target", "weights_error"})
 
     worker_id: str
     stream: str
@@ -285,6 +286,11 @@ class Heartbeat(Message):
     time: float
     # What serves attention, e.g. "flashinfer (self-check passed: ...), CUDA graphs"
     attention: str | None = None
+    # The weights it serves (jobs/weights.py), the version it is draining for and loading
+    # (None: not updating), and why its last update failed ("<version>: <reason>").
+    weights_version: str | None = None
+    weights_target: str | None = None
+    weights_error: str | None = None
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {

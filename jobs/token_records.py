@@ -44,6 +44,7 @@ class Finish(Record):
         "reason": STR, "matched": "str or int", "prompt_tokens": INT, "completion_tokens": INT,
         "cached_tokens": INT, "draft_tokens": INT, "accepted_draft_tokens": INT,
         "queue_seconds": FLOAT, "route_reason": STR, "expected_cached_tokens": INT,
+        "weights_version": STR,
     }  # fmt: skip
     OPTIONAL: ClassVar[frozenset[str]] = frozenset(FIELDS) - {
         "reason", "prompt_tokens", "completion_tokens"
@@ -64,6 +65,9 @@ class Finish(Record):
     # (stages/router/kv_routing.py): beside cached_tokens, what the worker found.
     route_reason: str | None = None
     expected_cached_tokens: int | None = None
+    # The weights that computed every token of it (jobs/weights.py): a worker finishes the
+    # requests it runs before it swaps weights, so one version computed all of them.
+    weights_version: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         wire = super().to_wire()

@@ -87,6 +87,10 @@ def read_status(client: redis.Redis, config: BusConfig) -> dict[str, Any]:
             "tokens_per_s": _rate(snapshot, "generation_tokens_total") if snapshot else 0.0,
             "lag": group.lag if group else 0, "pending": group.pending if group else 0,
             "attention": beat.attention, "heartbeat_age_s": max(0.0, time.time() - beat.time),
+            # The weights it serves, the version it drains for or loads, and its last
+            # failed update's reason (gpu_worker/weights_update.py).
+            "weights_version": beat.weights_version, "weights_target": beat.weights_target,
+            "weights_error": beat.weights_error,
             **_prefix_cache(snapshot, expected.get(beat.worker_id, 0.0)),
         })  # fmt: skip
     all_workers = by_role.get("worker", [])

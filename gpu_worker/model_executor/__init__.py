@@ -6,6 +6,7 @@ forward_mode.py    what kind of step a forward is (no torch: the metrics name it
 forward_context.py  the runtime objects a forward needs, published for its duration
 graph_runner.py    decode through CUDA graphs
 self_check.py      a fast attention path checked against the plain one before it serves
+weight_swap.py     new weights loaded and checked beside the serving ones, then copied in
 hooks.py           forward hooks configured by name
 cpu_malloc.py      freed memory kept in glibc's heap on CPU
 """

@@ -54,6 +54,8 @@ class CheckedRunner(Protocol):
     cpu_kernels: Any
     attn_backend: AttentionBackend
     graph_runner: DecodeGraphRunner | None
+    model: torch.nn.Module
+    attention_path: str
 
     def forward_eager(self, forward_batch: ForwardBatch) -> torch.Tensor: ...
 
@@ -109,6 +111,37 @@ def compare_backends(
         runner.req_to_token_pool.req_to_token[: len(PROMPT_LENS)] = 0
     forwards = DECODE_STEPS + 1
     return SelfCheckResult(True, f"{forwards} forwards of {len(PROMPT_LENS)} requests agree")
+
+
+@torch.inference_mode()
+def check_new_weights(runner: CheckedRunner, model: torch.nn.Module) -> SelfCheckResult:
+    """New weights' check before they serve (gpu_worker/model_executor/weight_swap.py): the
+    check batch through `model` on the serving backend, every logit finite, and where that
+    backend is not torch_native, agreeing with it as at start-up. Needs an empty KV pool
+    (the worker has drained and flushed its prefix cache): it writes pages from 1 on."""
+    serving = runner.model
+    runner.model = model
+    try:
+        if runner.attention_path.startswith(SAFE_BACKEND):
+            return _finite_forwards(runner)
+        safe = create_attention_backend(SAFE_BACKEND, runner.req_to_token_pool, runner.kv_pool)
+        result = compare_backends(runner, runner.attn_backend, safe)
+        return _finite_forwards(runner) if result.ok else result
+    finally:
+        runner.model = serving
+
+
+def _finite_forwards(runner: CheckedRunner) -> SelfCheckResult:
+    batch = _extend_batch(runner, seed=2)
+    try:
+        for step in range(DECODE_STEPS + 1):
+            logits = runner.forward_eager(batch).float()
+            if not torch.isfinite(logits).all():
+                return SelfCheckResult(False, f"forward {step + 1}: logits not finite")
+            batch = _next_decode_batch(runner, batch, logits.argmax(dim=-1))
+    finally:
+        runner.req_to_token_pool.req_to_token[: len(PROMPT_LENS)] = 0
+    return SelfCheckResult(True, f"{DECODE_STEPS + 1} forwards, finite logits")
 
 
 def verified_graphs(runner: CheckedRunner, graphs: DecodeGraphRunner) -> DecodeGraphRunner | None:

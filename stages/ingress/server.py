@@ -28,7 +28,7 @@ from bus.reconnect import REDIS_TRANSIENT
 from bus.replies import AsyncReplyReader
 from observability.metrics import start_publisher
 from runtime.config import BusConfig
-from stages.ingress.api import handlers, service_endpoints
+from stages.ingress.api import admin_weights, handlers, service_endpoints
 from stages.ingress.api.embeddings import embeddings
 from stages.ingress.api.openapi import openapi_document
 from stages.ingress.batches import routes as batch_api
@@ -65,6 +65,7 @@ def create_app(
     max_queue: int = DEFAULT_MAX_QUEUE,
     frontend_id: str | None = None,
     api_keys: Sequence[str] = (),
+    admin_keys: Sequence[str] = (),
     tenants: Tenants | None = None,
 ) -> web.Application:
     """The app; serve it with ``web.AppRunner(app, handler_cancellation=True)``."""
@@ -114,6 +115,7 @@ def create_app(
     app.router.add_get("/status.json", status_json)
     batch_api.add_routes(app)
     responses_api.add_routes(app)
+    admin_weights.add_routes(app, tuple(admin_keys))
     return app
 
 
@@ -269,7 +271,8 @@ def run(
     """Serve until SIGTERM or SIGINT; `config` attached to its shard on a Redis Cluster
     (runtime/cluster.py), as `streamserve stage ingress` does."""
     app = create_app(config, model=model, max_body_bytes=max_body_bytes, max_queue=max_queue,
-                     api_keys=api_keys_from_env(), tenants=tenants_from_env())  # fmt: skip
+                     api_keys=api_keys_from_env(), tenants=tenants_from_env(),
+                     admin_keys=admin_weights.admin_keys_from_env())  # fmt: skip
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -3,6 +3,7 @@
 handlers.py          the generation endpoints (chat, completions, /generate)
 embeddings.py        /v1/embeddings: pooled hidden states, one embedding job per input
 service_endpoints.py the rest: models, aborts, OpenAPI document, health, metrics
+admin_weights.py     /admin/weights: new weights for every worker, behind the admin key
 params.py            request bodies checked and turned into GenerateRequests
 openai_format.py     OpenAI response bodies, stream chunks and logprobs
 native_format.py     the native /generate bodies

@@ -27,6 +27,7 @@ from stages.ingress.api.openai_format import (
     Choice,
     CompletionFormat,
     OpenAIFormat,
+    system_fingerprint,
     timing_headers,
     usage,
 )
@@ -204,7 +205,8 @@ async def _whole_openai(
         if job.logprobs:
             fmt.logprobs(choice, reply)
     return {**head, "choices": [fmt.whole_choice(c) for c in choices],
-            "usage": usage(choices, job.n)}  # fmt: skip
+            "usage": usage(choices, job.n),
+            "system_fingerprint": system_fingerprint(choices)}  # fmt: skip
 
 
 def _echoed(
@@ -268,10 +270,21 @@ async def _stream_openai(
             if not delta and finish is None and logprobs is None:
                 continue  # text held back (a partial character, a stop prefix, a tool call)
             chunk_choice = fmt.chunk_choice(choice, delta, logprobs, finish)
-            await _send(response, {**head, "choices": [chunk_choice], **extra}, event_id())
+            # The weights version is known once the choice ends: its last chunk names it.
+            weights = {} if finish is None else {"system_fingerprint": system_fingerprint([choice])}
+            await _send(response, {**head, "choices": [chunk_choice], **extra, **weights},
+                        event_id())  # fmt: skip
         else:
             if job.include_usage:
-                await _send(response, {**head, "choices": [], "usage": usage(choices, job.n)})
+                await _send(
+                    response,
+                    {
+                        **head,
+                        "choices": [],
+                        "usage": usage(choices, job.n),
+                        "system_fingerprint": system_fingerprint(choices),
+                    },
+                )
     except (ConnectionError, OSError):
         if sub.state.draining:
             raise  # cut by a shutdown: the submission hands it over, to resume elsewhere

@@ -22,6 +22,8 @@ def meta_info(delta: TextDelta | None, rid: str) -> dict[str, Any]:
         if finish.draft_tokens:
             meta.update(draft_tokens=finish.draft_tokens,
                         accepted_draft_tokens=finish.accepted_draft_tokens)  # fmt: skip
+        if finish.weights_version:  # the weights that computed it (docs/WEIGHT_UPDATES.md)
+            meta["weights_version"] = finish.weights_version
     return meta
 
 

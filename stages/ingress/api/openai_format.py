@@ -94,6 +94,15 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
     return result
 
 
+def system_fingerprint(choices: list[Choice]) -> str | None:
+    """The weights that answered (jobs/weights.py): the version each choice's Finish names.
+    A worker swaps weights only with nothing running, so one version computed each choice;
+    choices served by workers on different versions (mid-update) name each, in order."""
+    versions = [c.finish.weights_version for c in choices if c.finish is not None]
+    named = list(dict.fromkeys(v for v in versions if v))
+    return ",".join(named) if named else None
+
+
 def choice_entry(
     index: int, content: dict[str, Any], logprobs: dict | None, finish_reason: str | None
 ) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from batch_store.files import EXPIRES_AFTER_S
-from stages.ingress.api import embeddings
+from stages.ingress.api import admin_weights, embeddings
 from stages.ingress.api.openapi_schemas import (
     chat_request,
     completion_request,
@@ -277,6 +277,7 @@ def openapi_document(model: str) -> dict[str, Any]:
             ),  # fmt: skip
             **_batch_paths(),
             **_responses_paths(),
+            "/admin/weights": admin_weights.openapi_path(_errors(400, 401, 404, 413, 422, 503)),
         },
         "components": {
             "schemas": {

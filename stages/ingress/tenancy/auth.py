@@ -2,8 +2,9 @@
 every generation, model and abort endpoint wants ``Authorization: Bearer <key>`` and answers
 401 without one, as OpenAI does. ``/health``, ``/metrics`` and ``/openapi.json`` stay open
 for load balancers and scrapers, and ``/status`` with its ``/status.json`` for operators'
-browsers, which send no key. Keys come from the environment, not the command line,
-where ``ps`` would show them.
+browsers, which send no key. ``/admin/*`` takes the admin key instead
+(stages/ingress/api/admin_weights.py). Keys come from the environment, not the command
+line, where ``ps`` would show them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ API_KEY_ENV = "STREAMSERVE_API_KEY"
 # Whether the app checks keys: then each key owns its data (stages/ingress/tenancy/ownership.py).
 KEYS_CHECKED = web.AppKey("streamserve_keys_checked", bool)
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/status", "/status.json"})
+ADMIN_PREFIX = "/admin/"  # checked against the admin key, not the API keys
 
 
 def api_keys_from_env(environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
@@ -31,11 +33,8 @@ def auth_middleware(keys: Sequence[str]):
 
     @web.middleware
     async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS:
-            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            # Compare with every key in constant time: no timing tells how much matched.
-            matches = [hmac.compare_digest(given.strip().encode(), key) for key in expected]
-            if scheme.lower() != "bearer" or not any(matches):
+        if request.path not in OPEN_PATHS and not request.path.startswith(ADMIN_PREFIX):
+            if not presents_key(request, expected):
                 raise ApiError(
                     401,
                     "a valid API key is required: send Authorization: Bearer <key>",
@@ -45,6 +44,14 @@ def auth_middleware(keys: Sequence[str]):
         return await handler(request)
 
     return check_key
+
+
+def presents_key(request: web.Request, expected: Sequence[bytes]) -> bool:
+    """Whether the request's ``Authorization: Bearer`` names one of the `expected` keys."""
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    # Compare with every key in constant time: no timing tells how much matched.
+    matches = [hmac.compare_digest(given.strip().encode(), key) for key in expected]
+    return scheme.lower() == "bearer" and any(matches)
 
 
 def bearer_key(request: web.Request) -> str | None:
