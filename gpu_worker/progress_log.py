@@ -25,7 +25,7 @@ class ProgressLog:
     def __init__(self, worker_id: str, trim_interval_s: float) -> None:
         self.worker_id = worker_id
         self.trim_interval_s = trim_interval_s
-        self._segments: dict[str, list] = {}  # of the next entry, by rid
+        self._segments: dict[str, tuple[int, list[int]]] = {}  # of the next entry: start, ids
         self._first_entry: dict[str, bytes] = {}  # of each job this life holds
         self._in_flight: list[str] = []  # rids of the entry being written, without a first
         self._last_entry: bytes | None = None
@@ -34,15 +34,27 @@ class ProgressLog:
         self.holding = False
 
     def log(self, rid: str, start: int, ids: list[int]) -> None:
-        """The job's output ids from `start` on go in the next entry."""
-        if ids:
-            self._segments[rid] = ProgressEntry.segment(start, ids)
+        """The job's output ids from `start` on go in the next entry. Ids already waiting
+        there for the job are kept up to `start`: a job taken back logs its history again,
+        and if it steps before the next publish its new ids must extend that history, not
+        replace it (the log below the entry would be trimmed, and the history lost with it:
+        the next restart would find a gap and generate the job's first tokens again)."""
+        if not ids:
+            return
+        pending = self._segments.get(rid)
+        if pending is not None and pending[0] <= start <= pending[0] + len(pending[1]):
+            first, known = pending
+            self._segments[rid] = (first, known[: start - first] + list(ids))
+        else:
+            self._segments[rid] = (start, list(ids))
 
     def take(self) -> bytes | None:
         """The next entry's payload (None: nothing to log); `written` says where it went."""
         if not self._segments:
             return None
-        payload = encode(ProgressEntry(self.worker_id, self._segments))
+        segments = {rid: ProgressEntry.segment(start, ids)
+                    for rid, (start, ids) in self._segments.items()}  # fmt: skip
+        payload = encode(ProgressEntry(self.worker_id, segments))
         self._in_flight = [rid for rid in self._segments if rid not in self._first_entry]
         self._segments = {}
         return payload

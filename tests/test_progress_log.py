@@ -84,3 +84,20 @@ def test_trims_wait_for_the_interval_while_jobs_run():
     log.forget("a")
     assert log.trim_point() == b"2-0"  # the last job ended: at once (the worker may go idle)
     assert log.trim_point() is None  # and once
+
+
+def test_a_job_logged_again_keeps_its_history_when_it_steps_before_the_next_publish():
+    # A job taken back logs its history again (from 0); if it steps before that reaches the
+    # log, its new ids join the history in one segment: the entry alone rebuilds the job,
+    # so trimming below it loses nothing (a replaced history left a gap, and the next
+    # restart generated the job's first tokens again).
+    log = ProgressLog("w", trim_interval_s=0.0)
+    log.log("a", 0, [1, 2])
+    log.log("a", 2, [3])
+    log.log("b", 0, [7, 8])
+    log.log("b", 1, [9])  # from inside what waits: the rest is replaced
+    entry = decode(log.take(), ProgressEntry)
+    assert rebuild([entry], {"a": [], "b": []}) == {"a": [1, 2, 3], "b": [7, 9]}
+    log.log("c", 0, [4])
+    log.log("c", 3, [6])  # past what waits: a gap, so this segment stands alone
+    assert list(decode(log.take(), ProgressEntry).spans()) == [("c", 3, [6])]
