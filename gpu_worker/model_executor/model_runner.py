@@ -120,7 +120,8 @@ class ModelRunner:
     def serving_path(self) -> str:
         """What serves attention and decode, as the heartbeat and /health show it."""
         graphs = ", CUDA graphs" if self.graph_runner is not None else ""
-        return f"{self.attention_path}{graphs}"
+        ranks = f", tensor parallel {self.config.tp}" if self.config.tp > 1 else ""
+        return f"{self.attention_path}{graphs}{ranks}"
 
     def _capture_decode_graphs(self) -> DecodeGraphRunner | None:
         """CUDA graphs for decode where they can be had; None (eager), with a line why."""

@@ -18,6 +18,7 @@ The worker lives and dies as one:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -79,6 +80,10 @@ class TensorParallelLeader:
             self.followers.append(process)
             self.pipes.append(ours)
         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
+        # A process that ends without Engine.shutdown (the worker's CLI returns from its loop)
+        # stops the followers first: multiprocessing's own exit handler, which runs after
+        # this one, would terminate them under the watchdog's eyes.
+        atexit.register(self.stop)
         self.group = join_group(TPShard(0, config.tp), init_method, device)
         logger.info("tensor parallel: rank 0 of %d joined (%s)", config.tp, init_method)
 
@@ -120,6 +125,7 @@ class TensorParallelLeader:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        atexit.unregister(self.stop)
         for pipe in self.pipes:
             try:
                 pipe.send(STOP)
