@@ -211,3 +211,24 @@ def test_a_killed_rank0_takes_the_follower_down():
     process.kill()
     process.wait()
     assert _gone(follower, within_s=30)
+
+
+def test_tp2_draft_speculation_embeddings_and_logprobs_equal_tp1():
+    prompts = [[3, 4, 5, 6] * 4, [100, 7, 250, 9, 11]]
+    sampling = {**GREEDY, "logprobs": True, "prompt_logprobs": True}
+    options = {"speculative": "draft", "draft_model": "random:nano-llama",
+               "speculative_verify": "always"}  # fmt: skip
+    results = {}
+    for tp in (1, 2):
+        with Engine("random:tiny-llama", dtype="float32", tp=tp, **POOL, **options) as engine:
+            generated = engine.generate(input_ids=prompts, sampling_params=sampling)
+            vectors = engine.embed(input_ids=prompts)
+            results[tp] = (generated, torch.tensor(vectors))
+    (single, single_vectors), (split, split_vectors) = results[1], results[2]
+    assert [r["output_ids"] for r in split] == [r["output_ids"] for r in single]
+    assert all(r["usage"]["draft_tokens"] > 0 for r in split)  # drafts were verified
+    for a, b in zip(single, split, strict=True):
+        assert torch.allclose(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]), atol=1e-4)
+        prompt_a, prompt_b = (torch.tensor(r["prompt_logprobs"][1:]) for r in (a, b))
+        assert torch.allclose(prompt_a, prompt_b, atol=1e-4)
+    assert torch.allclose(single_vectors, split_vectors, atol=1e-5)
