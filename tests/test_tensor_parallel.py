@@ -67,13 +67,18 @@ def _greedy(model: str, prompts, **options) -> list[list[int]]:
     return [r["output_ids"] for r in results]
 
 
+def _report_hooks(out_dir) -> list[dict]:
+    """A hook on every rank writing the shapes it holds to out_dir/rank<r>.json."""
+    report = {"dir": str(out_dir)}
+    return [{"name": "report", "target_modules": ["model"],
+             "hook_factory": "tests.tp_probe:report_shard", "config": report}]  # fmt: skip
+
+
 def test_tp2_greedy_equals_tp1_and_transformers(tiny_model, tmp_path):
     name, path, hf_model = tiny_model
     prompts = _prompts()
     reference = hf_greedy(hf_model, prompts, MAX_NEW, stop_at_eos=False)
-    report = {"dir": str(tmp_path)}
-    hooks = [{"name": "report", "target_modules": ["model"],
-              "hook_factory": "tests.tp_probe:report_shard", "config": report}]  # fmt: skip
+    hooks = _report_hooks(tmp_path)
     assert _greedy(str(path), prompts) == reference
     assert _greedy(str(path), prompts, tp=2, forward_hooks=hooks) == reference
     # Each rank held only its share: half the heads, MLP columns and vocabulary rows.
@@ -134,7 +139,7 @@ def test_tp2_forward_hooks_change_every_rank_alike():
     assert _greedy("random:tiny-mistral", prompts, tp=2, forward_hooks=hooks) == steered
 
 
-def test_default_model_tp2_equals_transformers(hf_default_model, default_tokenizer):
+def test_default_model_tp2_equals_transformers(hf_default_model, default_tokenizer, tmp_path):
     # SmolLM2-135M has 3 key/value heads: rank 0 holds two, rank 1 one (an uneven split).
     texts = [
         default_tokenizer.apply_chat_template(
@@ -146,7 +151,8 @@ def test_default_model_tp2_equals_transformers(hf_default_model, default_tokeniz
     reference = hf_greedy(hf_default_model, prompts, 12)
     # A grammar is rank 0's alone (it masks the gathered logits): the same tokens either way.
     schema = {"temperature": 0, "max_new_tokens": 24, "regex": "(Paris|London), [0-9]+[.]"}
-    with Engine("smollm2-135m-instruct", dtype="float32", tp=2, **POOL) as engine:
+    budget = {"kv_cache_memory_gb": 0.01, "forward_hooks": _report_hooks(tmp_path)}
+    with Engine("smollm2-135m-instruct", dtype="float32", tp=2, **budget) as engine:
         results = engine.generate(
             input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 12}
         )
@@ -156,6 +162,13 @@ def test_default_model_tp2_equals_transformers(hf_default_model, default_tokeniz
         single = engine.generate(input_ids=prompts[0], sampling_params=schema)
     assert constrained["output_ids"] == single["output_ids"]
     assert re.fullmatch("(Paris|London), [0-9]+[.]", constrained["text"])
+    # The KV pool is the smaller rank's: rank 0's two heads a slot fit fewer slots in the
+    # same budget than rank 1's one, and both pools have that many.
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    rank0_slots = int(0.01 * 2**30) // (2 * 30 * 2 * 64 * 4)  # K and V, layers, heads, dim, fp32
+    assert [r["kv_slots"] for r in ranks] == [rank0_slots, rank0_slots]
+    qkv = "layers.0.self_attn.qkv_proj.weight"
+    assert [r["shapes"][qkv][0] for r in ranks] == [(6 + 2 * 2) * 64, (3 + 2 * 1) * 64]
 
 
 @pytest.mark.parametrize(

@@ -17,10 +17,14 @@ def report_shard(config: dict):
     def hook(module, args, output):
         import torch.distributed as dist
 
+        from gpu_worker.model_executor.forward_context import get_forward_context
+
         path = out / f"rank{dist.get_rank()}.json"
         if not path.exists():
             shapes = {name: list(p.shape) for name, p in module.named_parameters()}
-            path.write_text(json.dumps({"pid": os.getpid(), "shapes": shapes}))
+            kv_pool = get_forward_context().attn_backend.kv_pool
+            report = {"pid": os.getpid(), "shapes": shapes, "kv_slots": kv_pool.size}
+            path.write_text(json.dumps(report))
 
     return hook
 

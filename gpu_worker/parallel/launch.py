@@ -59,6 +59,7 @@ class TensorParallelLeader:
         # also converts a GGUF file once, before the followers look for the cached folder.
         check_tp(load_model_config(config.model), config.tp)
         device = config.torch_device()
+        self._threads = torch.get_num_threads()  # given back at stop (an Engine's process)
         share_cpu_threads(device, config.tp)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")
@@ -137,6 +138,7 @@ class TensorParallelLeader:
                 process.kill()
                 process.join()
         leave_group()
+        torch.set_num_threads(self._threads)
 
     def _watch(self) -> None:
         while not self._stopping.is_set():
