@@ -6,8 +6,10 @@ For each tp: a prefill of one 256-token prompt, then decode steps of `batch` req
 steps, after 24 to warm up), each step timed on rank 0 around `scheduler.step()`, which
 includes sending the step to the followers. Rank 0's time inside the model's all-reduces and
 the logits' all-gather is timed too: it is the collectives' own cost plus the wait for the
-slower rank. One JSON line per (tp, step kind). Run on an otherwise idle machine: on two
-cores, two ranks will not be faster than one (each rank gets half the cores).
+slower rank. Then the all-reduce alone, between two idle processes over gloo, for the
+shapes a step reduces ([rows, hidden] float32): its latency with no skew to wait out. One
+JSON line per (tp, step kind) and per all-reduce shape. Run on an otherwise idle machine:
+on two cores, two ranks will not be faster than one (each rank gets half the cores).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -107,6 +110,50 @@ def _row(base: dict, step: str, step_s: float, collective_s: float, calls: int) 
             "collectives_ms": round(collective_s * 1e3, 2), "collective_calls": calls}  # fmt: skip
 
 
+ALL_REDUCE_ROWS = (1, 16, 256)
+ALL_REDUCE_REPEATS = 400
+
+
+def _all_reduce_rank(rank: int, port: int, hidden: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))  # fmt: skip
+    for rows in ALL_REDUCE_ROWS:
+        tensor = torch.ones(rows, hidden)
+        for _ in range(20):
+            dist.all_reduce(tensor)
+        started = time.perf_counter()
+        for _ in range(ALL_REDUCE_REPEATS):
+            dist.all_reduce(tensor)
+        if rank == 0:
+            queue.put((rows, (time.perf_counter() - started) / ALL_REDUCE_REPEATS))
+    dist.destroy_process_group()
+
+
+def measure_all_reduce(args, hidden: int) -> None:
+    import multiprocessing
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    ranks = [context.Process(target=_all_reduce_rank, args=(r, port, hidden, queue))
+             for r in (0, 1)]  # fmt: skip
+    for process in ranks:
+        process.start()
+    for _ in ALL_REDUCE_ROWS:
+        rows, seconds = queue.get(timeout=120)
+        emit({"step": f"all-reduce-{rows}x{hidden}-float32", "us": round(seconds * 1e6, 1),
+              "machine": machine()}, args.out)  # fmt: skip
+    for process in ranks:
+        process.join()
+
+
 def main() -> None:
     parser = engine_parser(__doc__)
     parser.add_argument("--tp", type=int, default=2, help="compared with tp 1")
@@ -116,6 +163,9 @@ def main() -> None:
     for batch in [int(b) for b in args.batch.split(",")]:
         for tp in (1, args.tp):
             measure(args, tp, batch, clock)
+    from gpu_worker.models.loader import load_model_config
+
+    measure_all_reduce(args, load_model_config(args.model).hidden_size)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def join_group(shard: TPShard, init_method: str, device: torch.device) -> TPGrou
         raise RuntimeError("this process is already in a tensor-parallel group")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)  # NCCL runs on the current device
     dist.init_process_group(
         backend,
         init_method=init_method,
