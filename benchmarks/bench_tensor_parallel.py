@@ -6,8 +6,9 @@ For each tp: a prefill of one 256-token prompt, then decode steps of `batch` req
 steps, after 24 to warm up), each step timed on rank 0 around `scheduler.step()`, which
 includes sending the step to the followers. Rank 0's time inside the model's all-reduces and
 the logits' all-gather is timed too: it is the collectives' own cost plus the wait for the
-slower rank. Then the all-reduce alone, between two idle processes over gloo, for the
-shapes a step reduces ([rows, hidden] float32): its latency with no skew to wait out. One
+slower rank. Then the all-reduce alone, between two idle processes, over gloo and over
+shared memory (what CPU ranks use, parallel/shm_collectives.py), for the shapes a step
+reduces ([rows, hidden] float32): its latency with no skew to wait out. One
 JSON line per (tp, step kind) and per all-reduce shape. Run on an otherwise idle machine:
 on two cores, two ranks will not be faster than one (each rank gets half the cores).
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -118,19 +118,27 @@ def _all_reduce_rank(rank: int, port: int, hidden: int, queue) -> None:
     import torch
     import torch.distributed as dist
 
+    from gpu_worker.parallel.group import join_group, leave_group
+    from gpu_worker.parallel.shard import TPShard
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=60))  # fmt: skip
-    for rows in ALL_REDUCE_ROWS:
-        tensor = torch.ones(rows, hidden)
-        for _ in range(20):
-            dist.all_reduce(tensor)
-        started = time.perf_counter()
-        for _ in range(ALL_REDUCE_REPEATS):
-            dist.all_reduce(tensor)
-        if rank == 0:
-            queue.put((rows, (time.perf_counter() - started) / ALL_REDUCE_REPEATS))
-    dist.destroy_process_group()
+    group = join_group(TPShard(rank, 2), f"tcp://127.0.0.1:{port}", torch.device("cpu"))
+    ways = {"gloo": lambda t: dist.all_reduce(t, group=group.device_group)}
+    if group.shared is not None:
+        ways["shared-memory"] = group.shared.all_reduce
+    for way, all_reduce in ways.items():
+        for rows in ALL_REDUCE_ROWS:
+            tensor = torch.ones(rows, hidden)
+            for _ in range(20):
+                all_reduce(tensor)
+            started = time.perf_counter()
+            for _ in range(ALL_REDUCE_REPEATS):
+                all_reduce(tensor)
+            if rank == 0:
+                queue.put((way, rows, (time.perf_counter() - started) / ALL_REDUCE_REPEATS))
+    leave_group()
+    if rank == 0:
+        queue.put(None)  # the last result
 
 
 def measure_all_reduce(args, hidden: int) -> None:
@@ -146,10 +154,10 @@ def measure_all_reduce(args, hidden: int) -> None:
              for r in (0, 1)]  # fmt: skip
     for process in ranks:
         process.start()
-    for _ in ALL_REDUCE_ROWS:
-        rows, seconds = queue.get(timeout=120)
-        emit({"step": f"all-reduce-{rows}x{hidden}-float32", "us": round(seconds * 1e6, 1),
-              "machine": machine()}, args.out)  # fmt: skip
+    while (result := queue.get(timeout=120)) is not None:
+        way, rows, seconds = result
+        emit({"step": f"all-reduce-{rows}x{hidden}-float32", "via": way,
+              "us": round(seconds * 1e6, 1), "machine": machine()}, args.out)  # fmt: skip
     for process in ranks:
         process.join()
 

@@ -3,6 +3,7 @@
 shard.py        `TPShard` and `ShardPlan`: which heads, MLP columns and vocabulary rows a
                 rank holds, and the slice of each checkpoint tensor it loads
 group.py        the process group and the collectives the model calls (all-reduce, gather)
+shm_collectives.py  those collectives through shared memory, for CPU ranks of one host
 layers.py       row-parallel Linear, vocabulary-parallel embedding, the logits' gather
 loading.py      the checkpoint slices a rank reads (safetensors, GGUF, random weights)
 launch.py       rank 0: spawn the followers, join the group, watch them, stop them

@@ -4,8 +4,9 @@ One group per process, set once when the process joins (launch.py on rank 0, fol
 the others) and left at shutdown: the model's layers reach it through `tp_group()` rather
 than through their arguments, as every forward of a split model runs the same collectives.
 
-Collectives go over gloo on CPU and NCCL on CUDA. The KV-pool agreement and other small
-host-side exchanges use `cpu_group` (gloo either way, so no device sync is needed for them).
+Collectives go over NCCL on CUDA; on CPU over shared memory (shm_collectives.py) where the
+host allows it, else gloo. The KV-pool agreement and other small host-side exchanges use
+`cpu_group` (gloo either way, so no device sync is needed for them).
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ import torch
 import torch.distributed as dist
 
 from gpu_worker.parallel.shard import TPShard
+from gpu_worker.parallel.shm_collectives import (
+    SharedMemoryCollectives,
+    mapping_path,
+    shared_memory_usable,
+)
 
 # How long a collective waits for a rank that does not arrive. A dead rank is noticed
 # sooner by the watchdogs (launch.py, follower.py); this only bounds a stuck one.
@@ -29,6 +35,7 @@ class TPGroup:
     shard: TPShard
     device_group: dist.ProcessGroup
     cpu_group: dist.ProcessGroup
+    shared: SharedMemoryCollectives | None = None  # CPU ranks on an x86-64 host
 
     @property
     def rank(self) -> int:
@@ -40,11 +47,15 @@ class TPGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; every rank gets the same sum."""
+        if self.shared is not None and self.shared.fits(tensor):
+            return self.shared.all_reduce(tensor)
         dist.all_reduce(tensor, group=self.device_group)
         return tensor
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` side by side along the last axis (rank order)."""
+        if self.shared is not None and self.shared.fits(tensor):
+            return self.shared.all_gather_last_dim(tensor)
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(parts, tensor.contiguous(), group=self.device_group)
         return torch.cat(parts, dim=-1)
@@ -76,8 +87,27 @@ def join_group(shard: TPShard, init_method: str, device: torch.device) -> TPGrou
     )
     world = dist.group.WORLD
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo")
-    _group = TPGroup(shard, world, cpu_group)
+    shared = None
+    if device.type == "cpu" and shared_memory_usable():
+        shared = _map_shared_memory(shard, cpu_group)
+    _group = TPGroup(shard, world, cpu_group, shared)
     return _group
+
+
+def _map_shared_memory(shard: TPShard, cpu_group: dist.ProcessGroup) -> SharedMemoryCollectives:
+    """Rank 0 names a fresh mapping, every rank maps it, then rank 0 unlinks the file (the
+    mappings stay): nothing is left in /dev/shm however the ranks end."""
+    path = [mapping_path() if shard.rank == 0 else None]
+    dist.broadcast_object_list(path, src=0, group=cpu_group)
+    if shard.rank == 0:
+        shared = SharedMemoryCollectives(path[0], shard.rank, shard.size)
+    dist.barrier(group=cpu_group)  # the file exists, at its full size
+    if shard.rank != 0:
+        shared = SharedMemoryCollectives(path[0], shard.rank, shard.size)
+    dist.barrier(group=cpu_group)  # every rank has mapped it
+    if shard.rank == 0:
+        os.unlink(path[0])
+    return shared
 
 
 def tp_group() -> TPGroup:
