@@ -37,6 +37,10 @@ _NAP_S = 50e-6
 
 
 def shared_memory_usable() -> bool:
+    """x86-64 with a /dev/shm, unless STREAMSERVE_TP_SHARED_MEMORY=0 (then gloo: it sleeps
+    where this spins, which a host whose cores are all taken by others may prefer)."""
+    if os.environ.get("STREAMSERVE_TP_SHARED_MEMORY", "1") == "0":
+        return False
     return platform.machine() in ("x86_64", "AMD64") and Path("/dev/shm").is_dir()
 
 
