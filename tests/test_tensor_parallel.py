@@ -245,3 +245,13 @@ def test_tp2_draft_speculation_embeddings_and_logprobs_equal_tp1():
         prompt_a, prompt_b = (torch.tensor(r["prompt_logprobs"][1:]) for r in (a, b))
         assert torch.allclose(prompt_a, prompt_b, atol=1e-4)
     assert torch.allclose(single_vectors, split_vectors, atol=1e-5)
+
+
+def test_tp2_over_gloo_equals_tp1(monkeypatch):
+    # CPU ranks reduce through shared memory by default; gloo is what is left without it.
+    monkeypatch.setenv("STREAMSERVE_TP_SHARED_MEMORY", "0")  # inherited by the follower
+    prompts = [[5, 6, 7, 8, 9, 10], [40, 41]]
+    with Engine("random:tiny-qwen2", dtype="float32", tp=2, **POOL) as engine:
+        assert engine.runner.tp_leader.group.shared is None
+        split = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [r["output_ids"] for r in split] == _greedy("random:tiny-qwen2", prompts)
