@@ -87,3 +87,21 @@ def test_a_tp2_worker_whose_follower_dies_exits_as_one(tp_worker, redis_client):
     # No more beats: the key expires, and the reaper then moves the worker's jobs elsewhere.
     key = config.heartbeat_key("tpw")
     _wait(lambda: not redis_client.exists(key), timeout=config.heartbeat_ttl_s + 10)
+
+
+@pytest.mark.slow
+def test_streamserve_up_tp2_answers_as_transformers(hf_default_model):
+    from gpu_worker.hf_reference import hf_greedy
+    from tests.pipeline_harness import Pipeline
+
+    prompts = [[1, 504, 3458, 314, 4649, 282], list(range(200, 260))]
+    expected = hf_greedy(hf_default_model, prompts, max_new_tokens=12, stop_at_eos=False)
+    with Pipeline("smollm2-135m-instruct", worker_arg=["--dtype=float32"], tp=2) as pipeline:
+        for prompt, want in zip(prompts, expected, strict=True):
+            sampling = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+            status, body = pipeline.post(
+                "/generate", {"input_ids": prompt, "sampling_params": sampling}
+            )
+            assert status == 200, body
+            assert body["output_ids"] == want
+        assert len(pipeline.replica_pids("gpu_worker")) == 1  # one worker, its follower below it
