@@ -219,6 +219,14 @@ def test_a_killed_follower_takes_rank0_down():
     assert "tp-rank-1 died" in process.stderr.read()
 
 
+def test_a_forward_that_raises_ends_the_worker_as_one():
+    # Once the followers have a step, rank 0 cannot take its failure for the batch's alone.
+    process = subprocess.run([sys.executable, "-m", "tests.tp_probe", "raise"],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert process.returncode == EXIT_RANK_DIED, process.stderr[-2000:]
+    assert "the worker exits as one" in process.stderr
+
+
 def test_a_killed_rank0_takes_the_follower_down():
     process, follower = _serving_process()
     process.kill()

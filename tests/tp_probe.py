@@ -49,5 +49,19 @@ def serve_until_killed() -> None:
         engine.generate(input_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 8})
 
 
+def generate_through_a_raising_hook() -> None:
+    """A tp 2 engine whose forward raises (on every rank) on token 7, asked for token 7."""
+    from gpu_worker import Engine
+
+    factory = "tests.hook_factories:raise_on_token"
+    hooks = [{"name": "raise", "target_modules": ["model.layers.0"],
+              "hook_factory": factory, "config": {"token": 7}}]  # fmt: skip
+    engine = Engine("random:micro-llama", dtype="float32", tp=2, max_total_tokens=4096,
+                    forward_hooks=hooks)  # fmt: skip
+    engine.generate(input_ids=[[1, 7]], sampling_params={"max_new_tokens": 4})
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["serve"]:
     serve_until_killed()
+if __name__ == "__main__" and sys.argv[1:] == ["raise"]:
+    generate_through_a_raising_hook()

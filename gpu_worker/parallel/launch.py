@@ -42,13 +42,12 @@ logger = logging.getLogger(__name__)
 EXIT_RANK_DIED = 70  # a tensor-parallel rank died: the worker exits as one (sysexits' SOFTWARE)
 STOP = ("stop", None)
 STOP_WAIT_S = 10.0
-# How long a failed step waits for a follower's death to show before taking the failure
-# for the batch's own (a rank that left a collective is gone, or about to be).
-DEATH_NOTICE_S = 2.0
+# How long a failed step waits for a follower's death to show, to say which rank ended it.
+DEATH_NOTICE_S = 1.0
 
 
 class TensorParallelLeader:
-    """Rank 0's handle on the followers: `send_step` before each forward, `stop` at the end."""
+    """Rank 0's handle on the followers: `run_step` for each forward, `stop` at the end."""
 
     def __init__(self, config: EngineConfig, runner_class: type) -> None:
         """Start ranks 1..tp-1, each building a `runner_class` (ModelRunner) over its share,
@@ -95,19 +94,22 @@ class TensorParallelLeader:
         forward: Callable[[ForwardBatch], torch.Tensor],
     ) -> torch.Tensor:
         """Send `batch` to every follower, then run `forward(batch)` here, all ranks meeting
-        in its collectives. A step that fails because a follower died (a broken pipe, a
-        collective whose peer left) ends the worker as the watchdog would, not as an error
-        of the batch's requests: the worker cannot step again without that rank."""
-        message = ("step", StepMessage.of(batch, pool))
+        in its collectives. Once the followers have the step, a failure ends the worker, not
+        just the batch's requests: if a follower died (a broken pipe, a collective whose peer
+        left) the worker cannot step without it, and if rank 0's forward raised part-way the
+        followers wait in a collective it left, so the ranks are out of step for good."""
+        message = ("step", StepMessage.of(batch, pool))  # a failure here is the batch's alone
         try:
             for pipe in self.pipes:
                 pipe.send(message)
             return forward(batch)
         except Exception:
             dead = self._dead_follower(within_s=DEATH_NOTICE_S)
-            if dead is None:
-                raise
-            self._exit_for(dead)
+            if dead is not None:
+                self._exit_for(dead)
+            logger.critical("tensor parallel: rank 0's forward raised after the followers "
+                            "began it; the worker exits as one", exc_info=True)  # fmt: skip
+            os._exit(EXIT_RANK_DIED)
 
     def _dead_follower(self, within_s: float) -> multiprocessing.process.BaseProcess | None:
         sentinels = {process.sentinel: process for process in self.followers}
