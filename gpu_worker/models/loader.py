@@ -82,7 +82,7 @@ def _resolve(name_or_path: str) -> ModelSource:
 
 
 def _load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device, shard: TPShard | None
+    path: Path, dtype: torch.dtype, device: torch.device, shard: TPShard | None = None
 ) -> LoadedModel:
     folder = convert_gguf(path)
     source = f"{path.resolve()} (cached: {folder})"
@@ -90,7 +90,7 @@ def _load_gguf(
 
 
 def _load_random(
-    shape: str, dtype: torch.dtype, device: torch.device, seed: int, shard: TPShard | None
+    shape: str, dtype: torch.dtype, device: torch.device, seed: int, shard: TPShard | None = None
 ) -> LoadedModel:
     config = random_shape_config(shape)
     plan = _plan(config, shard)
@@ -105,7 +105,11 @@ def _load_random(
 
 
 def _load_hf_folder(
-    folder: Path, dtype: torch.dtype, device: torch.device, source: str, shard: TPShard | None
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    source: str,
+    shard: TPShard | None = None,
 ) -> LoadedModel:
     config = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
     plan = _plan(config, shard)
@@ -130,7 +134,7 @@ def _plan(config: ModelConfig, shard: TPShard | None) -> ShardPlan | None:
 
 
 def _build(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, plan: ShardPlan | None
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, plan: ShardPlan | None = None
 ) -> LlamaForCausalLM:
     # Allocated in place on the target device and dtype: no float32 copy on the host first.
     return MODEL_REGISTRY[config.architecture].empty(config, dtype, device, plan)
