@@ -87,18 +87,22 @@ def join_group(shard: TPShard, init_method: str, device: torch.device) -> TPGrou
     )
     world = dist.group.WORLD
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo")
-    shared = None
-    if device.type == "cpu" and shared_memory_usable():
-        shared = _map_shared_memory(shard, cpu_group)
+    shared = _map_shared_memory(shard, cpu_group) if device.type == "cpu" else None
     _group = TPGroup(shard, world, cpu_group, shared)
     return _group
 
 
-def _map_shared_memory(shard: TPShard, cpu_group: dist.ProcessGroup) -> SharedMemoryCollectives:
-    """Rank 0 names a fresh mapping, every rank maps it, then rank 0 unlinks the file (the
-    mappings stay): nothing is left in /dev/shm however the ranks end."""
-    path = [mapping_path() if shard.rank == 0 else None]
+def _map_shared_memory(
+    shard: TPShard, cpu_group: dist.ProcessGroup
+) -> SharedMemoryCollectives | None:
+    """Rank 0 decides (so all ranks agree) and names a fresh mapping, every rank maps it,
+    then rank 0 unlinks the file (the mappings stay): nothing is left in /dev/shm however
+    the ranks end. None: the host cannot, and gloo carries the collectives."""
+    usable = shard.rank == 0 and shared_memory_usable(shard.size)
+    path = [mapping_path() if usable else None]
     dist.broadcast_object_list(path, src=0, group=cpu_group)
+    if path[0] is None:
+        return None
     if shard.rank == 0:
         shared = SharedMemoryCollectives(path[0], shard.rank, shard.size)
     dist.barrier(group=cpu_group)  # the file exists, at its full size

@@ -36,12 +36,21 @@ _YIELD_S = 1e-3  # then nap
 _NAP_S = 50e-6
 
 
-def shared_memory_usable() -> bool:
-    """x86-64 with a /dev/shm, unless STREAMSERVE_TP_SHARED_MEMORY=0 (then gloo: it sleeps
-    where this spins, which a host whose cores are all taken by others may prefer)."""
+def shared_memory_usable(size: int) -> bool:
+    """x86-64 with room in /dev/shm for `size` ranks' slots (a container's is often 64 MiB,
+    and touching a mapping past a full tmpfs kills the process), unless
+    STREAMSERVE_TP_SHARED_MEMORY=0 (then gloo: it sleeps where this spins, which a host whose
+    cores are all taken by others may prefer)."""
     if os.environ.get("STREAMSERVE_TP_SHARED_MEMORY", "1") == "0":
         return False
-    return platform.machine() in ("x86_64", "AMD64") and Path("/dev/shm").is_dir()
+    if platform.machine() not in ("x86_64", "AMD64") or not Path("/dev/shm").is_dir():
+        return False
+    room = os.statvfs("/dev/shm")
+    return room.f_bavail * room.f_frsize >= 2 * _mapping_bytes(size)
+
+
+def _mapping_bytes(size: int) -> int:
+    return 8 * _FLAG_STRIDE * size + 2 * size * SLOT_BYTES
 
 
 def mapping_path() -> str:
@@ -53,7 +62,7 @@ class SharedMemoryCollectives:
         self.rank = rank
         self.size = size
         flag_bytes = 8 * _FLAG_STRIDE * size
-        total = flag_bytes + 2 * size * SLOT_BYTES
+        total = _mapping_bytes(size)
         # Rank 0 creates (and zeroes) the file; the others map it; rank 0 unlinks it once all
         # have, so nothing is left behind however the ranks end.
         self.memory = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
