@@ -171,6 +171,8 @@ class Launcher:
                     label = f"{name}-{shard.shard}-{i}" if on_shard else f"{name}-{i}"
                     if name == "worker":
                         args = [*a.worker_arg, "--log-level", a.log_level]
+                        if a.tp is not None:
+                            args.append(f"--tp={a.tp}")
                         command = worker_command(None, a.model, args)
                         self._spawn(label, command, {**worker_env, **on_shard})
                         continue

@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FLAG",
         help="a flag for every worker, e.g. --worker-arg=--max-running-requests=64",
     )
+    up.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tensor parallelism: each worker's model split over N ranks (its --tp)",
+    )
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait")
     # Only for the embedded server: a server given by URL keeps (or not) its own data.
     persistence = up.add_mutually_exclusive_group()

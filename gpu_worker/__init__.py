@@ -28,6 +28,7 @@ models/            the Llama family, configs, weight loading, GGUF conversion, r
 kernels/           C kernels for CPU, compiled at first use
 sampling/          sampler, penalties, logit bias, grammar masks, logprobs
 speculative/       n-gram and draft-model drafting, verification
+parallel/          tensor parallelism: a model split over `tp` ranks of one worker
 """
 
 from __future__ import annotations

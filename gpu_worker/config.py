@@ -67,6 +67,9 @@ class EngineConfig:
     num_draft_tokens: int = 4
     draft_model: str | None = None
     speculative_verify: str = "when_it_pays"
+    # Tensor parallelism: the model split over this many ranks (processes) of one worker,
+    # Megatron-style; rank 0 schedules and samples (gpu_worker/parallel, docs/TENSOR_PARALLEL.md).
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -102,6 +105,7 @@ class EngineConfig:
                 f"speculative {self.speculative!r} is not one of {[None, *SPECULATIVE_METHODS]}"
             )
         _require_positive_int("num_draft_tokens", self.num_draft_tokens)
+        _require_positive_int("tp", self.tp)
         if self.speculative_verify not in SPECULATIVE_VERIFY:
             raise ValueError(
                 f"speculative_verify {self.speculative_verify!r} is not one of "

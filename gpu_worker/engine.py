@@ -191,6 +191,7 @@ class Engine:
         for req in self.scheduler.live_requests():
             self.scheduler.abort_request(req.rid)
         self.runner.forward_hooks.remove()
+        self.runner.close()  # the other tensor-parallel ranks, if any
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
 

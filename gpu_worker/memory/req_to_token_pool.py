@@ -25,6 +25,9 @@ class ReqToTokenPool:
             (size, max_context_len), dtype=torch.int64, device=self.device
         )  # [size, max_context_len]
         self._is_free = [True] * size
+        # When a list, every write is also recorded in it, in order, for a tensor-parallel
+        # follower's copy of the table (gpu_worker/parallel/step_message.py); None: off.
+        self.journal: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         # Popped from the end: reversed so the first request gets row 0 (easier to read in logs).
         self._free_rows = list(range(size - 1, -1, -1))
 
@@ -56,6 +59,17 @@ class ReqToTokenPool:
                 f"positions [{start}, {end}) do not fit a row of {self.max_context_len} tokens"
             )
         self.req_to_token[index, start:end] = slots
+        if self.journal is not None:
+            rows = torch.full((len(slots),), index, dtype=torch.int64)
+            self.journal.append((rows, torch.arange(start, end), slots.to("cpu", copy=True)))
+
+    def write_positions(
+        self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """req_to_token[rows[i], positions[i]] = slots[i] for each i (one slot per row)."""
+        self.req_to_token[rows, positions] = slots
+        if self.journal is not None:
+            self.journal.append((rows.cpu(), positions.cpu(), slots.to("cpu", copy=True)))
 
     def clear(self) -> None:
         self._is_free = [True] * self.size

@@ -3,6 +3,10 @@
 It loads the weights, sizes the KV pool (from a memory budget on CPU, from free memory on
 CUDA), registers forward hooks, and dispatches a ForwardBatch by mode. Batch forming and
 sampling live elsewhere: this class turns a batch into logits.
+
+With `tp` > 1 every rank has a ModelRunner over its share of the model (gpu_worker/parallel):
+rank 0's starts the others and sends each forward to them before running it; the KV pool
+holds this rank's heads, sized by the rank with the least room.
 """
 
 from __future__ import annotations
@@ -30,23 +34,33 @@ from gpu_worker.model_executor.hooks import ForwardHooks
 from gpu_worker.model_executor.self_check import SAFE_BACKEND, checked_backend, verified_graphs
 from gpu_worker.models.layers import attach_cpu_kernels
 from gpu_worker.models.loader import load_model
+from gpu_worker.parallel.shard import TPShard
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp_rank: int = 0) -> None:
+        """`tp_rank`: this process's rank when `config.tp` > 1 (a follower has joined the
+        group already, gpu_worker/parallel/follower.py; rank 0 starts it here)."""
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
-        loaded = load_model(config.model, self.dtype, self.device, seed=config.seed)
+        self.tp_leader = None
+        if config.tp > 1 and tp_rank == 0:
+            from gpu_worker.parallel.launch import TensorParallelLeader
+
+            self.tp_leader = TensorParallelLeader(config, type(self))
+        shard = TPShard(tp_rank, config.tp)
+        loaded = load_model(config.model, self.dtype, self.device, config.seed, shard)
         self.model = loaded.model
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_source = loaded.source
         self.forward_hooks = ForwardHooks(self.model, config.forward_hooks)
+        self.kv_heads = self.model.plan.kv_heads  # this rank's
 
         self.page_size = config.page_size
         self.max_total_tokens = self._kv_pool_tokens()
@@ -62,10 +76,12 @@ class ModelRunner:
             self.page_size,
             self.dtype,
             self.model_config.num_hidden_layers,
-            self.model_config.num_key_value_heads,
+            self.kv_heads,
             self.model_config.head_dim,
             self.device,
         )
+        if self.tp_leader is not None:  # a follower's rows are copies of these writes
+            self.req_to_token_pool.journal = []
         self.allocator = PagedTokenAllocator(self.max_total_tokens, self.page_size, self.device)
         # None on GPUs, when turned off, or where no C compiler builds them (one warning).
         self.cpu_kernels = (
@@ -76,6 +92,11 @@ class ModelRunner:
             config.attention_backend, self.device, self.cpu_kernels is not None
         )
         # attention_path says what serves, for the start-up line, the heartbeat and /health.
+        if self.device.type == "cuda" and config.tp > 1 and backend_name != SAFE_BACKEND:
+            # The self-check runs forwards on rank 0 alone, which a split model cannot.
+            logger.info("tensor parallel: attention %s (the self-check is single-rank)",
+                        SAFE_BACKEND)  # fmt: skip
+            backend_name = SAFE_BACKEND
         if self.device.type == "cuda" and backend_name != SAFE_BACKEND:
             # A fast backend serves only once it agrees with torch_native on this device.
             self.attn_backend, self.attention_path = checked_backend(self, backend_name)
@@ -99,7 +120,8 @@ class ModelRunner:
     def serving_path(self) -> str:
         """What serves attention and decode, as the heartbeat and /health show it."""
         graphs = ", CUDA graphs" if self.graph_runner is not None else ""
-        return f"{self.attention_path}{graphs}"
+        ranks = f", tensor parallel {self.config.tp}" if self.config.tp > 1 else ""
+        return f"{self.attention_path}{graphs}{ranks}"
 
     def _capture_decode_graphs(self) -> DecodeGraphRunner | None:
         """CUDA graphs for decode where they can be had; None (eager), with a line why."""
@@ -107,6 +129,9 @@ class ModelRunner:
             return None
         if self.config.forward_hooks:
             logger.info("CUDA graphs off: forward hooks are configured (a replay skips them)")
+            return None
+        if self.config.tp > 1:
+            logger.info("CUDA graphs off: tensor parallel steps run eager")
             return None
         graphs = DecodeGraphRunner(self, capture_sizes(self.config.max_running_requests))
         try:
@@ -119,7 +144,7 @@ class ModelRunner:
     def _kv_pool_tokens(self) -> int:
         cfg = self.model_config
         per_token = TokenToKVPool.bytes_per_token(
-            self.dtype, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+            self.dtype, cfg.num_hidden_layers, self.kv_heads, cfg.head_dim
         )
         if self.config.max_total_tokens is not None:
             tokens = self.config.max_total_tokens
@@ -139,6 +164,11 @@ class ModelRunner:
             tokens = plan.kv_tokens
         else:
             tokens = int(self.config.kv_cache_memory_gb * 2**30 // per_token)
+        if self.config.tp > 1:
+            from gpu_worker.parallel.group import tp_group
+
+            # One pool size for all: every rank holds every slot (for its own heads).
+            tokens = tp_group().min_over_ranks(tokens)
         tokens -= tokens % self.page_size
         if tokens < self.page_size:
             raise ValueError(
@@ -170,9 +200,18 @@ class ModelRunner:
         mode, of every new token, [num_tokens, vocab]; then those of the prompt positions
         the batch asks for (`ForwardBatch.prompt_logit_indices`). Decode batches go through
         the CUDA graphs when they are captured and the batch fits one."""
+        if self.tp_leader is not None:  # the followers run it too (no CUDA graphs under TP)
+            pool = self.req_to_token_pool
+            return self.tp_leader.run_step(forward_batch, pool, self.forward_eager)
         if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):
             return self.graph_runner.run(forward_batch)
         return self.forward_eager(forward_batch)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if this is rank 0 of several."""
+        if self.tp_leader is not None:
+            self.tp_leader.stop()
+            self.tp_leader = None
 
     @torch.inference_mode()
     def forward_eager(self, forward_batch: ForwardBatch) -> torch.Tensor:

@@ -75,16 +75,21 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.bias)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T + bias, by the fastest path for x's rows (a row-parallel Linear
+        passes no bias: it adds its own once, after the all-reduce)."""
         kernels = self.cpu_kernels
         if kernels is not None and x.dim() == 2:
             packed = self.packed_weight is not None and x.dtype == self.weight.dtype
             if x.shape[0] <= (PACKED_GEMM_FROM_ROWS - 1 if packed else MAX_SMALL_M):
-                return kernels.linear(x, self.weight, self.bias)
+                return kernels.linear(x, self.weight, bias)
             if packed:
                 return torch.ops.mkldnn._linear_pointwise(
-                    x, self.packed_weight, self.bias, "none", [], ""
+                    x, self.packed_weight, bias, "none", [], ""
                 )
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, bias)
 
 
 def attach_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:

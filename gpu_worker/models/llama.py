@@ -3,6 +3,10 @@
 Numerics follow transformers' LlamaForCausalLM: RMSNorm in float32, rotary cos/sin from
 float32 frequencies, SiLU-gated MLP. Q/K/V and gate/up are fused into one Linear each (fewer
 matmuls); `load_weights` takes transformers' parameter names and fills the right shard.
+
+Under tensor parallelism (a ShardPlan over more than one rank, gpu_worker/parallel) each
+rank builds only its share: its heads, MLP columns and vocabulary rows, with o_proj and
+down_proj row-parallel (one all-reduce each) and a vocabulary-parallel embedding and lm_head.
 """
 
 from __future__ import annotations
@@ -18,16 +22,24 @@ from gpu_worker.kernels.cpu_kernels import CpuKernels
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.layers import Linear, RMSNorm
 from gpu_worker.models.rotary import RotaryEmbedding, apply_rotary
+from gpu_worker.parallel.layers import (
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_vocab_logits,
+)
+from gpu_worker.parallel.shard import ShardPlan, TPShard
 
 
 class LlamaAttention(nn.Module):
     # Attached on CPU (layers.attach_cpu_kernels): rotary then runs in place in one pass.
     cpu_kernels: CpuKernels | None = None
 
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, dtype: torch.dtype | None, plan: ShardPlan
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = plan.num_heads  # this rank's heads: all of them unless split
+        self.num_kv_heads = plan.kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -39,7 +51,8 @@ class LlamaAttention(nn.Module):
         )
         # transformers' Llama puts attention_bias on o_proj too; Qwen2 does not.
         o_bias = config.attention_bias and config.architecture == "LlamaForCausalLM"
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
+        o_proj = RowParallelLinear if plan.is_split else Linear
+        self.o_proj = o_proj(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
         self.attn = PagedAttention(
             layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
         )
@@ -65,14 +78,12 @@ class LlamaMLP(nn.Module):
     # Attached by the ModelRunner on CPU (attach_cpu_kernels): bfloat16 silu * up in one pass.
     cpu_kernels: CpuKernels | None = None
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None, plan: ShardPlan) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype
-        )
-        self.down_proj = Linear(
-            config.intermediate_size, config.hidden_size, bias=False, dtype=dtype
-        )
+        inter = plan.intermediate_size  # this rank's columns
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=False, dtype=dtype)
+        down_proj = RowParallelLinear if plan.is_split else Linear
+        self.down_proj = down_proj(inter, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -88,10 +99,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, dtype: torch.dtype | None, plan: ShardPlan
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.self_attn = LlamaAttention(config, layer_id, dtype, plan)
+        self.mlp = LlamaMLP(config, dtype, plan)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -102,11 +115,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None, plan: ShardPlan) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        if plan.is_split:
+            self.embed_tokens = VocabParallelEmbedding(
+                plan.vocab_rows, plan.vocab_range[0], config.hidden_size, dtype
+            )
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, dtype, plan) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -130,20 +148,28 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     ]
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype | None = None, plan: ShardPlan | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.plan = plan or ShardPlan(config, TPShard())
+        self.model = LlamaModel(config, dtype, self.plan)
+        vocab_rows = self.plan.vocab_rows if self.plan.is_split else config.vocab_size
+        self.lm_head = Linear(config.hidden_size, vocab_rows, bias=False, dtype=dtype)
         self.tie_weights()
 
     @classmethod
     def empty(
-        cls, config: ModelConfig, dtype: torch.dtype, device: torch.device | str
+        cls,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        plan: ShardPlan | None = None,
     ) -> LlamaForCausalLM:
         """Allocate without initializing; every weight must then be loaded or filled."""
         with torch.device("meta"):
-            model = cls(config, dtype)
+            model = cls(config, dtype, plan)
         model.to_empty(device=device)
         # to_empty gives tied modules separate tensors and leaves buffers uninitialized.
         model.tie_weights()
@@ -159,7 +185,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] float32 (the matmul runs in the model dtype, as in HF)."""
+        """[n, hidden] -> [n, vocab] float32 (the matmul runs in the model dtype, as in HF);
+        split over ranks, each computes its vocabulary share and all gather them."""
+        logits = self._own_logits(hidden)
+        if self.plan.is_split:
+            return gather_vocab_logits(logits, self.config.vocab_size)
+        return logits
+
+    def _own_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hooked = self.lm_head._forward_hooks or self.lm_head._forward_pre_hooks
         kernels = self.lm_head.cpu_kernels is not None  # few rows or a packed weight
         if hidden.device.type == "cpu" and hidden.shape[0] > 1 and not hooked and not kernels:
@@ -171,17 +204,20 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def _shard_slice(self, shard: str | int) -> slice:
+        # This rank's sizes (the whole model's unless split): the checkpoint tensors that
+        # reach load_weights are already cut to them (ShardPlan.take).
         if isinstance(shard, int):  # gate_up_proj: equal halves
-            size = self.config.intermediate_size
+            size = self.plan.intermediate_size
             return slice(shard * size, (shard + 1) * size)
-        q_size = self.config.num_attention_heads * self.config.head_dim
-        kv_size = self.config.num_key_value_heads * self.config.head_dim
+        q_size = self.plan.num_heads * self.config.head_dim
+        kv_size = self.plan.kv_heads * self.config.head_dim
         start = {"q": 0, "k": q_size, "v": q_size + kv_size}[shard]
         return slice(start, start + (q_size if shard == "q" else kv_size))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy transformers-named tensors in; raise on unknown names and on anything left out."""
+        """Copy transformers-named tensors in; raise on unknown names and on anything left out.
+        A split model takes each tensor's share for this rank (ShardPlan.take), not all of it."""
         params = dict(self.named_parameters())
         expected = {name: self._expected_shards(name) for name in params}
         loaded: dict[str, set[str | int | None]] = {name: set() for name in params}

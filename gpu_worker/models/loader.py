@@ -22,7 +22,8 @@ from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.gguf_convert import convert_gguf
 from gpu_worker.models.llama import MODEL_REGISTRY, LlamaForCausalLM
 from gpu_worker.models.random_shapes import fill_random_weights, random_shape_config
-from runtime.model_files import resolve_model
+from gpu_worker.parallel.shard import ShardPlan, TPShard
+from runtime.model_files import ModelSource, resolve_model
 
 if TYPE_CHECKING:  # transformers is imported lazily: it is slow to import
     from transformers import PreTrainedTokenizerBase
@@ -41,42 +42,84 @@ class LoadedModel:
 
 
 def load_model(
-    name_or_path: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+    name_or_path: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = 0,
+    shard: TPShard | None = None,
 ) -> LoadedModel:
-    """Build the model named by `name_or_path` in `dtype` on `device`, ready for inference."""
+    """Build the model named by `name_or_path` in `dtype` on `device`, ready for inference;
+    with a `shard` of several ranks, only that rank's share of it (gpu_worker/parallel)."""
     device = torch.device(device)
-    resolved = resolve_model(
+    resolved = _resolve(name_or_path)
+    if resolved.kind == "random":
+        return _load_random(resolved.shape, dtype, device, seed, shard)
+    assert resolved.path is not None  # a file or folder for every other kind
+    if resolved.kind == "gguf":
+        return _load_gguf(resolved.path, dtype, device, shard)
+    source = str(resolved.path.resolve())
+    return _load_hf_folder(resolved.path, dtype, device, source, shard)
+
+
+def load_model_config(name_or_path: str) -> ModelConfig:
+    """The config of the model `name_or_path` names, without its weights (a GGUF file is
+    converted, and cached, first: loading it afterwards finds the folder ready)."""
+    resolved = _resolve(name_or_path)
+    if resolved.kind == "random":
+        return random_shape_config(resolved.shape)
+    assert resolved.path is not None
+    folder = convert_gguf(resolved.path) if resolved.kind == "gguf" else resolved.path
+    return ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+
+
+def _resolve(name_or_path: str) -> ModelSource:
+    return resolve_model(
         name_or_path,
         marker="config.json",
         what="model",
         folder_holds="config.json and *.safetensors",
     )
-    if resolved.kind == "random":
-        return _load_random(resolved.shape, dtype, device, seed)
-    assert resolved.path is not None  # a file or folder for every other kind
-    if resolved.kind == "gguf":
-        return _load_gguf(resolved.path, dtype, device)
-    return _load_hf_folder(resolved.path, dtype, device, source=str(resolved.path.resolve()))
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device, shard: TPShard | None = None
+) -> LoadedModel:
     folder = convert_gguf(path)
-    return _load_hf_folder(folder, dtype, device, source=f"{path.resolve()} (cached: {folder})")
+    source = f"{path.resolve()} (cached: {folder})"
+    return _load_hf_folder(folder, dtype, device, source, shard)
 
 
-def _load_random(shape: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
+def _load_random(
+    shape: str, dtype: torch.dtype, device: torch.device, seed: int, shard: TPShard | None = None
+) -> LoadedModel:
     config = random_shape_config(shape)
-    model = _build(config, dtype, device)
-    fill_random_weights(model, seed)
+    plan = _plan(config, shard)
+    model = _build(config, dtype, device, plan)
+    if plan is None:
+        fill_random_weights(model, seed)
+    else:
+        from gpu_worker.parallel.loading import random_shares
+
+        model.load_weights(random_shares(plan, dtype, device, seed))
     return LoadedModel(_ready(model), config, None, source=f"random:{shape} (seed {seed})")
 
 
 def _load_hf_folder(
-    folder: Path, dtype: torch.dtype, device: torch.device, source: str
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    source: str,
+    shard: TPShard | None = None,
 ) -> LoadedModel:
     config = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
-    model = _build(config, dtype, device)
-    model.load_weights(_iter_safetensors(folder))
+    plan = _plan(config, shard)
+    model = _build(config, dtype, device, plan)
+    if plan is None:
+        model.load_weights(_iter_safetensors(folder))
+    else:
+        from gpu_worker.parallel.loading import safetensors_shares
+
+        model.load_weights(safetensors_shares(_safetensors_files(folder), plan))
     tokenizer = None
     if any((folder / name).is_file() for name in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
@@ -85,9 +128,16 @@ def _load_hf_folder(
     return LoadedModel(_ready(model), config, tokenizer, source)
 
 
-def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def _plan(config: ModelConfig, shard: TPShard | None) -> ShardPlan | None:
+    """This rank's share of the model, or None when one rank holds all of it."""
+    return None if shard is None or shard.size == 1 else ShardPlan(config, shard)
+
+
+def _build(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, plan: ShardPlan | None = None
+) -> LlamaForCausalLM:
     # Allocated in place on the target device and dtype: no float32 copy on the host first.
-    return MODEL_REGISTRY[config.architecture].empty(config, dtype, device)
+    return MODEL_REGISTRY[config.architecture].empty(config, dtype, device, plan)
 
 
 def _ready(model: nn.Module) -> nn.Module:

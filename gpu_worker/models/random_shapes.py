@@ -206,9 +206,15 @@ def fill_random_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     generator = torch.Generator(device=device).manual_seed(seed)
     # named_parameters yields each tied parameter once, in a fixed order.
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.zero_()
-        else:
-            param.normal_(0.0, std, generator=generator)
+        fill_random_(name, param, generator, std)
+
+
+def fill_random_(name: str, tensor: torch.Tensor, generator: torch.Generator, std: float) -> None:
+    """Fill one parameter as fill_random_weights does (a split model's ranks draw the whole
+    tensor this way and keep their share, gpu_worker/parallel/loading.py)."""
+    if name.endswith("norm.weight"):
+        tensor.fill_(1.0)
+    elif name.endswith(".bias"):
+        tensor.zero_()
+    else:
+        tensor.normal_(0.0, std, generator=generator)

@@ -82,7 +82,7 @@ class RequestKV:
         if slots is not None:
             rows = torch.tensor([req.req_pool_idx for req in reqs], device=slots.device)
             positions = torch.tensor(seq_lens, device=slots.device)
-            self.req_to_token_pool.req_to_token[rows, positions] = slots
+            self.req_to_token_pool.write_positions(rows, positions, slots)
         return slots
 
     def alloc_extend_all(self, reqs: list, num_new: list[int]) -> torch.Tensor | None:

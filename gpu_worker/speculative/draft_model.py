@@ -81,6 +81,7 @@ class DraftModelDrafter(Drafter):
             draft_model=None,
             disable_radix_cache=True,
             forward_hooks=[],
+            tp=1,  # small: rank 0 alone drafts, with the whole draft model
             max_total_tokens=target_runner.max_total_tokens,
             context_length=target_runner.context_length,
         )
