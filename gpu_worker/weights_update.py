@@ -147,6 +147,9 @@ def _swap(engine: Any, source: str) -> None:
     runner = engine.runner
     if getattr(runner, "model", None) is None:
         raise ValueError("this worker's engine has no weights to update (a synthetic engine)")
+    tp = getattr(getattr(runner, "config", None), "tp", 1)
+    if tp > 1:  # each rank would have to load its share: not built yet (docs/TENSOR_PARALLEL.md)
+        raise ValueError(f"weight updates do not support tensor parallelism yet (--tp {tp})")
     if not engine.flush_cache():
         raise RuntimeError("requests are still running; nothing changed")  # drained first: a bug
     # Imported here: torch and the loader, which a synthetic worker never imports.

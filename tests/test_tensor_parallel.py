@@ -263,3 +263,19 @@ def test_tp2_over_gloo_equals_tp1(monkeypatch):
         assert engine.runner.tp_leader.group.shared is None
         split = engine.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [r["output_ids"] for r in split] == _greedy("random:tiny-qwen2", prompts)
+
+
+def test_a_tp2_worker_refuses_a_weights_update_and_serves_on():
+    # Each rank would have to load its share: not built, so the update fails with the reason
+    # (the heartbeat reports it) and the worker keeps serving what it served.
+    from gpu_worker.weights_update import WeightsUpdates
+
+    weights = WeightsUpdates("w", "w0-aaaa")
+    weights.noticed({b"source": b"random:tiny-llama", b"version": b"w1-bbbb"})
+    with Engine("random:tiny-llama", dtype="float32", tp=2) as engine:
+        before = engine.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY)[0]["output_ids"]
+        update = weights.apply(engine, weights.due())
+        assert not update.ok and "tensor parallelism" in update.error
+        assert weights.version == "w0-aaaa" and weights.error.startswith("w1-bbbb: ")
+        after = engine.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY)[0]["output_ids"]
+    assert after == before
