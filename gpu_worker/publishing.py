@@ -88,7 +88,8 @@ class Publisher:
 
     def publish_items(self, items: list[TokenItem], step: int) -> None:
         if items:
-            batch = TokenBatch(self.worker_id, step, items)
+            weights = self.weights.version if self.weights else None
+            batch = TokenBatch(self.worker_id, step, items, weights=weights)
             self.bus.outbox.append(Outbound(self.config.tokens_stream(), batch))
 
     def item(self, job: RunningJob) -> TokenItem:

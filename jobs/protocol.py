@@ -79,18 +79,22 @@ class TokenBatch(Message):
     The reply stream (and ``bundle`` flag) most of its items share is written once, as the
     batch's ``reply_to`` and ``bundle``, and left off those items: with one ingress a whole
     batch shares it, and it was a fifth of an item's bytes. An item with its own keeps it.
+    ``weights`` is the version of the weights that computed every item (a worker swaps them
+    only with nothing running: gpu_worker/weights_update.py); None from a worker that names
+    none.
     """
 
     KIND = "tokens"
     COMPRESSIBLE = True
-    FIELDS = {"worker_id": STR, "step": INT, "items": LIST, "v": INT}
-    OPTIONAL = frozenset({"v"})
+    FIELDS = {"worker_id": STR, "step": INT, "items": LIST, "v": INT, "weights": STR}
+    OPTIONAL = frozenset({"v", "weights"})
 
     worker_id: str
     step: int
     items: list[TokenItem]
     # Its items' wire version: maps by name (2); absent, the lists of older workers (1).
     v: int = WIRE_VERSION
+    weights: str | None = None
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> TokenBatch:
@@ -112,6 +116,8 @@ class TokenBatch(Message):
                 "items": [item.to_wire(shared) for item in self.items], "v": self.v}  # fmt: skip
         if shared is not None:
             wire["reply_to"], wire["bundle"] = shared
+        if self.weights is not None:
+            wire["weights"] = self.weights
         return wire
 
 
@@ -141,7 +147,7 @@ class TextDelta(Message):
         "logprobs": LIST, "top_logprobs": LIST, "token_texts": LIST,
         "top_token_texts": LIST, "prompt_ids": IDS, "prompt_text": STR,
         "prompt_logprobs": LIST, "prompt_top_logprobs": LIST, "prompt_token_texts": LIST,
-        "prompt_top_token_texts": LIST, "embedding": BYTES,
+        "prompt_top_token_texts": LIST, "embedding": BYTES, "weights_version": STR,
     }  # fmt: skip
     OPTIONAL = frozenset(FIELDS) - {"rid", "seq", "ids"}
 
@@ -163,6 +169,9 @@ class TextDelta(Message):
     prompt_token_texts: list[str] | None = None
     prompt_top_token_texts: list[list[str] | None] | None = None
     embedding: bytes | None = None  # an embedding job's vector, as its TokenItem's
+    # The weights computing the request, on its first delta (its TokenBatch's `weights`), so
+    # a stream names them from its first chunk; its Finish names them again.
+    weights_version: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {"kind": self.KIND, **self.fields_wire()}

@@ -19,6 +19,7 @@ from jobs.protocol import (
     encode,
     pack_ids,
 )
+from runtime.config import BusConfig
 from stages.detokenizer.stage import DetokenizerStage
 
 
@@ -93,3 +94,20 @@ def test_the_detokenizer_writes_the_finish_in_the_requesters_version(reply_versi
     assert isinstance(delta.finish, form)
     decoded = decode(encode(delta), TextDelta)
     assert decoded.finish_info() == finish
+
+
+def test_a_requests_first_delta_names_the_weights_of_its_batch():
+    # The worker's batch names the weights computing it; the detokenizer copies the version
+    # onto each request's first delta (start 0) only, so a stream names it from its first
+    # chunk without a field on every delta. A batch of a worker naming none names nothing.
+    from bus.actor import Inbound
+
+    stage = DetokenizerStage(config=BusConfig(), tokenizer=None)
+    batch = TokenBatch("w", 3, [_item(rid="a"), _item(rid="b", start=4)], weights="w2-abcd")
+    older = TokenBatch("w", 4, [_item(rid="c")])
+    batch = decode(encode(batch), TokenBatch)
+    assert batch.weights == "w2-abcd" and decode(encode(older), TokenBatch).weights is None
+    outputs = stage.handle([Inbound(b"1-0", batch), Inbound(b"2-0", older)])
+    deltas = {out.message.rid: out.message for out in outputs if hasattr(out, "message")}
+    named = {rid: decode(encode(delta), TextDelta).weights_version for rid, delta in deltas.items()}
+    assert named == {"a": "w2-abcd", "b": None, "c": None}

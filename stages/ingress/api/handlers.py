@@ -249,8 +249,13 @@ async def _stream_openai(
     def event_id() -> str | None:
         return resume.event_id(head["id"], frontend_id, choices) if ids else None
 
+    # Each chunk names the weights computing its request, known from its first deltas on.
+    for early in sub.early_replies():
+        if isinstance(early, TextDelta):
+            choices[sub.index[early.rid]].named(early)
     for first in [] if resumed else fmt.first_chunk_choices(choices):
-        await _send(response, {**head, "choices": [first], **extra}, event_id())
+        await _send(response, {**head, "system_fingerprint": system_fingerprint(choices),
+                               "choices": [first], **extra}, event_id())  # fmt: skip
     try:
         async for reply in sub.replies():
             if isinstance(reply, ErrorReply):
@@ -270,10 +275,8 @@ async def _stream_openai(
             if not delta and finish is None and logprobs is None:
                 continue  # text held back (a partial character, a stop prefix, a tool call)
             chunk_choice = fmt.chunk_choice(choice, delta, logprobs, finish)
-            # The weights version is known once the choice ends: its last chunk names it.
-            weights = {} if finish is None else {"system_fingerprint": system_fingerprint([choice])}
-            await _send(response, {**head, "choices": [chunk_choice], **extra, **weights},
-                        event_id())  # fmt: skip
+            await _send(response, {**head, "system_fingerprint": system_fingerprint([choice]),
+                                   "choices": [chunk_choice], **extra}, event_id())  # fmt: skip
         else:
             if job.include_usage:
                 await _send(

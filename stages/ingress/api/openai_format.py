@@ -26,6 +26,7 @@ class Choice:
     text_offset: int = 0  # characters so far, for completions' text_offset
     logprobs: dict[str, list] | None = None  # the whole response's logprobs, accumulated
     tool_parser: ToolCallParser | None = None  # a chat that may call tools
+    weights_version: str | None = None  # named by its first delta (and again by its Finish)
 
     @property
     def finish_reason(self) -> str | None:
@@ -37,8 +38,14 @@ class Choice:
     def add(self, delta: TextDelta) -> None:
         self.text.append(delta.text or "")
         self.ids.extend(delta.ids)
+        self.named(delta)
         if delta.finish is not None:
             self.finish = delta.finish_info()
+
+    def named(self, delta: TextDelta) -> None:
+        """Keep the weights version a delta names (a request's first one does)."""
+        if delta.weights_version is not None and self.weights_version is None:
+            self.weights_version = delta.weights_version
 
 
 def token_texts(delta: TextDelta) -> list[str]:
@@ -98,7 +105,9 @@ def system_fingerprint(choices: list[Choice]) -> str | None:
     """The weights that answered (jobs/weights.py): the version each choice's Finish names.
     A worker swaps weights only with nothing running, so one version computed each choice;
     choices served by workers on different versions (mid-update) name each, in order."""
-    versions = [c.finish.weights_version for c in choices if c.finish is not None]
+    versions = [
+        c.finish.weights_version if c.finish is not None else c.weights_version for c in choices
+    ]
     named = list(dict.fromkeys(v for v in versions if v))
     return ",".join(named) if named else None
 

@@ -177,6 +177,10 @@ class Submission:
                 self._note(reply)
                 raise ApiError.from_reply(reply)
 
+    def early_replies(self) -> list[Reply]:
+        """The replies `first_replies` read, which `replies` hands out first."""
+        return list(self._early)
+
     async def replies(self) -> AsyncIterator[Reply]:
         """Every reply (the early ones first) until each sub-request has its last one."""
         while self._early or len(self.finished) < len(self.requests):
