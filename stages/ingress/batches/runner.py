@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 POLL_S = 1.0  # how often a runner looks for batches, renews its leases, sees cancels
 RETRY_S = (0.25, 0.5, 1.0, 2.0)  # waits before a line tries admission again
 MAX_BATCHES = 4  # batches one runner runs at once
+RERUNS = 3  # passes over lines whose results a restarted Redis lost, before ending anyway
 T = TypeVar("T")
 
 
@@ -128,6 +129,17 @@ class BatchRunner:
         todo = [line for line in lines if line.line not in done]
         logger.info("batch %s: %d of %d lines to run", batch_id, len(todo), len(lines))
         status = await self._lines(batch_id, obj, todo)
+        for _ in range(RERUNS):
+            # Redis started again from its append-only file (fsynced every second) may have
+            # lost the results of the last lines it took before it died: every line ran,
+            # yet some have none. Those run again, or the batch would end short of them.
+            done = await self._call(self.store.done_lines, batch_id)
+            todo = [line for line in lines if line.line not in done]
+            if status != "completed" or not todo:
+                break
+            logger.warning("batch %s: %d lines have no result after running (Redis lost "
+                           "them?): running them again", batch_id, len(todo))  # fmt: skip
+            status = await self._lines(batch_id, obj, todo)
         await self._call(self.store.finish, batch_id, status)
         logger.info("batch %s: %s", batch_id, status)
 
