@@ -49,6 +49,7 @@ from jobs.protocol import (
     JOBS_FIELD,
     Message,
     ProtocolError,
+    bundle_payloads,
     decode,
     encode,
     job_payloads,
@@ -332,7 +333,7 @@ def _bundled(fields: dict[bytes, bytes] | None) -> list[bytes] | None:
     if not fields or JOBS_FIELD not in fields:
         return None
     try:
-        return job_payloads(fields)  # type: ignore[return-value]  # a bundle's are bytes
+        return bundle_payloads(fields)
     except ProtocolError:
         return None
 

@@ -55,6 +55,7 @@ from jobs.wire import (
     WIRE_VERSION,
     Message,
     ProtocolError,
+    bundle_payloads,
     check_field,
     check_version,
     encode,
@@ -71,8 +72,8 @@ __all__ = [
     "Message", "ProtocolError", "GenerateRequest", "TokenizedRequest", "Abort", "Finish",
     "TokenItem", "TokenBatch", "TextDelta", "TextDeltas", "ErrorReply", "ProgressEntry",
     "KvEvents", "Heartbeat",
-    "decode", "encode", "fields_of", "job_entries", "job_payloads", "pack_ids", "token_context",
-    "unpack_ids", "WIRE_VERSION",
+    "bundle_payloads", "decode", "encode", "fields_of", "job_entries", "job_payloads",
+    "pack_ids", "token_context", "unpack_ids", "WIRE_VERSION",
 ]  # fmt: skip
 
 

@@ -255,9 +255,15 @@ def job_payloads(fields: dict[bytes, bytes]) -> list[bytes | None]:
     """The job payloads an entry carries: its ``m`` (None if it has none, which `decode`
     refuses) or each job of its bundle. A `ProtocolError` for a malformed bundle, which is
     refused whole: no job in it can be trusted to be what its writer meant."""
-    bundle = fields.get(JOBS_FIELD)
-    if bundle is None:
+    if JOBS_FIELD not in fields:
         return [fields.get(ENTRY_FIELD)]
+    return list(bundle_payloads(fields))
+
+
+def bundle_payloads(fields: dict[bytes, bytes]) -> list[bytes]:
+    """The job payloads of a bundle entry (one with a ``jobs`` field); a `ProtocolError` for
+    a malformed one."""
+    bundle = fields[JOBS_FIELD]
     if ENTRY_FIELD in fields:
         raise ProtocolError("an entry with both an 'm' and a 'jobs' field: one or the other")
     if bundle[:1] == DEFLATED_MARK:
