@@ -7,7 +7,10 @@ consumer claims them), a crash after it has handed them on. Entries that are not
 the stage accepts, or that make the stage raise, go to the dead-letter stream with the
 reason, and the stage keeps running. Entries left pending by a dead consumer are taken over
 with ``XAUTOCLAIM`` once idle for ``claim_idle_ms``; one delivered more than
-``max_deliveries`` times is dead-lettered (it may be what killed its consumers). A stage
+``max_deliveries`` times is dead-lettered (it may be what killed its consumers). An entry of
+the job streams may bundle several jobs (jobs/wire.py): each is handled (or dead-lettered) on
+its own and the entry acknowledged once; a bundle claimed after a delivery is split into
+single-job entries first, so one poison job cannot take its bundle-mates down. A stage
 that cannot handle a batch yet raises `HoldBatch`: nothing is written or acknowledged. A
 MULTI refused because Redis is full (OOM) is retried like an outage: nothing acknowledged.
 Every few seconds a replica trims its input stream below what every group acknowledged
@@ -41,7 +44,16 @@ from bus.effects import (
 from bus.reconnect import REDIS_TRANSIENT, ReconnectingLoop, ensure_group
 from bus.stream_trim import StreamTrimmer
 from jobs.job_failures import failure_reply, malformed_reply, too_many_deliveries
-from jobs.protocol import ENTRY_FIELD, Message, ProtocolError, decode, encode
+from jobs.protocol import (
+    ENTRY_FIELD,
+    JOBS_FIELD,
+    Message,
+    ProtocolError,
+    bundle_payloads,
+    decode,
+    encode,
+    job_payloads,
+)
 from observability.metrics import ProcessMetrics
 from observability.stage_metrics import StageMetrics
 from runtime.config import BusConfig
@@ -180,14 +192,20 @@ class Actor:
                 reason = "deleted from the stream while pending; its requester got no reply"
                 dead.append(dead_letter_fields(self.stream, entry_id, reason, None))
                 continue
-            payload = fields.get(ENTRY_FIELD)
             try:
-                good.append(Inbound(entry_id, decode(payload, *self.stage.accepts)))
-            except ProtocolError as exc:
-                dead.append(dead_letter_fields(self.stream, entry_id, str(exc), payload))
-                answer = malformed_reply(payload, exc)
-                if answer is not None:
-                    refusals.append(reply(self.config, *answer))
+                payloads = job_payloads(fields)  # one, or each job of a bundle entry
+            except ProtocolError as exc:  # a malformed bundle: refused whole
+                dead.append(dead_letter_fields(self.stream, entry_id, str(exc),
+                                               fields.get(JOBS_FIELD)))  # fmt: skip
+                continue
+            for payload in payloads:
+                try:
+                    good.append(Inbound(entry_id, decode(payload, *self.stage.accepts)))
+                except ProtocolError as exc:  # this job alone: its bundle-mates go on
+                    dead.append(dead_letter_fields(self.stream, entry_id, str(exc), payload))
+                    answer = malformed_reply(payload, exc)
+                    if answer is not None:
+                        refusals.append(reply(self.config, *answer))
         outputs = refusals + self._handle(good, dead)
         self._commit([entry_id for entry_id, _ in entries], outputs, dead)
         if hasattr(self.stage, "committed"):  # what it wrote is in Redis now (the detokenizer)
@@ -241,10 +259,13 @@ class Actor:
                            "; ".join(str(d["reason"]) for d in dead[:3]))  # fmt: skip
 
     def touch(self, entry_ids: list[bytes]) -> None:
-        touch(self.client, self.stream, self.stage.group, self.consumer, entry_ids)
+        # The jobs of one bundle entry share its id: each id once.
+        touch(self.client, self.stream, self.stage.group, self.consumer,
+              list(dict.fromkeys(entry_ids)))  # fmt: skip
 
     def _claim_stale(self) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
-        """Take over entries idle past claim_idle_ms; dead-letter the over-delivered ones."""
+        """Take over entries idle past claim_idle_ms; dead-letter the over-delivered ones and
+        split the bundles delivered more than once (`_split_bundles`)."""
         self._next_claim = time.monotonic() + self.config.claim_idle_ms / 2000
         self._claim_cursor, claimed, _ = self.client.xautoclaim(
             self.stream, self.stage.group, self.consumer,
@@ -253,14 +274,17 @@ class Actor:
         )  # fmt: skip
         if not claimed:
             return []
-        keep, dead, answers = [], [], []
+        keep, dead, answers, bundles = [], [], [], []
         for entry_id, fields in claimed:
             info = self.client.xpending_range(
                 self.stream, self.stage.group, min=entry_id, max=entry_id, count=1
             )
             deliveries = info[0]["times_delivered"] if info else 1
-            if deliveries > self.config.max_deliveries:
-                payload = (fields or {}).get(ENTRY_FIELD)
+            payloads = _bundled(fields)
+            if payloads is not None and deliveries >= 2:
+                bundles.append((entry_id, payloads))
+            elif deliveries > self.config.max_deliveries:
+                payload = (fields or {}).get(ENTRY_FIELD, (fields or {}).get(JOBS_FIELD))
                 reason = f"delivered {deliveries} times without being handled"
                 dead.append((entry_id, dead_letter_fields(self.stream, entry_id, reason, payload)))
                 answers.append(self._poison_reply(payload, deliveries))
@@ -269,9 +293,26 @@ class Actor:
         if dead:
             outputs = [answer for answer in answers if answer is not None]
             self._commit([entry_id for entry_id, _ in dead], outputs, [d for _, d in dead])
+        if bundles:
+            self._split_bundles(bundles)
         self.metrics.claimed.inc(len(claimed))
         logger.info("%s: claimed %d stale entries", self.stage.group, len(keep))
         return keep
+
+    def _split_bundles(self, bundles: list[tuple[bytes, list[bytes]]]) -> None:
+        """Put each job of these bundles back on the stream as an entry of its own and
+        acknowledge the bundles, in one MULTI: a bundle that came back is one that a consumer
+        died holding, and as single entries each job counts its own deliveries, so a job that
+        kills its consumers is dead-lettered alone rather than take its bundle-mates along."""
+        pipe = self.client.pipeline(transaction=True)
+        for _, payloads in bundles:
+            for payload in payloads:
+                pipe.xadd(self.stream, {ENTRY_FIELD: payload})
+        pipe.xack(self.stream, self.stage.group, *[entry_id for entry_id, _ in bundles])
+        execute_logging_errors(pipe, self.stage.group)
+        logger.warning("%s: split %d bundles delivered more than once into %d entries",
+                       self.stage.group, len(bundles),
+                       sum(len(payloads) for _, payloads in bundles))  # fmt: skip
 
     def _poison_reply(self, payload: bytes | None, deliveries: int) -> Outbound | None:
         """The error reply for a request whose entry kept its consumers from finishing it."""
@@ -284,6 +325,17 @@ class Actor:
             return None
         rid, reply_to = address
         return reply(self.config, reply_to, too_many_deliveries(rid, deliveries))
+
+
+def _bundled(fields: dict[bytes, bytes] | None) -> list[bytes] | None:
+    """The job payloads of a well-formed bundle entry; None for any other entry (a malformed
+    bundle is dead-lettered whole when it is processed)."""
+    if not fields or JOBS_FIELD not in fields:
+        return None
+    try:
+        return bundle_payloads(fields)
+    except ProtocolError:
+        return None
 
 
 def _payload_of(message: Message) -> bytes:

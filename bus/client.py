@@ -7,7 +7,8 @@
             ...
 
 On the wire (jobs/protocol.py has it all): ``submit`` XADDs one entry ``{m: msgpack map}`` to
-``<p>:requests``, a GenerateRequest ``{kind: "generate", rid, reply_to, prompt | messages |
+``<p>:requests`` (``submit_many`` one entry ``{jobs: msgpack array of such maps' bytes}`` per
+round trip: jobs/wire.py), a GenerateRequest ``{kind: "generate", rid, reply_to, prompt | messages |
 input_ids (packed little-endian int32 bytes), sampling: {SamplingParams fields}, created}``.
 The pipeline answers on the client's own ``<p>:reply:client-<uuid>`` stream with TextDelta
 entries ``{kind: "delta", rid, seq, ids, text, finish?}`` (``finish`` on the last one:
@@ -40,9 +41,10 @@ import redis.asyncio as aredis
 from batch_store.client_methods import BatchMethods
 from bus.aborts import publish_abort, publish_abort_async
 from bus.async_pool import async_redis
+from bus.effects import add_jobs
 from bus.replies import AsyncReplyReader, Reply, ReplyReader
 from jobs.errors import RequestError
-from jobs.protocol import ENTRY_FIELD, MAX_TOKEN_ID, ErrorReply, GenerateRequest, decode, encode
+from jobs.protocol import MAX_TOKEN_ID, ErrorReply, GenerateRequest, decode, encode
 from jobs.requests import lift_priority
 from jobs.sampling_params import wire_sampling
 from runtime.cluster import client_shards
@@ -111,9 +113,9 @@ def add_requests(
     config: BusConfig,
     requests: Iterable[GenerateRequest],
 ) -> None:
-    """Queue the XADDs of `requests` to the requests stream on `pipe` (sync or async)."""
-    for request in requests:
-        pipe.xadd(config.requests_stream(), {ENTRY_FIELD: encode(request)})
+    """Queue `requests` on the requests stream on `pipe` (sync or async): one bundle entry
+    for them all (a plain entry for one alone; jobs/wire.py)."""
+    add_jobs(pipe, config.requests_stream(), [encode(request) for request in requests])
 
 
 def resolve_config(redis_url: str | None, config: BusConfig | None) -> BusConfig:

@@ -8,6 +8,9 @@ without undoing the others; a Redis at ``maxmemory`` refuses the whole MULTI, an
 raised as the transient error it is (redis.OutOfMemoryError, in REDIS_TRANSIENT): the
 inputs stay pending, to be handled again once memory is freed.
 
+The jobs of one commit bound for a job stream (`job_streams`) go in one bundle
+entry (`add_jobs`, jobs/wire.py): one XADD per hop for a whole batch, not one per job.
+
 No XADD here trims its stream by a count: a stream read by consumer groups is trimmed by
 its consumers below what every group acknowledged (bus/stream_trim.py), and a reply stream
 by its reader (bus/replies.py) and its TTL. Only the dead-letter stream, which is for
@@ -24,7 +27,7 @@ from typing import Any
 
 import redis
 
-from jobs.protocol import ENTRY_FIELD, Message, encode
+from jobs.protocol import ENTRY_FIELD, Message, encode, job_entries
 from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
@@ -102,9 +105,31 @@ def dead_letter_fields(
 
 
 def write_outputs(pipe: Any, config: BusConfig, outputs: Sequence[Output]) -> None:
-    """Queue the commands of `outputs` on a pipeline (one MULTI with the acks)."""
+    """Queue the commands of `outputs` on a pipeline (one MULTI with the acks); the jobs
+    among them for a job stream in one bundle entry per stream, in their order."""
+    bundled = job_streams(config)
+    jobs: dict[str, list[bytes]] = {}
     for out in outputs:
-        out.apply(pipe, config)
+        if isinstance(out, Outbound) and out.stream in bundled:
+            jobs.setdefault(out.stream, []).append(encode(out.message))
+        else:
+            out.apply(pipe, config)
+    for stream, payloads in jobs.items():
+        add_jobs(pipe, stream, payloads)
+
+
+def job_streams(config: BusConfig) -> tuple[str, str]:
+    """The two stage hops a job crosses before its worker, whose writers bundle a commit's
+    jobs into one entry. A worker's stream is not one: its jobs are acknowledged one by one,
+    as each finishes."""
+    return config.requests_stream(), config.tokenized_stream()
+
+
+def add_jobs(pipe: Any, stream: str, payloads: list[bytes]) -> None:
+    """Queue the XADDs that put encoded jobs on a job stream: one bundle entry for all (a
+    plain entry for one alone; more only past a bundle's bounds)."""
+    for fields in job_entries(payloads):
+        pipe.xadd(stream, fields)
 
 
 def write_dead_letters(pipe: Any, config: BusConfig, dead: Sequence[dict[str, Any]]) -> None:

@@ -200,6 +200,7 @@ def _stages_table(stages: list[dict[str, Any]], prefix: str) -> Table:
     table.add_column("input stream")  # its name past the prefix, which the title shows
     for column in ("length", "lag", "pending", "entries/s"):
         table.add_column(column, justify="right")
+    table.caption = "entries, not jobs: one entry of requests or tokenized may bundle many"
     for stage in stages:
         replicas = stage["replicas"]
         ids = ", ".join(short_id(r["id"]) for r in replicas)

@@ -47,6 +47,7 @@ from jobs.wire import (
     FLOAT,
     IDS,
     INT,
+    JOBS_FIELD,
     LIST,
     MAX_TOKEN_ID,
     RECORD,
@@ -54,21 +55,25 @@ from jobs.wire import (
     WIRE_VERSION,
     Message,
     ProtocolError,
+    bundle_payloads,
     check_field,
     check_version,
     encode,
     fields_of,
     inflate,
+    job_entries,
+    job_payloads,
     pack_ids,
     unpack_ids,
 )
 
 __all__ = [
-    "ENTRY_FIELD", "MAX_TOKEN_ID", "PROMPT_CONTEXT_TOKENS", "MESSAGE_TYPES", "Message",
-    "ProtocolError", "GenerateRequest", "TokenizedRequest", "Abort", "Finish", "TokenItem",
-    "TokenBatch", "TextDelta", "TextDeltas", "ErrorReply", "ProgressEntry", "KvEvents",
-    "Heartbeat",
-    "decode", "encode", "fields_of", "pack_ids", "token_context", "unpack_ids", "WIRE_VERSION",
+    "ENTRY_FIELD", "JOBS_FIELD", "MAX_TOKEN_ID", "PROMPT_CONTEXT_TOKENS", "MESSAGE_TYPES",
+    "Message", "ProtocolError", "GenerateRequest", "TokenizedRequest", "Abort", "Finish",
+    "TokenItem", "TokenBatch", "TextDelta", "TextDeltas", "ErrorReply", "ProgressEntry",
+    "KvEvents", "Heartbeat",
+    "bundle_payloads", "decode", "encode", "fields_of", "job_entries", "job_payloads",
+    "pack_ids", "token_context", "unpack_ids", "WIRE_VERSION",
 ]  # fmt: skip
 
 

@@ -16,6 +16,14 @@ win back on the thinner records (benchmarks/bench_wire_codec.py). A deflated pay
 with zlib's header byte `DEFLATED_MARK`, which no msgpack map starts with, so readers tell
 the two apart by it (`inflate`); only streams that take a compressible kind accept one, and
 none is inflated past `MAX_INFLATED_BYTES`.
+
+On the two job streams (the requests and the tokenized stream) a writer puts the jobs of one
+commit in one entry: its single field ``jobs`` (`JOBS_FIELD`) holds a msgpack array of job
+payloads, each exactly the bytes a single-job entry holds under ``m`` (`job_entries`; one
+job alone is written as a plain single-job entry). Those streams were costing one XADD per
+job per hop while their readers took a dozen entries a read (issue 27). Readers take both
+forms apart with `job_payloads`; a bundle that is not a plain array of 1 to
+`MAX_BUNDLE_JOBS` byte strings is refused whole, a bad job inside a good one on its own.
 """
 
 from __future__ import annotations
@@ -31,6 +39,12 @@ from typing import Any, ClassVar
 import msgpack
 
 ENTRY_FIELD = b"m"
+# A job-stream entry holding several jobs (the module docstring says why).
+JOBS_FIELD = b"jobs"
+# Bounds on one bundle: a reader unpacks it whole, and Redis refuses a value past 512 MiB
+# (a refused XADD would drop every job in it). A job larger than this still goes alone.
+MAX_BUNDLE_JOBS = 4096
+MAX_BUNDLE_BYTES = 8 * 2**20
 # A token id is an int32 on the wire; vocabularies are far below this.
 MAX_TOKEN_ID = 2**31 - 1
 # zlib's first byte with deflate's default window: in msgpack, the positive fixint 120.
@@ -212,6 +226,67 @@ def inflate(payload: bytes) -> bytes:
     if not inflater.eof:
         raise ProtocolError("deflated payload is cut short")
     return packed
+
+
+def job_entries(payloads: list[bytes]) -> list[dict[bytes, bytes]]:
+    """The fields of the entries that carry `payloads` (encoded jobs, in order) on a job
+    stream: one bundle per `MAX_BUNDLE_JOBS` jobs or `MAX_BUNDLE_BYTES` bytes, and a plain
+    single-job entry for a job that is alone in its bundle."""
+    chunks: list[list[bytes]] = []
+    size = 0
+    for payload in payloads:
+        if (
+            not chunks
+            or len(chunks[-1]) >= MAX_BUNDLE_JOBS
+            or (size + len(payload) > MAX_BUNDLE_BYTES and chunks[-1])
+        ):
+            chunks.append([])
+            size = 0
+        chunks[-1].append(payload)
+        size += len(payload)
+    return [
+        {ENTRY_FIELD: chunk[0]} if len(chunk) == 1
+        else {JOBS_FIELD: msgpack.packb(chunk, use_bin_type=True)}
+        for chunk in chunks
+    ]  # fmt: skip
+
+
+def job_payloads(fields: dict[bytes, bytes]) -> list[bytes | None]:
+    """The job payloads an entry carries: its ``m`` (None if it has none, which `decode`
+    refuses) or each job of its bundle. A `ProtocolError` for a malformed bundle, which is
+    refused whole: no job in it can be trusted to be what its writer meant."""
+    if JOBS_FIELD not in fields:
+        return [fields.get(ENTRY_FIELD)]
+    return list(bundle_payloads(fields))
+
+
+def bundle_payloads(fields: dict[bytes, bytes]) -> list[bytes]:
+    """The job payloads of a bundle entry (one with a ``jobs`` field); a `ProtocolError` for
+    a malformed one."""
+    bundle = fields[JOBS_FIELD]
+    if ENTRY_FIELD in fields:
+        raise ProtocolError("an entry with both an 'm' and a 'jobs' field: one or the other")
+    if bundle[:1] == DEFLATED_MARK:
+        raise ProtocolError("a deflated bundle of jobs: the job streams are written plain")
+    try:
+        jobs = msgpack.unpackb(bundle, raw=False, max_array_len=MAX_BUNDLE_JOBS)
+    except ValueError as exc:  # msgpack's errors, and an array past the bound, are ValueErrors
+        raise ProtocolError(f"bundle of jobs: not msgpack within {MAX_BUNDLE_JOBS} jobs: "
+                            f"{exc}"[:1000]) from None  # fmt: skip
+    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
+        raise ProtocolError(f"bundle of jobs: not msgpack: {exc}"[:1000]) from None
+    if not isinstance(jobs, list) or not jobs:
+        raise ProtocolError("bundle of jobs: must be a non-empty msgpack array of job "
+                            f"payloads, got {_shape(jobs)}")  # fmt: skip
+    wrong = sorted({_shape(job) for job in jobs if not isinstance(job, bytes)})
+    if wrong:
+        raise ProtocolError(f"bundle of jobs: each job must be msgpack bytes (bin), got "
+                            f"{', '.join(wrong)}")  # fmt: skip
+    return jobs
+
+
+def _shape(value: Any) -> str:
+    return "an empty array" if value == [] else type(value).__name__
 
 
 def fields_of(message: Message) -> dict[str, Any]:

@@ -99,7 +99,11 @@ def _stream_families(client: redis.Redis, config: BusConfig) -> Iterable[Metric]
     gauges = {
         name: Metric(PREFIX + name, documentation, "gauge")
         for name, documentation in (
-            ("stream_length", "Entries in the stream (kept until every group acked them)."),
+            (
+                "stream_length",
+                "Entries in the stream (kept until every group acked them); "
+                "an entry of the requests or tokenized stream may bundle several jobs.",
+            ),
             ("stream_group_lag", "Entries of the stream the group has not read yet."),
             ("stream_group_pending", "Entries the group read and has not acknowledged."),
             ("stream_group_consumers", "Consumers the group has known (live or not)."),

@@ -2,7 +2,9 @@
 entries and consumers (XLEN, XINFO GROUPS, XINFO CONSUMERS), read in one round trip.
 
 Lag is what the group has not read yet; pending, what it read and has not acknowledged. A
-stage keeping up shows both near 0; lag that grows says the stage needs replicas.
+stage keeping up shows both near 0; lag that grows says the stage needs replicas. All three
+count entries: on the job streams (requests, tokenized) one entry may bundle a whole
+commit's jobs (jobs/wire.py), so there they are not job counts.
 """
 
 from __future__ import annotations

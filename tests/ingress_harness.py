@@ -26,7 +26,7 @@ import redis
 
 from jobs.protocol import Finish, GenerateRequest, Heartbeat, TextDelta, decode
 from jobs.token_records import pack_floats
-from jobs.wire import ENTRY_FIELD, Message, ProtocolError, encode
+from jobs.wire import ENTRY_FIELD, Message, ProtocolError, encode, job_payloads
 from runtime.config import BusConfig
 from stages.ingress.server import create_app, serve
 from stages.ingress.tenancy.tenants import KEY_LIMITS_ENV, tenants_from_env
@@ -91,6 +91,21 @@ def embedding_delta(rid: str, vector: list[float], prompt_tokens: int = 7) -> Te
     return TextDelta(rid, 0, [], None, finish.to_wire(), embedding=pack_floats(vector))
 
 
+def _requests_in(fields: dict[bytes, bytes]) -> list[GenerateRequest]:
+    """The jobs an entry carries (one, or a bundle's: jobs/wire.py), filler left out."""
+    requests = []
+    try:
+        payloads = job_payloads(fields)
+    except ProtocolError:
+        return []
+    for payload in payloads:
+        try:
+            requests.append(decode(payload, GenerateRequest))
+        except ProtocolError:
+            continue  # filler a test put on the stream
+    return requests
+
+
 class Upstream:
     """Answers every job on the requests stream with what `script` returns for it."""
 
@@ -109,13 +124,10 @@ class Upstream:
             pipe = self.client.pipeline(transaction=False)
             for entry_id, fields in response[0][1] if response else []:
                 last = entry_id
-                try:
-                    request = decode(fields.get(ENTRY_FIELD), GenerateRequest)
-                except ProtocolError:
-                    continue  # filler a test put on the stream
-                self.requests.append(request)
-                for message in self.script(request):
-                    pipe.xadd(request.reply_to, {ENTRY_FIELD: encode(message)})
+                for request in _requests_in(fields):
+                    self.requests.append(request)
+                    for message in self.script(request):
+                        pipe.xadd(request.reply_to, {ENTRY_FIELD: encode(message)})
             pipe.execute()
 
     def __enter__(self) -> Upstream:

@@ -19,12 +19,16 @@ import msgpack
 import pytest
 import redis
 
-from jobs.protocol import ENTRY_FIELD, ErrorReply, TextDelta, decode
+from jobs.protocol import ENTRY_FIELD, JOBS_FIELD, ErrorReply, TextDelta, decode
 from tests.pipeline_harness import Pipeline
 
 MODEL = "smollm2-135m-instruct"
 ANSWER_TIMEOUT_S = 120.0
 DEEP = "[" * 100_000
+
+
+class Fields(dict):
+    """A corpus entry written with exactly these fields (not a payload under ``m``)."""
 
 
 def _ids(*ids: int) -> bytes:
@@ -111,6 +115,18 @@ STREAM_CORPUS: list[tuple[str, str, Any]] = [
     ("worker", "abort-rid-int", {"kind": "abort", "rid": 5}),
     ("worker", "stop-token-ids-huge",
      _tokenized("w-stop-ids", **_sampling(stop_token_ids=[2**40]))),
+    # Bundles of jobs (jobs/wire.py) that are not one: each dead-lettered whole.
+    ("requests", "bundle-not-array", Fields({JOBS_FIELD: msgpack.packb(_generate("r-b-map"))})),
+    ("requests", "bundle-empty", Fields({JOBS_FIELD: msgpack.packb([])})),
+    ("requests", "bundle-maps-inside", Fields({JOBS_FIELD: msgpack.packb([_generate("r-b")])})),
+    ("tokenized", "bundle-too-many", Fields({JOBS_FIELD: msgpack.packb([b"\x80"] * 5000)})),
+    ("tokenized", "bundle-deflated", Fields({JOBS_FIELD: zlib.compress(msgpack.packb(
+        [msgpack.packb(_tokenized("t-b-deflated"))]))})),
+    ("tokenized", "bundle-and-m", Fields({ENTRY_FIELD: msgpack.packb(_tokenized("t-b-m")),
+                                          JOBS_FIELD: msgpack.packb([b"\x80", b"\x80"])})),
+    ("requests", "bundle-not-msgpack", Fields({JOBS_FIELD: b"\xc1\xc1"})),
+    ("worker", "bundle-on-a-worker-stream",
+     Fields({JOBS_FIELD: msgpack.packb([msgpack.packb(_tokenized("w-b"))] * 2)})),
 ]  # fmt: skip
 
 CHAT = "/v1/chat/completions"
@@ -141,6 +157,8 @@ def pipeline():
 
 
 def _write(client: redis.Redis, stream: str, payload: Any) -> bytes:
+    if isinstance(payload, Fields):
+        return client.xadd(stream, payload)
     data = payload if isinstance(payload, bytes) else msgpack.packb(payload, use_bin_type=True)
     return client.xadd(stream, {ENTRY_FIELD: data})
 

@@ -9,7 +9,7 @@ import threading
 import time
 
 from bus.actor import Actor
-from bus.effects import Outbound, write_outputs
+from bus.effects import Outbound
 from jobs.protocol import ENTRY_FIELD, TokenizedRequest, decode
 from runtime.config import BusConfig
 from stages.router.stage import RouterStage
@@ -28,10 +28,10 @@ def test_a_flood_past_the_stream_bound_loses_no_accepted_job(redis_client, redis
     rids = [f"flood-{i}" for i in range(FLOOD)]
     for start in range(0, FLOOD, 100):
         pipe = redis_client.pipeline(transaction=True)
-        write_outputs(pipe, config, [
-            Outbound(config.tokenized_stream(), TokenizedRequest(rid, "t:reply", [1], {}))
-            for rid in rids[start : start + 100]
-        ])  # fmt: skip
+        for rid in rids[start : start + 100]:  # an entry each (a commit would bundle them)
+            Outbound(config.tokenized_stream(), TokenizedRequest(rid, "t:reply", [1], {})).apply(
+                pipe, config
+            )
         pipe.execute()
     assert redis_client.xlen(config.tokenized_stream()) == FLOOD
 

@@ -22,6 +22,7 @@ from jobs.protocol import (
     TokenizedRequest,
     decode,
     encode,
+    job_payloads,
 )
 from runtime.config import BusConfig
 from stages.router.stage import RouterStage, live_workers
@@ -259,8 +260,9 @@ def _request(client: redis.Redis, config: BusConfig, job: GenerateRequest) -> No
 
 def _tokenized(client: redis.Redis, config: BusConfig) -> list[TokenizedRequest]:
     return [
-        decode(fields[ENTRY_FIELD], TokenizedRequest)
+        decode(payload, TokenizedRequest)
         for _, fields in client.xrange(config.tokenized_stream())
+        for payload in job_payloads(fields)
     ]
 
 

@@ -12,7 +12,7 @@ import threading
 import pytest
 import redis
 
-from jobs.protocol import ENTRY_FIELD, Abort, TokenizedRequest, decode, encode
+from jobs.protocol import ENTRY_FIELD, Abort, TokenizedRequest, decode, encode, job_payloads
 from runtime.config import BusConfig
 from stages.router.worker_reaper import WORKER_GROUP, WorkerReaper, dead_worker_ids
 
@@ -47,8 +47,9 @@ def _read(client: redis.Redis, config: BusConfig, worker_id: str, count: int) ->
 
 def _requeued(client: redis.Redis, config: BusConfig) -> list[str]:
     return [
-        decode(fields[ENTRY_FIELD], TokenizedRequest).rid
+        decode(payload, TokenizedRequest).rid
         for _, fields in client.xrange(config.tokenized_stream())
+        for payload in job_payloads(fields)
     ]
 
 

@@ -38,6 +38,10 @@ async def queue_depth(client: aredis.Redis, config: BusConfig) -> int:
     A stream keeps entries after they are acknowledged (until MAXLEN trims them), so its
     XLEN is not its backlog once a group reads it: the group's ``lag`` (never delivered) plus
     ``pending`` (delivered, not yet acknowledged) is. Before any group exists, XLEN is.
+
+    These count entries: a bundle entry (jobs/wire.py: a commit's jobs, one ingress turn's
+    or one tokenizer batch's) counts as one, so under load the jobs waiting can be many
+    times the depth read here.
     """
     streams = (config.requests_stream(), config.tokenized_stream())
     pipe = client.pipeline(transaction=False)

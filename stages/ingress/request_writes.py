@@ -2,11 +2,12 @@
 command where Redis takes many keys, for every handler that asks in the same turn.
 
 A request costs the bus, besides its tokens, a MULTI at its start (the SET of its request
-key, the XADD of each of its jobs, EXEC) and a DEL at its end. Under load many handlers
-ask in one turn: their starts go in one MULTI (the SETs and XADDs, one MULTI and EXEC for
-all) and their ends in one DEL of all their keys (and one pipeline of their aborts). Each
-request is still all or none: a MULTI that Redis refuses (OOM) fails every request in it,
-each answering its own 503, and none of them is queued.
+key, the XADD of its jobs, EXEC) and a DEL at its end. Under load many handlers ask in one
+turn: their starts go in one MULTI (the SETs, and one XADD of a bundle entry holding every
+job of the turn: jobs/wire.py; one MULTI and EXEC for all) and their ends in one DEL of all
+their keys (and one pipeline of their aborts). Each request is still all or none: a MULTI
+that Redis refuses (OOM) fails every request in it, each answering its own 503, and none of
+them is queued.
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ class RequestWrites:
     async def _start_all(self) -> None:
         starts, self._starts = self._starts, []
         pipe = self.client.pipeline(transaction=True)
-        for request_id, record, requests, _ in starts:
+        for request_id, record, _, _ in starts:
             pipe.set(self.config.request_key(request_id), record, ex=self.config.reply_ttl_s)
-            add_requests(pipe, self.config, requests)
+        add_requests(pipe, self.config, [job for _, _, jobs, _ in starts for job in jobs])
         try:
             await pipe.execute()
         except BaseException as exc:  # every request of the MULTI failed, each says so

@@ -44,6 +44,7 @@ from bus.effects import (
     execute_logging_errors,
     reply,
     write_dead_letters,
+    write_outputs,
 )
 from bus.fenced_stream import WORKER_GROUP, fence_off, read_progress_log
 from bus.liveness import read_liveness
@@ -158,7 +159,9 @@ class WorkerReaper:
         progress = rebuild(self._log, carried)
         for job in moving:
             job.progress = progress[job.rid] or None
-            Outbound(self.config.tokenized_stream(), job).apply(pipe, self.config)
+        # One bundle entry for them all (jobs/wire.py), as the tokenizer writes them.
+        write_outputs(pipe, self.config, [Outbound(self.config.tokenized_stream(), job)
+                                          for job in moving])  # fmt: skip
         moved = len(moving)
         pipe.xack(stream, WORKER_GROUP, *[entry_id for entry_id, _ in entries])
         execute_logging_errors(pipe, "reaper")
