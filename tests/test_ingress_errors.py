@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 
+import msgpack
 import openai
 import pytest
 
@@ -170,6 +171,18 @@ def test_full_queue_is_429_with_retry_after(redis_client, redis_url):
         status, headers, data = ingress.request("POST", CHAT, chat_body())
     assert_openai_error(status, json.loads(data), 429, code="queue_full")
     assert int(headers["Retry-After"]) >= 1
+
+
+def test_a_full_queue_counts_the_jobs_of_bundle_entries(redis_client, redis_url):
+    """One entry carrying a commit's jobs (jobs/wire.py) counts as its jobs, not as one."""
+    from jobs.wire import JOBS_FIELD
+
+    with RunningIngress(redis_url, max_queue=3) as ingress:
+        add_worker(redis_client, ingress.config)
+        bundle = msgpack.packb([b"x", b"y", b"z"])
+        redis_client.xadd(ingress.config.requests_stream(), {JOBS_FIELD: bundle})
+        status, _, data = ingress.request("POST", CHAT, chat_body())
+    assert_openai_error(status, json.loads(data), 429, code="queue_full")
 
 
 def test_queue_depth_counts_what_a_group_has_not_acknowledged(redis_client, redis_url):

@@ -17,6 +17,7 @@ import time
 import redis.asyncio as aredis
 
 from bus.liveness import Liveness, read_liveness_async
+from jobs.wire import ProtocolError, job_payloads
 from runtime.config import BusConfig
 
 WORKERS_CHECK_INTERVAL_S = 1.0
@@ -39,25 +40,37 @@ async def queue_depth(client: aredis.Redis, config: BusConfig) -> int:
     XLEN is not its backlog once a group reads it: the group's ``lag`` (never delivered) plus
     ``pending`` (delivered, not yet acknowledged) is. Before any group exists, XLEN is.
 
-    These count entries: a bundle entry (jobs/wire.py: a commit's jobs, one ingress turn's
-    or one tokenizer batch's) counts as one, so under load the jobs waiting can be many
-    times the depth read here.
+    Those count entries, and a bundle entry (jobs/wire.py) holds a commit's jobs: one ingress
+    turn's, one tokenizer batch's. So each stream's backlog counts as many jobs a piece as
+    its newest entry holds: an estimate (bundles grow and shrink with the load), but of the
+    right size, where entries alone let ``max_queue`` admit many times its jobs.
     """
     streams = (config.requests_stream(), config.tokenized_stream())
     pipe = client.pipeline(transaction=False)
     for stream in streams:
         pipe.xinfo_groups(stream)
         pipe.xlen(stream)
+        pipe.xrevrange(stream, count=1)
     results = await pipe.execute(raise_on_error=False)
     depth = 0
-    for groups, length in zip(results[::2], results[1::2], strict=True):
+    for groups, length, newest in zip(results[::3], results[1::3], results[2::3], strict=True):
         if isinstance(groups, Exception) or isinstance(length, Exception):
             continue  # no such stream yet: nothing queued
-        if not groups:
-            depth += length
-        else:
-            depth += max(g["pending"] + (g.get("lag") or 0) for g in groups)
+        entries = length if not groups else max(
+            g["pending"] + (g.get("lag") or 0) for g in groups
+        )  # fmt: skip
+        depth += entries * _jobs_per_entry(newest)
     return depth
+
+
+def _jobs_per_entry(newest: object) -> int:
+    """How many jobs the stream's newest entry holds (1 for a plain or unreadable one)."""
+    if isinstance(newest, Exception) or not newest:
+        return 1
+    try:
+        return max(1, len(job_payloads(newest[0][1] or {})))
+    except ProtocolError:
+        return 1
 
 
 class QueueDepth:
