@@ -16,6 +16,7 @@ import time
 
 import redis.asyncio as aredis
 
+from bus.effects import job_streams
 from bus.liveness import Liveness, read_liveness_async
 from jobs.wire import ProtocolError, job_payloads
 from runtime.config import BusConfig
@@ -45,7 +46,7 @@ async def queue_depth(client: aredis.Redis, config: BusConfig) -> int:
     its newest entry holds: an estimate (bundles grow and shrink with the load), but of the
     right size, where entries alone let ``max_queue`` admit many times its jobs.
     """
-    streams = (config.requests_stream(), config.tokenized_stream())
+    streams = job_streams(config)  # the streams whose entries may bundle jobs
     pipe = client.pipeline(transaction=False)
     for stream in streams:
         pipe.xinfo_groups(stream)
