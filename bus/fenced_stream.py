@@ -3,34 +3,36 @@
 A worker reads jobs from its stream ``<p>:worker:<id>`` in the consumer group ``worker``
 (`WORKER_GROUP`), where the router stage routes them. What a worker writes (its outputs, the
 acknowledgements of its jobs, dead letters, an entry of its progress log) waits in the
-buffers of its `FencedStream` until the next `commit`, one MULTI that may also carry a
-non-blocking read of new jobs: while there is work the bus costs one round trip per publish
-(gpu_worker/worker.py publishes at most every ``publish_interval_ms``); idle, the worker
-blocks on its stream (`read_blocking`).
+buffers of its `FencedStream` until the next `commit`, one atomic script call
+(bus/scripted_multi.py) that may also carry a non-blocking read of new jobs: while there is
+work the bus costs one round trip per publish (gpu_worker/worker.py publishes at most every
+``publish_interval_ms``); idle, the worker blocks on its stream (`read_blocking`).
 
 Nothing is lost when a worker dies. A job stays pending on the worker's stream until it
-finishes (its acknowledgement goes in the MULTI with its last tokens), and the MULTI that
+finishes (its acknowledgement goes in the commit with its last tokens), and the commit that
 publishes tokens also logs them, for all the worker's jobs at once, on its progress stream
 ``<p>:progress:<id>`` (jobs/progress.py). When the heartbeat lapses, the router's reaper
 (stages/router/worker_reaper.py) moves the pending jobs to the router again, each carrying
 the ids the log holds for it, and the worker that gets one continues after them: no token is
-repeated or missing. A worker stopped with SIGTERM publishes what it generated and leaves its
-jobs to the reaper the same way. A worker started again under the same id takes back the
+repeated or missing. A worker stopped with SIGTERM publishes what it generated and leaves
+its jobs to the reaper the same way. A worker started again under the same id takes back the
 entries its previous life left pending (`open`) and reads their progress from its own log
 (`read_progress_log`); each of those was handed to a worker that died holding it, which
 `previous_deliveries` counts for the job's quarantine (jobs/job_failures.py).
 
 A worker taken for dead while alive (paused, or out of reach of Redis for longer than the
 heartbeat TTL) must not go on publishing for jobs now served elsewhere: two writers would
-send a client two versions of a token and garble the progress log. Every commit is a MULTI
-under WATCH of the worker's fence key, which the reaper changes in the MULTI that claims
-jobs off it (`fence_off`). A commit that finds the fence changed writes nothing and raises
-`Fenced`; the worker drops every job and starts again from `restart_fenced`: the entries
-still pending to it are its own, and resume from the log.
+send a client two versions of a token and garble the progress log. Every commit first
+checks, in the same script call, that the worker's fence key still holds the token the
+worker took; the reaper changes it in the MULTI that claims jobs off it (`fence_off`). A
+commit that finds the fence changed writes nothing and raises `Fenced`; the worker drops
+every job and starts again from `restart_fenced`: the entries still pending to it are its
+own, and resume from the log.
 
 The worker trims its stream, at most once per ``trim_interval_s``, below what its group has
 acknowledged (bus/stream_trim.py): a job stays on the stream until it finishes. It trims its
-progress log below the first entry about the oldest job it holds (gpu_worker/progress_log.py).
+progress log below the first entry about the oldest job it holds
+(gpu_worker/progress_log.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import redis
 from bus.actor import unique_consumer_name
 from bus.effects import Output, execute_logging_errors, write_dead_letters, write_outputs
 from bus.reconnect import ensure_group, is_missing_group
+from bus.scripted_multi import SyncScriptedMulti
 from bus.stream_trim import StreamTrimmer
 from jobs.progress import ProgressEntry
 from jobs.protocol import ENTRY_FIELD, ProtocolError, decode
@@ -119,36 +122,33 @@ class FencedStream:
         return response[0][1] if response else []
 
     def commit(self, read: bool) -> list[Entry]:
-        """One MULTI, valid only under our fence: outputs, dead letters, acks, and
+        """One script call, valid only under our fence: outputs, dead letters, acks, and
         (optionally) a non-blocking read of new jobs. Returns the jobs read; raises `Fenced`
         (having written nothing) when the fence changed."""
         self.trimmer.maybe_trim()
         self.progress_written = None
         if not (self.outbox or self.acks or self.dead or read or self.progress or self.kv_events):
             return []
-        with self.client.pipeline(transaction=True) as pipe:
-            try:
-                pipe.watch(self.fence_key)
-                if pipe.get(self.fence_key) != self._fence:
-                    raise redis.WatchError("fenced before this write")
-                pipe.multi()
-                if self.progress is not None:  # first: its reply is the entry's id
-                    pipe.xadd(self.progress_stream, {ENTRY_FIELD: self.progress})
-                if self.progress_trim is not None:
-                    pipe.xtrim(self.progress_stream, minid=self.progress_trim, approximate=False)
-                if self.kv_events is not None:  # capped by count: a snapshot follows a cut
-                    pipe.xadd(self.config.kv_events_stream(), {ENTRY_FIELD: self.kv_events},
-                              maxlen=self.config.kv_events_maxlen, approximate=True)  # fmt: skip
-                write_outputs(pipe, self.config, self.outbox)
-                write_dead_letters(pipe, self.config, self.dead)
-                if self.acks:
-                    pipe.xack(self.stream, WORKER_GROUP, *self.acks)
-                if read:
-                    pipe.xreadgroup(WORKER_GROUP, self.consumer, {self.stream: ">"},
-                                    count=self.config.read_count)  # fmt: skip
-                results = execute_logging_errors(pipe, self.who)
-            except redis.WatchError as exc:
-                raise Fenced from exc
+        # One script call, checked against the fence first (bus/scripted_multi.py).
+        pipe = SyncScriptedMulti(self.client, fence=(self.fence_key, self._fence))
+        if self.progress is not None:  # first: its reply is the entry's id
+            pipe.xadd(self.progress_stream, {ENTRY_FIELD: self.progress})
+        if self.progress_trim is not None:
+            pipe.xtrim(self.progress_stream, minid=self.progress_trim, approximate=False)
+        if self.kv_events is not None:  # capped by count: a snapshot follows a cut
+            pipe.xadd(self.config.kv_events_stream(), {ENTRY_FIELD: self.kv_events},
+                      maxlen=self.config.kv_events_maxlen, approximate=True)  # fmt: skip
+        write_outputs(pipe, self.config, self.outbox)
+        write_dead_letters(pipe, self.config, self.dead)
+        if self.acks:
+            pipe.xack(self.stream, WORKER_GROUP, *self.acks)
+        if read:
+            pipe.xreadgroup(WORKER_GROUP, self.consumer, {self.stream: ">"},
+                            count=self.config.read_count)  # fmt: skip
+        try:
+            results = execute_logging_errors(pipe, self.who)
+        except redis.WatchError as exc:
+            raise Fenced from exc
         if self.progress is not None and isinstance(results[0], bytes):
             self.progress_written = results[0]
         self._clear()

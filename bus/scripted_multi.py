@@ -1,0 +1,189 @@
+"""A commit's commands run by one Lua script instead of a MULTI: the same atomic hand-off,
+two to four commands fewer.
+
+Every turn of a stage ends in a write that must be all or nothing: its outputs, its dead
+letters and the acknowledgement of its inputs (bus/actor.py), or a worker's token batch,
+progress-log entry and acks under its fence (bus/fenced_stream.py). As a MULTI that costs a
+MULTI and an EXEC around the work, and a fenced one a WATCH and a GET of the fence as well:
+of a worker's six commands per publish four were that frame, of a detokenizer hand-off's
+four, two. The bus counts commands per generated token (benchmarks/bench_bus_cost.py), so
+the frame was a third of the streaming path's cost.
+
+`ScriptedMulti` records the commands as a redis-py pipeline would send them (it is driven
+through the same command methods: ``xadd``, ``xack``, ``set``, ...), and `execute` sends
+them in one EVALSHA of `SOURCE`, which
+
+- checks the fence first when there is one (the key must hold the token the caller's
+  writes are valid under, or not exist if it held none) and writes nothing otherwise,
+  raising ``redis.WatchError`` as a failed WATCH would;
+- runs each command under ``redis.pcall``: one that fails (an output to a key of the wrong
+  type) is returned as its error and the others still run, as the commands of a MULTI do
+  (`bus.effects.execute_logging_errors` logs and drops it);
+- is declared with a shebang, so a server over ``maxmemory`` refuses it whole (OOM), as it
+  refuses a MULTI, rather than run its first writes.
+
+A script is atomic as a MULTI is: nothing else runs between its commands, and a client that
+dies while sending it has sent nothing. On a Redis Cluster every name of one shard hashes to
+one slot (runtime/config.py ``prefix``): the script declares the first key its commands
+name, so a node that does not own that slot answers MOVED; declaring each key would send
+every name twice (bytes per token are counted too). Redis 7 is required (shebang scripts),
+as the README already says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+from redis.commands.core import BasicKeyCommands, HashCommands, StreamCommands
+
+SOURCE = """#!lua
+-- ARGV[1]: the fence: '' none; '!' KEYS[1] must not exist; '=' .. token KEYS[1] must hold.
+-- Then each command as its argument count and its arguments.
+local fence = ARGV[1]
+if fence ~= '' then
+  local held = redis.call('GET', KEYS[1])
+  if fence == '!' then
+    if held then return redis.error_reply('FENCED') end
+  elseif held ~= string.sub(fence, 2) then
+    return redis.error_reply('FENCED')
+  end
+end
+local results = {}
+local i, n = 2, #ARGV
+while i <= n do
+  local argc = tonumber(ARGV[i])
+  results[#results + 1] = redis.pcall(unpack(ARGV, i + 1, i + argc))
+  i = i + argc + 1
+end
+return results
+"""
+SHA = hashlib.sha1(SOURCE.encode()).hexdigest()
+FENCED = "FENCED"
+
+# The position of a command's first key, for the commands a commit sends (XREADGROUP's
+# keys follow STREAMS).
+_FIRST_KEY = {"XADD": 1, "XACK": 1, "XTRIM": 1, "SET": 1, "GET": 1, "EXPIRE": 1,
+              "HINCRBY": 1, "DEL": 1, "XCLAIM": 1}  # fmt: skip
+
+
+class ScriptedMulti(StreamCommands, BasicKeyCommands, HashCommands):
+    """The commands of one commit, sent by `execute` as one script call. Used as a
+    transaction pipeline is: queue commands through its methods, then execute."""
+
+    def __init__(self, fence: tuple[str, bytes | None] | None = None) -> None:
+        self.fence = fence  # (fence key, the token it must hold; None: it must not exist)
+        self.commands: list[tuple[Any, ...]] = []
+
+    def execute_command(self, *args: Any, **options: Any) -> ScriptedMulti:
+        self.commands.append(args)
+        return self
+
+    def __len__(self) -> int:
+        return len(self.commands)
+
+    def script_call(self) -> tuple[list[Any], list[Any]]:
+        """(keys, args) of the EVALSHA."""
+        if self.fence is not None:
+            key, token = self.fence
+            keys = [key]
+            args: list[Any] = ["!" if token is None else b"=" + token]
+        else:
+            keys = [_first_key(self.commands[0])] if self.commands else []
+            args = [""]
+        for command in self.commands:
+            args.append(len(command))
+            args.extend(command)
+        return keys, args
+
+    def parse(self, raw: Any, raise_on_error: bool) -> list[Any]:
+        """Per command, what a pipeline would have returned for it (stream reads as
+        redis-py parses them; errors as ResponseError instances, or the first one raised
+        as a pipeline's `execute` raises it)."""
+        pairs = zip(self.commands, raw, strict=True)
+        results = [_parsed(command[0], result) for command, result in pairs]
+        if raise_on_error:
+            for result in results:
+                if isinstance(result, Exception):
+                    raise result
+        return results
+
+
+class SyncScriptedMulti(ScriptedMulti):
+    def __init__(self, client: redis.Redis, fence: tuple[str, bytes | None] | None = None):
+        super().__init__(fence)
+        self.client = client
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        if not self.commands and self.fence is None:
+            return []
+        keys, args = self.script_call()
+        try:
+            try:
+                raw = self.client.evalsha(SHA, len(keys), *keys, *args)
+            except redis.exceptions.NoScriptError:  # a new or restarted server
+                self.client.script_load(SOURCE)
+                raw = self.client.evalsha(SHA, len(keys), *keys, *args)
+        except redis.ResponseError as exc:
+            raise _fenced_or(exc) from None
+        return self.parse(raw, raise_on_error)
+
+
+class AsyncScriptedMulti(ScriptedMulti):
+    def __init__(self, client: aredis.Redis, fence: tuple[str, bytes | None] | None = None):
+        super().__init__(fence)
+        self.client = client
+
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        if not self.commands and self.fence is None:
+            return []
+        keys, args = self.script_call()
+        try:
+            try:
+                raw = await self.client.evalsha(SHA, len(keys), *keys, *args)
+            except redis.exceptions.NoScriptError:
+                await self.client.script_load(SOURCE)
+                raw = await self.client.evalsha(SHA, len(keys), *keys, *args)
+        except redis.ResponseError as exc:
+            raise _fenced_or(exc) from None
+        return self.parse(raw, raise_on_error)
+
+
+def _fenced_or(exc: redis.ResponseError) -> redis.RedisError:
+    if str(exc) == FENCED:
+        return redis.WatchError("fenced: the fence key changed since this writer took it")
+    return exc
+
+
+def _first_key(command: tuple[Any, ...]) -> Any:
+    name = str(command[0]).upper()
+    if name in ("XREADGROUP", "XREAD"):
+        return command[list(map(_upper, command)).index("STREAMS") + 1]
+    return command[_FIRST_KEY.get(name, 1)]
+
+
+def _upper(arg: Any) -> str:
+    if isinstance(arg, bytes):
+        return arg.decode(errors="replace").upper()
+    return arg.upper() if isinstance(arg, str) else ""
+
+
+def _parsed(name: Any, result: Any) -> Any:
+    if isinstance(result, Exception) or result is None:
+        return result
+    if str(name).upper() in ("XREADGROUP", "XREAD"):
+        # As redis-py's RESP2 parse: [[stream, [(id, {field: value}), ...]], ...]; a
+        # deleted entry's fields are None.
+        return [
+            [stream, [(entry_id, _pairs(fields)) for entry_id, fields in entries]]
+            for stream, entries in result
+        ]
+    return result
+
+
+def _pairs(fields: list[bytes] | None) -> dict[bytes, bytes] | None:
+    if fields is None:
+        return None
+    return dict(zip(fields[::2], fields[1::2], strict=True))
