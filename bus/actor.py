@@ -13,7 +13,7 @@ the job streams may bundle several jobs (jobs/wire.py): each is handled (or dead
 its own and the entry acknowledged once; a bundle claimed after a delivery is split into
 single-job entries first, so one poison job cannot take its bundle-mates down. A stage
 that cannot handle a batch yet raises `HoldBatch`: nothing is written or acknowledged. A
-MULTI refused because Redis is full (OOM) is retried like an outage: nothing acknowledged.
+commit refused because Redis is full (OOM) is retried like an outage: nothing acknowledged.
 Every few seconds a replica trims its input stream below what every group acknowledged
 (bus/stream_trim.py).
 """

@@ -1,7 +1,7 @@
 """The worker's side of its progress log (jobs/progress.py): what the next publish logs, and
 how far the log may be trimmed.
 
-Each publish logs, in its MULTI, one entry with every job's new output ids. The log keeps
+Each publish logs, in its commit, one entry with every job's new output ids. The log keeps
 what a job that must resume needs: every entry from the first one about each job this life
 still holds. A job this life took back with more ids than it carries (rebuilt from the log
 after a restart) logs those ids again first, so the entries of the previous life can go.

@@ -1,7 +1,7 @@
 """What a busy worker publishes, and when: its jobs' new tokens, once per interval, and its
 progress log.
 
-Each publish costs the bus one MULTI of about a dozen commands downstream, whatever it
+Each publish costs the bus one commit and about nine commands downstream, whatever it
 carries, so a busy worker publishes at most every ``publish_interval_ms``, and at once when
 its engine runs dry (a request's last tokens never wait): one TokenBatch with one item per
 request that gained tokens since the last publish (all its steps' tokens), and one entry of
@@ -100,7 +100,7 @@ class Publisher:
         job.reported = end
         self.metrics.generation_tokens.inc(end - start)
         if end > start and not req.finished:
-            # Logged in the MULTI that publishes these tokens, for all our jobs at once.
+            # Logged in the commit that publishes these tokens, for all our jobs at once.
             self.log.log(req.rid, start, req.output_ids[start:end])
             ttl = self.config.reply_ttl_s
             if job.route_due(time.monotonic(), ttl):  # set by the router: outlive the job

@@ -6,7 +6,7 @@ The loop is the engine's (receive, schedule, forward, sample, process results) w
 at its two ends. Jobs arrive on this worker's own stream ``<p>:worker:<id>``, where the
 router stage routes them. While there is work the worker publishes at most every
 ``publish_interval_ms`` (gpu_worker/publishing.py): one TokenBatch to ``<p>:tokens`` with
-every request's tokens since the last publish, and an entry of its progress log, in one MULTI
+every request's tokens since the last publish, and an entry of its progress log, in one commit
 that also carries the acknowledgements of finished jobs and a non-blocking read of new jobs.
 So the bus costs one round trip per publish, whatever the batch size and however many steps
 it covers; idle, the worker blocks on its stream. The heartbeat has a thread of its own
@@ -168,7 +168,7 @@ class Worker:
 
     def _commit(self, read: bool) -> list[Entry]:
         """Publish what the steps since the last publish generated, with everything else
-        queued, in one MULTI (bus/fenced_stream.py); the new jobs it read."""
+        queued, in one commit (bus/fenced_stream.py); the new jobs it read."""
         self.publisher.publish(self.jobs, self.steps)
         try:
             jobs = self.bus.commit(read)

@@ -2,7 +2,7 @@
 ``<p>:kv-events`` (BusConfig.kv_events_stream), read by every router replica.
 
 Blocks are named by their chained hashes (jobs/kv_blocks.py). One entry per worker publish
-that changed something, written in the worker's publishing MULTI (bus/fenced_stream.py): the
+that changed something, written in the worker's publishing commit (bus/fenced_stream.py): the
 hashes of the blocks stored and removed since the previous one. An entry with ``snapshot``
 set replaces everything a reader knew of the worker by ``stored`` (``removed`` is then
 empty): a worker writes one when it starts (an empty one: a new life holds nothing), when it

@@ -1,7 +1,7 @@
 """A worker's progress log: what it has published of each job, to resume the job elsewhere.
 
 A worker writes one `ProgressEntry` to its own progress stream (``<p>:progress:<id>``) in the
-MULTI that publishes a TokenBatch: for every job with new tokens, the output ids the batch
+commit that publishes a TokenBatch: for every job with new tokens, the output ids the batch
 published (``rid -> [start, packed ids]``). That is one command per publish for all its jobs,
 where a key per job cost an APPEND and an EXPIRE per job per step. The log is read only when
 a job must resume: the reaper moving a dead worker's jobs, or a worker taking back its own

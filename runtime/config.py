@@ -324,7 +324,7 @@ class BusConfig:
 
     def progress_stream(self, worker_id: str) -> str:
         """A worker's progress log (jobs/progress.py): the output ids each of its publishes
-        carried, per job, written in the MULTI that publishes them; where a job that must
+        carried, per job, written in the commit that publishes them; where a job that must
         resume (moved off the worker when it died) finds what it had published."""
         return self._name("progress", _require_id("worker_id", worker_id))
 

@@ -42,8 +42,8 @@ class RequestWrites:
 
     async def start(self, request_id: str, record: bytes,
                     requests: Sequence[GenerateRequest]) -> None:  # fmt: skip
-        """Set the request's key to `record` and queue its jobs, in the next MULTI; raises
-        what that MULTI raised."""
+        """Set the request's key to `record` and queue its jobs, in the next commit; raises
+        what that commit raised."""
         done = asyncio.get_running_loop().create_future()
         self._starts.append((request_id, record, requests, done))
         if len(self._starts) == 1:
@@ -76,7 +76,7 @@ class RequestWrites:
         add_requests(pipe, self.config, [job for _, _, jobs, _ in starts for job in jobs])
         try:
             await pipe.execute()
-        except BaseException as exc:  # every request of the MULTI failed, each says so
+        except BaseException as exc:  # every request of the commit failed, each says so
             for *_, done in starts:
                 if done.done():
                     continue

@@ -1,7 +1,7 @@
 """The router's index of what every worker's prefix cache holds: block hash -> worker ids.
 
 Built from the ``kv-events`` stream (jobs/kv_events.py), which each worker writes in its
-publishing MULTI. A router replica reads the stream from its start when it starts (so a
+publishing commit. A router replica reads the stream from its start when it starts (so a
 restarted router rebuilds the index) and then, before each batch it routes, what was added
 since: one non-blocking XREAD per batch (more only while a read comes back full). A worker
 that is no longer alive is dropped (`keep_only`, with the liveness each batch reads anyway);

@@ -2,7 +2,7 @@
 
 A worker leaves every job it was handed pending on its stream (``<p>:worker:<id>``) until
 the job finishes, and logs the tokens it publishes on its progress stream
-(``<p>:progress:<id>``, jobs/progress.py) in the MULTI that publishes them
+(``<p>:progress:<id>``, jobs/progress.py) in the commit that publishes them
 (bus/fenced_stream.py). So when its heartbeat lapses — it was killed, it crashed, or SIGTERM
 stopped it — its stream holds exactly the jobs it had not finished, and its log exactly what
 their clients were sent.
