@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Load:
+    """What the main loop reports each turn: its heartbeat's load fields (and its kv-events
+    entries', jobs/kv_events.py)."""
+
     running: int
     waiting: int
     free_kv_tokens: int
@@ -78,11 +81,11 @@ class HeartbeatThread(threading.Thread):
         self._turned_at = time.monotonic()
 
     def beat(self) -> None:
-        load = self.load
-        heartbeat = dataclasses.replace(
-            self._beat, running=load.running, waiting=load.waiting,
-            free_kv_tokens=load.free_kv_tokens, admitted=load.admitted, time=time.time(),
-        )  # fmt: skip
+        # The time before the load: the worker's kv-events entries carry the load too, stamped
+        # after it was reported here (gpu_worker/publishing.py), so an entry older than this
+        # beat never holds a newer load than the beat does (the router keeps the newer).
+        now = time.time()
+        heartbeat = dataclasses.replace(self._beat, **dataclasses.asdict(self.load), time=now)
         weights = self.weights
         if weights is not None:
             heartbeat = dataclasses.replace(heartbeat, model=weights.source or heartbeat.model,

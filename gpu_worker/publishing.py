@@ -13,11 +13,16 @@ state) find their progress in the worker's own log at admission (`progress`); th
 not trimmed until they have (gpu_worker/progress_log.py).
 
 The same publish carries, when the prefix cache changed, one `KvEvents` entry of the blocks
-it stored and removed (gpu_worker/cached_blocks.py): what the routers route by.
+it stored and removed (gpu_worker/cached_blocks.py): what the routers route by. The entry
+carries the worker's load as it stands after the steps published (the heartbeat's figures,
+stamped with the time), and a worker with a prefix cache writes one with just the load when
+a job finished but the cache did not change: the routers see a finished job leave the load
+at once rather than at the next heartbeat, in an XADD the commit makes anyway.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -26,10 +31,12 @@ import redis
 from bus.effects import ExpireKey, Outbound
 from bus.fenced_stream import Entry, FencedStream, read_progress_log
 from gpu_worker.cached_blocks import watch_prefix_cache
+from gpu_worker.heartbeat import Load
 from gpu_worker.progress_log import ProgressLog
 from gpu_worker.token_item import RunningJob, aborted_item, finish_of, token_item
 from gpu_worker.weights_update import WeightsUpdates
 from gpu_worker.worker_metrics import WorkerMetrics
+from jobs.kv_events import KvEvents
 from jobs.progress import rebuild
 from jobs.protocol import TokenBatch, TokenItem, TokenizedRequest, encode
 from runtime.config import BusConfig
@@ -50,6 +57,7 @@ class Publisher:
         self.log = ProgressLog(worker_id, config.trim_interval_s)
         self._gained: dict[str, None] = {}  # rids with tokens not yet published, in order
         self._last = 0.0  # monotonic time of the last publish
+        self._finished_since = False  # a job finished since the last publish: the load fell
         self._taken_back: set[bytes] = set()  # entries whose progress is in our own log
         # rid -> why the router sent the job here and what it expected cached, for its Finish.
         self._routes: dict[str, tuple[str, int]] = {}
@@ -73,18 +81,31 @@ class Publisher:
 
     # ---- what ----------------------------------------------------------------------------
 
-    def publish(self, jobs: dict[str, RunningJob], step: int) -> None:
+    def publish(self, jobs: dict[str, RunningJob], step: int, load: Load) -> None:
         """Queue on the bus's next commit one item per request that gained tokens since the
-        last publish, and the progress log's entry for them."""
+        last publish, the progress log's entry for them, and the prefix cache's changes with
+        `load` (already reported to the heartbeat: it is stamped after that)."""
         gained, self._gained = self._gained, {}
         if len(self._routes) > 2 * len(jobs) + 64:
             self._routes = {rid: route for rid, route in self._routes.items() if rid in jobs}
         self.publish_items([self.item(jobs[rid]) for rid in gained if rid in jobs], step)
         self.bus.progress = self.log.take()
         self.bus.progress_trim = self.log.trim_point()
-        events = self.blocks.take() if self.blocks is not None else None
-        self.bus.kv_events = encode(events) if events is not None else None
+        self.bus.kv_events = self._kv_events(load)
+        self._finished_since = False
         self._last = time.monotonic()
+
+    def _kv_events(self, load: Load) -> bytes | None:
+        """The kv-events entry of this publish, stamped with `load`; None: nothing to say (or
+        no prefix cache: such a worker's load is its heartbeat's alone)."""
+        if self.blocks is None:
+            return None
+        events = self.blocks.take()
+        if events is None and self._finished_since:
+            events = KvEvents(self.worker_id)  # the load alone: the cache did not change
+        if events is None:
+            return None
+        return encode(dataclasses.replace(events, **dataclasses.asdict(load), time=time.time()))
 
     def publish_items(self, items: list[TokenItem], step: int) -> None:
         if items:
@@ -107,6 +128,7 @@ class Publisher:
                 self.bus.outbox.append(ExpireKey(self.config.route_key(req.rid), ttl))
         item = token_item(req, job.reply_to, start, job.window, job.reply_version, job.bundle)
         if req.finished:
+            self._finished_since = True
             self.log.forget(req.rid)
             item.finish = finish_of(req, job.queue_seconds)
             item.finish.weights_version = self.weights.version if self.weights else None

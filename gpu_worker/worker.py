@@ -167,9 +167,9 @@ class Worker:
         self._report_load()
 
     def _commit(self, read: bool) -> list[Entry]:
-        """Publish what the steps since the last publish generated, with everything else
-        queued, in one commit (bus/fenced_stream.py); the new jobs it read."""
-        self.publisher.publish(self.jobs, self.steps)
+        """Publish what was generated and queued since the last publish, and the load (told
+        the heartbeat first: heartbeat.py), in one commit (fenced_stream.py); the jobs read."""
+        self.publisher.publish(self.jobs, self.steps, self._report_load())
         try:
             jobs = self.bus.commit(read)
         except Fenced:
@@ -194,12 +194,12 @@ class Worker:
         self._inbox.clear()  # in place: read again with all still ours (`_turn` extends it)
         return self.publisher.handed_back(self.bus.restart_fenced())
 
-    def _report_load(self) -> None:
-        load = self.scheduler.load()
-        self.heartbeat.report(Load(load["running"], load["waiting"], load["free_kv_tokens"],
-                                   self.admitted))  # fmt: skip
-        self.metrics.load(load["running"], load["waiting"], load["free_kv_tokens"],
+    def _report_load(self) -> Load:
+        load = Load(**self.scheduler.load(), admitted=self.admitted)
+        self.heartbeat.report(load)
+        self.metrics.load(load.running, load.waiting, load.free_kv_tokens,
                           self.scheduler.num_retractions)  # fmt: skip
+        return load
 
     # ---- jobs in -------------------------------------------------------------------------
 

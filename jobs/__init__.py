@@ -8,7 +8,8 @@ token_records.py       a worker's `TokenItem` and `Finish`, records by name (wir
 legacy_records.py      version 1's positional lists, still read, and written to its readers
 progress.py            a worker's progress log entries, and a job's ids rebuilt from them
 kv_blocks.py           the chained hashes naming a token sequence's blocks (KV routing)
-kv_events.py           `KvEvents`: the blocks a worker's prefix cache stored and removed
+kv_events.py           `KvEvents`: the blocks a worker's prefix cache stored and removed, and
+                       its load then (`LoadReading`)
 weights.py             the fleet's weights record: the version every worker should serve
 wire.py                the codec: one msgpack map per entry, `Record`s, the wire version
 sampling_params.py     `SamplingParams`, the one table of sampling parameters

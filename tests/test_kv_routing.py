@@ -117,7 +117,9 @@ def test_a_real_workers_stores_and_evictions_reach_every_router_index(redis_clie
     prompt = SYSTEM + [5, 6, 7, 8]
     try:
         _wait(lambda: _events(redis_client, config))  # its start: an empty snapshot
-        assert _events(redis_client, config)[0] == KvEvents("w", [], [], snapshot=True)
+        start = _events(redis_client, config)[0]
+        assert (start.stored, start.removed, start.snapshot) == ([], [], True)
+        assert (start.load.running, start.load.waiting, start.load.admitted) == (0, 0, 0)
         index = KvIndex(redis_client, config)
         job = TokenizedRequest("r1", "t:reply", prompt, {**GREEDY, "max_new_tokens": 6})
         redis_client.xadd(config.worker_stream("w"), {ENTRY_FIELD: encode(job)})

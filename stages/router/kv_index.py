@@ -11,6 +11,10 @@ The stream is capped by count, so a replica that starts late may begin inside a 
 changes: until that worker's next snapshot its view may lack blocks (a missed routing
 chance) or keep blocks since removed (a job sent for a prefix it will prefill again). Both
 cost speed, never correctness: the worker serves whatever it is sent.
+
+Entries also carry the worker's load when it wrote them (jobs/kv_events.py `LoadReading`):
+the index keeps each worker's newest (`loads`), which the router sets against the worker's
+heartbeat (stages/router/stage.py), and drops it with the worker's blocks.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Iterable, Sequence
 import redis
 
 from jobs.kv_blocks import leading_run
-from jobs.kv_events import KvEvents
+from jobs.kv_events import KvEvents, LoadReading
 from jobs.protocol import ENTRY_FIELD, ProtocolError, decode
 from runtime.config import BusConfig
 
@@ -37,6 +41,7 @@ class KvIndex:
         self.last_id: bytes | str = "0-0"  # from the start: a new router rebuilds the index
         self.by_worker: dict[str, set[int]] = {}  # worker id -> the block hashes it holds
         self.holders: dict[int, set[str]] = {}  # block hash -> the workers holding it
+        self.loads: dict[str, LoadReading] = {}  # worker id -> the newest load it wrote
 
     def refresh(self) -> int:
         """Apply the entries added since the last read; how many."""
@@ -67,6 +72,10 @@ class KvIndex:
             if block_hash not in held:
                 held.add(block_hash)
                 self.holders.setdefault(block_hash, set()).add(worker)
+        load = events.load
+        known = self.loads.get(worker)
+        if load is not None and (known is None or load.time >= known.time):
+            self.loads[worker] = load
 
     def expect(self, worker_id: str, hashes: Sequence[int]) -> None:
         """A job whose ids have these chained block `hashes` was just routed to `worker_id`:
@@ -82,12 +91,13 @@ class KvIndex:
 
     def forget(self, worker_id: str) -> None:
         """Drop everything known of `worker_id` (gone, or about to send a snapshot)."""
+        self.loads.pop(worker_id, None)
         for block_hash in self.by_worker.pop(worker_id, ()):
             self._unhold(block_hash, worker_id)
 
     def keep_only(self, worker_ids: Iterable[str]) -> None:
         """Forget every worker not in `worker_ids` (the live ones)."""
-        for worker_id in set(self.by_worker) - set(worker_ids):
+        for worker_id in (set(self.by_worker) | set(self.loads)) - set(worker_ids):
             self.forget(worker_id)
 
     def cached_blocks(self, hashes: Sequence[int], worker_id: str) -> int:

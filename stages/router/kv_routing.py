@@ -3,7 +3,7 @@
 With ``router_policy = "kv"`` each live worker gets a score for a job:
 
     expected_cached = B x (leading blocks of the job's ids the worker holds)   (kv_index.py)
-    load_tokens     = queued jobs x kv_job_load_tokens
+    load_tokens     = queued jobs x kv_job_load_tokens                           (stage.py)
     score           = kv_cache_weight x expected_cached - kv_load_weight x load_tokens
 
 and the highest score wins; among equal scores the existing load order decides (fewest

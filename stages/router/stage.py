@@ -10,6 +10,13 @@ worker that looked idlest a second ago. A job's worker is recorded under its rou
 aborts. With no live worker the batch is held (unacknowledged) until one appears, and failed
 with a 503 reply after ``no_worker_timeout_s``.
 
+A heartbeat is up to ``heartbeat_interval_s`` old: it would show a worker that just finished
+a conversation's turn still running it, and send the next turn elsewhere. So with
+``router_policy = "kv"`` the load a worker wrote with its last kv-events entry (a worker with
+a prefix cache writes one after every finish, jobs/kv_events.py) stands in for its
+heartbeat's when it is the newer, and the jobs in transit to it are those routed past that
+figure's admitted count.
+
 What the workers' caches hold comes from the ``kv-events`` stream, read into an index before
 each batch (stages/router/kv_index.py; a router started anew reads it from the start). Within
 a batch each routed job counts at once as one more job on its worker and its blocks as held
@@ -26,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import redis
@@ -35,7 +42,8 @@ from bus.actor import HoldBatch, Inbound
 from bus.effects import IncrHash, Outbound, Output, SetKey, reply
 from bus.liveness import read_liveness
 from jobs.kv_blocks import block_hashes
-from jobs.protocol import ErrorReply, TokenizedRequest
+from jobs.kv_events import LoadReading
+from jobs.protocol import ErrorReply, Heartbeat, TokenizedRequest
 from observability.metrics import ProcessMetrics
 from runtime.config import BusConfig
 from stages.router.kv_index import KvIndex
@@ -55,17 +63,31 @@ class WorkerLoad:
     free_kv_tokens: int
 
 
-def live_workers(client: redis.Redis, config: BusConfig) -> list[WorkerLoad]:
+def newest_load(beat: Heartbeat, reading: LoadReading | None) -> LoadReading:
+    """The newer of a worker's heartbeat and the load it last wrote on the kv-events stream
+    (one clock, the worker's, stamps both)."""
+    if reading is not None and reading.time > beat.time:
+        return reading
+    return LoadReading(beat.running, beat.waiting, beat.free_kv_tokens, beat.admitted,
+                       beat.time)  # fmt: skip
+
+
+def live_workers(
+    client: redis.Redis, config: BusConfig, readings: Mapping[str, LoadReading] | None = None
+) -> list[WorkerLoad]:
     """Workers whose heartbeat key is alive and readable (the reaper,
-    stages/router/worker_reaper.py, moves the jobs of the lapsed ones and removes their ids)."""
+    stages/router/worker_reaper.py, moves the jobs of the lapsed ones and removes their ids),
+    each with the newer of its heartbeat's load and its entry in `readings` (KvIndex.loads)."""
     liveness = read_liveness(client, config, routed=True)
     for worker_id, why in liveness.malformed.items():
         logger.warning("ignoring worker %s: malformed heartbeat (%s)", worker_id, why)
     loads = []
     for worker_id, beat in liveness.beats.items():
-        in_transit = max(0, liveness.routed.get(worker_id, 0) - beat.admitted)
-        queued = beat.running + beat.waiting + in_transit
-        loads.append(WorkerLoad(worker_id, beat.stream, queued, beat.free_kv_tokens))
+        load = newest_load(beat, (readings or {}).get(worker_id))
+        # Routed, not yet read by the worker when `load` was taken.
+        in_transit = max(0, liveness.routed.get(worker_id, 0) - load.admitted)
+        queued = load.running + load.waiting + in_transit
+        loads.append(WorkerLoad(worker_id, beat.stream, queued, load.free_kv_tokens))
     return loads
 
 
@@ -91,6 +113,8 @@ class RouterStage:
 
     def handle(self, batch: list[Inbound]) -> list[Output]:
         jobs = [inbound.message for inbound in batch]
+        if self.index is not None:  # before the liveness read: its loads may be the newer
+            self.index.refresh()
         workers = self._wait_for_workers([inbound.entry_id for inbound in batch])
         if not workers:
             return [
@@ -102,7 +126,6 @@ class RouterStage:
                 for job in jobs
             ]  # fmt: skip
         if self.index is not None:
-            self.index.refresh()
             self.index.keep_only(worker.worker_id for worker in workers)
         outputs: list[Output] = []
         routed: dict[str, int] = {}
@@ -134,7 +157,9 @@ class RouterStage:
         next_touch = time.monotonic() + touch_every
         warned = False
         while True:
-            workers = live_workers(self.client, self.config)
+            workers = live_workers(
+                self.client, self.config, self.index.loads if self.index is not None else None
+            )
             if workers or time.monotonic() >= deadline:
                 return workers
             if self.stop.is_set():
