@@ -1,11 +1,11 @@
 """The transport: how jobs and replies move over Redis streams. No torch.
 
 actor.py          `Actor`: a CPU stage replica's loop on its consumer group, each turn's
-                  effects and acknowledgements committed in one atomic script call
+                  effects and acknowledgements committed in one MULTI
 effects.py        what a stage's turn writes (`Outbound`, `SetKey`, `ExpireKey`, ...)
 fenced_stream.py  a worker's own stream, written only under its fence; the reaper's `fence_off`
 liveness.py       which workers are alive: the one reader of their heartbeats, sync and async
-scripted_multi.py a commit as one Lua script call: a MULTI, atomic as one, without its frame
+scripted_multi.py a worker's fenced commit as one Lua script call (not WATCH, GET, MULTI, EXEC)
 reconnect.py      every consumer loop's backoff on outages and its group made again
 stream_trim.py    trimming a stream only below what every group has read and acknowledged
 aborts.py         abort flags and Abort messages

@@ -2,9 +2,8 @@
 
 One turn of the loop: ``XREADGROUP`` (COUNT > 1, bounded BLOCK) a batch of entries, decode
 them, let the stage turn the good ones into output messages, then ``XADD`` the outputs and
-``XACK`` the inputs in one atomic script call (bus/scripted_multi.py, a MULTI less its
-frame): a crash before it leaves the inputs pending (another consumer claims them), a crash
-after it has handed them on. Entries that are not messages
+``XACK`` the inputs in one MULTI: a crash before the EXEC leaves the inputs pending (another
+consumer claims them), a crash after it has handed them on. Entries that are not messages
 the stage accepts, or that make the stage raise, go to the dead-letter stream with the
 reason, and the stage keeps running. Entries left pending by a dead consumer are taken over
 with ``XAUTOCLAIM`` once idle for ``claim_idle_ms``; one delivered more than
@@ -13,7 +12,7 @@ the job streams may bundle several jobs (jobs/wire.py): each is handled (or dead
 its own and the entry acknowledged once; a bundle claimed after a delivery is split into
 single-job entries first, so one poison job cannot take its bundle-mates down. A stage
 that cannot handle a batch yet raises `HoldBatch`: nothing is written or acknowledged. A
-commit refused because Redis is full (OOM) is retried like an outage: nothing acknowledged.
+MULTI refused because Redis is full (OOM) is retried like an outage: nothing acknowledged.
 Every few seconds a replica trims its input stream below what every group acknowledged
 (bus/stream_trim.py).
 """
@@ -43,7 +42,6 @@ from bus.effects import (
     write_outputs,
 )
 from bus.reconnect import REDIS_TRANSIENT, ReconnectingLoop, ensure_group
-from bus.scripted_multi import SyncScriptedMulti
 from bus.stream_trim import StreamTrimmer
 from jobs.job_failures import failure_reply, malformed_reply, too_many_deliveries
 from jobs.protocol import (
@@ -248,7 +246,7 @@ class Actor:
     def _commit(
         self, entry_ids: list[bytes], outputs: list[Output], dead: list[dict[str, Any]]
     ) -> None:
-        pipe = SyncScriptedMulti(self.client)
+        pipe = self.client.pipeline(transaction=True)
         write_outputs(pipe, self.config, outputs)
         write_dead_letters(pipe, self.config, dead)
         if entry_ids:
@@ -303,10 +301,10 @@ class Actor:
 
     def _split_bundles(self, bundles: list[tuple[bytes, list[bytes]]]) -> None:
         """Put each job of these bundles back on the stream as an entry of its own and
-        acknowledge the bundles, in one atomic call: a bundle that came back is one that a consumer
+        acknowledge the bundles, in one MULTI: a bundle that came back is one that a consumer
         died holding, and as single entries each job counts its own deliveries, so a job that
         kills its consumers is dead-lettered alone rather than take its bundle-mates along."""
-        pipe = SyncScriptedMulti(self.client)
+        pipe = self.client.pipeline(transaction=True)
         for _, payloads in bundles:
             for payload in payloads:
                 pipe.xadd(self.stream, {ENTRY_FIELD: payload})

@@ -1,21 +1,21 @@
-"""What a stage's turn writes: effects queued on one atomic commit with the acknowledgements.
+"""What a stage's turn writes: effects queued on one MULTI with the acknowledgements.
 
-A stage returns outputs (messages to add to streams, keys to set or expire, hash counts) and
-the code that commits its turn queues them, with the turn's dead letters, on the commit that
-acknowledges its inputs (one script call, bus/scripted_multi.py; a MULTI works the same):
-either all of it is written or none is. Executed with `execute_logging_errors`, one command
-that fails (a reply stream that is a hash) is dropped without undoing the others; a Redis at
-``maxmemory`` refuses the whole commit, and that is raised as the transient error it is
-(redis.OutOfMemoryError, in REDIS_TRANSIENT): the inputs stay pending, to be handled again
-once memory is freed.
+A stage returns outputs (messages to add to streams, keys to set or expire, hash counts) and the
+code that commits its turn queues them, with the turn's dead letters, on the MULTI that
+acknowledges its inputs: either all of it is written or none is. (A worker's commit queues the
+same commands on a script call that checks its fence first: bus/scripted_multi.py.) Executed with
+`execute_logging_errors`, one command that fails (a reply stream that is a hash) is dropped
+without undoing the others; a Redis at ``maxmemory`` refuses the whole MULTI, and that is
+raised as the transient error it is (redis.OutOfMemoryError, in REDIS_TRANSIENT): the
+inputs stay pending, to be handled again once memory is freed.
 
-The jobs of one commit bound for a job stream (`job_streams`) go in one bundle entry
-(`add_jobs`, jobs/wire.py): one XADD per hop for a whole batch, not one per job.
+The jobs of one commit bound for a job stream (`job_streams`) go in one bundle
+entry (`add_jobs`, jobs/wire.py): one XADD per hop for a whole batch, not one per job.
 
-No XADD here trims its stream by a count: a stream read by consumer groups is trimmed by its
-consumers below what every group acknowledged (bus/stream_trim.py), and a reply stream by
-its reader (bus/replies.py) and its TTL. Only the dead-letter stream, which is for people,
-keeps an approximate MAXLEN.
+No XADD here trims its stream by a count: a stream read by consumer groups is trimmed by
+its consumers below what every group acknowledged (bus/stream_trim.py), and a reply stream
+by its reader (bus/replies.py) and its TTL. Only the dead-letter stream, which is for
+people, keeps an approximate MAXLEN.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Outbound:
 
 @dataclass
 class SetKey:
-    """A key written in the same commit as the outputs (e.g. where a request was routed)."""
+    """A key written in the same MULTI as the outputs (e.g. where a request was routed)."""
 
     key: str
     value: str | bytes
@@ -106,7 +106,7 @@ def dead_letter_fields(
 
 
 def write_outputs(pipe: Any, config: BusConfig, outputs: Sequence[Output]) -> None:
-    """Queue the commands of `outputs` on a commit (with the acks); the jobs
+    """Queue the commands of `outputs` on a pipeline (one MULTI with the acks); the jobs
     among them for a job stream in one bundle entry per stream, in their order."""
     bundled = job_streams(config)
     jobs: dict[str, list[bytes]] = {}
@@ -134,18 +134,18 @@ def add_jobs(pipe: Any, stream: str, payloads: list[bytes]) -> None:
 
 
 def write_dead_letters(pipe: Any, config: BusConfig, dead: Sequence[dict[str, Any]]) -> None:
-    """Queue dead letters (`dead_letter_fields`) on a commit (with the acks)."""
+    """Queue dead letters (`dead_letter_fields`) on a pipeline (one MULTI with the acks)."""
     for fields in dead:
         pipe.xadd(config.dead_letter_stream(), fields,
                   maxlen=config.stream_maxlen, approximate=True)  # fmt: skip
 
 
 def execute_logging_errors(pipe: Any, who: str) -> list[Any]:
-    """Execute a commit without raising on a failed command: one output to a key of the wrong
-    type (a client naming a hash as its reply stream) must not undo the rest or kill the
-    stage. The other commands of a commit are applied either way.
+    """EXEC without raising on a failed command: one output to a key of the wrong type (a
+    client naming a hash as its reply stream) must not undo the rest or kill the stage. The
+    other commands of a MULTI are applied either way.
 
-    Raises redis.OutOfMemoryError when Redis is full: a commit is then refused whole, and a
+    Raises redis.OutOfMemoryError when Redis is full: a MULTI is then refused whole, and a
     command refused in a plain pipeline must not be dropped as if it were the client's
     fault. The caller's reconnect policy retries; its inputs stay pending meanwhile."""
     results = pipe.execute(raise_on_error=False)

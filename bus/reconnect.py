@@ -6,7 +6,7 @@ whatever the turn had not yet written stays with its owner for the next try. A R
 restarted without persistence has no groups: the group is made again after an outage, and
 at once when a command says it is gone (NOGROUP). A Redis at ``maxmemory`` (it runs with
 ``noeviction``) refuses writes with OOM until memory is freed: that is an outage too, retried
-the same way, so a turn whose commit was refused leaves its inputs pending rather than
+the same way, so a turn whose MULTI was refused leaves its inputs pending rather than
 acknowledging them. Any other error ends the loop.
 """
 

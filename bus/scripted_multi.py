@@ -1,21 +1,16 @@
-"""A commit's commands run by one Lua script instead of a MULTI: the same atomic hand-off,
-two to four commands fewer.
+"""A worker's fenced commit run by one Lua script instead of WATCH, GET, MULTI ... EXEC: the
+same all-or-nothing write, one round trip and two commands fewer.
 
-Every turn of a stage ends in a write that must be all or nothing: its outputs, its dead
-letters and the acknowledgement of its inputs (bus/actor.py), or a worker's token batch,
-progress-log entry and acks under its fence (bus/fenced_stream.py). As a MULTI that costs a
-MULTI and an EXEC around the work, and a fenced one a WATCH and a GET of the fence as well:
-of a worker's six commands per publish four were that frame, of a detokenizer hand-off's
-four, two. The bus counts commands per generated token (benchmarks/bench_bus_cost.py), so
-the frame was a third of the streaming path's cost.
+A worker's publish (bus/fenced_stream.py) writes its token batch, its progress-log entry and
+the acknowledgements of finished jobs only while its fence key still holds the token it
+took: as a MULTI that was a WATCH and a GET of the fence (one round trip), then MULTI, the
+writes and EXEC (a second). `SyncScriptedMulti` records the same commands, driven through
+redis-py's command methods (``xadd``, ``xack``, ...), and `execute` sends them in one EVALSHA
+of `SOURCE`, which
 
-`ScriptedMulti` records the commands as a redis-py pipeline would send them (it is driven
-through the same command methods: ``xadd``, ``xack``, ``set``, ...), and `execute` sends
-them in one EVALSHA of `SOURCE`, which
-
-- checks the fence first when there is one (the key must hold the token the caller's
-  writes are valid under, or not exist if it held none) and writes nothing otherwise,
-  raising ``redis.WatchError`` as a failed WATCH would;
+- checks the fence first (the key must hold the token the caller's writes are valid under,
+  or not exist if it held none) and writes nothing otherwise, raising ``redis.WatchError``
+  as a failed WATCH would;
 - runs each command under ``redis.pcall``: one that fails (an output to a key of the wrong
   type) is returned as its error and the others still run, as the commands of a MULTI do
   (`bus.effects.execute_logging_errors` logs and drops it);
@@ -24,10 +19,16 @@ them in one EVALSHA of `SOURCE`, which
 
 A script is atomic as a MULTI is: nothing else runs between its commands, and a client that
 dies while sending it has sent nothing. On a Redis Cluster every name of one shard hashes to
-one slot (runtime/config.py ``prefix``): the script declares the first key its commands
-name, so a node that does not own that slot answers MOVED; declaring each key would send
-every name twice (bytes per token are counted too). Redis 7 is required (shebang scripts),
-as the README already says.
+one slot (runtime/config.py ``prefix``): the script declares the fence key (or the first key
+its commands name), so a node that does not own that slot answers MOVED; declaring each key
+would send every name twice. Redis 7 is required (shebang scripts), as the README says.
+
+Only the fenced commit is a script. Server CPU per commit on the embedded valkey 9.1
+(`python benchmarks/bench_commit_cost.py`, the median of alternating rounds): a worker's
+publish 76.0 µs as WATCH/GET then MULTI/EXEC, 44.6 as a script; a detokenizer's hand-off
+(XADD, XACK) 27.8 µs as MULTI/EXEC, 39.2 as a script: with no round trip to save, the
+interpreter's cost per call outweighs the two commands it saves. Redis CPU is what a shard
+runs out of, so the stages' plain hand-offs stay MULTIs (bus/actor.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import hashlib
 from typing import Any
 
 import redis
-import redis.asyncio as aredis
 from redis.commands.core import BasicKeyCommands, HashCommands, StreamCommands
 
 SOURCE = """#!lua
@@ -126,26 +126,6 @@ class SyncScriptedMulti(ScriptedMulti):
             except redis.exceptions.NoScriptError:  # a new or restarted server
                 self.client.script_load(SOURCE)
                 raw = self.client.evalsha(SHA, len(keys), *keys, *args)
-        except redis.ResponseError as exc:
-            raise _fenced_or(exc) from None
-        return self.parse(raw, raise_on_error)
-
-
-class AsyncScriptedMulti(ScriptedMulti):
-    def __init__(self, client: aredis.Redis, fence: tuple[str, bytes | None] | None = None):
-        super().__init__(fence)
-        self.client = client
-
-    async def execute(self, raise_on_error: bool = True) -> list[Any]:
-        if not self.commands and self.fence is None:
-            return []
-        keys, args = self.script_call()
-        try:
-            try:
-                raw = await self.client.evalsha(SHA, len(keys), *keys, *args)
-            except redis.exceptions.NoScriptError:
-                await self.client.script_load(SOURCE)
-                raw = await self.client.evalsha(SHA, len(keys), *keys, *args)
         except redis.ResponseError as exc:
             raise _fenced_or(exc) from None
         return self.parse(raw, raise_on_error)

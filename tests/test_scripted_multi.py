@@ -1,17 +1,15 @@
-"""A commit run as one Lua script (bus/scripted_multi.py) keeps what a MULTI promised: all of
-it or (fenced, or Redis full) none of it, a failing command dropped without undoing the
-others, stream reads parsed as redis-py parses them; and it costs fewer commands."""
+"""A worker's fenced commit run as one Lua script (bus/scripted_multi.py) keeps what WATCH and
+MULTI promised: all of it or (fenced, or Redis full) none of it, a failing command dropped
+without undoing the others, stream reads parsed as redis-py parses them; and it costs fewer
+commands."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import redis
-import redis.asyncio as aredis
 
 from bus.effects import execute_logging_errors
-from bus.scripted_multi import AsyncScriptedMulti, SyncScriptedMulti
+from bus.scripted_multi import SyncScriptedMulti
 
 
 def _calls(client: redis.Redis) -> dict[str, int]:
@@ -98,21 +96,6 @@ def test_a_fenced_commit_costs_one_call_and_its_commands(redis_client):
     calls.pop("config|resetstat", None)
     # A MULTI under WATCH sent WATCH, GET, MULTI, 2 XADD and EXEC: six.
     assert calls == {"evalsha": 1, "get": 1, "xadd": 2}
-
-
-def test_the_async_form_writes_the_same(redis_url, redis_client):
-    async def run():
-        client = aredis.Redis.from_url(redis_url)
-        try:
-            pipe = AsyncScriptedMulti(client)
-            pipe.set("request", b"record", ex=60)
-            pipe.xadd("requests", {"m": b"job"})
-            return await pipe.execute()
-        finally:
-            await client.aclose()
-
-    was_set, added = asyncio.run(run())
-    assert was_set == b"OK" and redis_client.xrange("requests")[0][0] == added
 
 
 def test_on_a_cluster_node_that_does_not_own_the_names_it_is_moved(nodes):

@@ -4,7 +4,7 @@ Reads TokenBatch from ``<p>:tokens`` and writes each item's TextDelta to the str
 ``reply_to`` names: the deltas of the jobs that asked for bundles (``bundle_replies``: the
 ingress's and `Client`'s) bound to one stream go in one TextDeltas entry per batch read, so
 a reply stream costs one XADD per batch, whatever the requests and tokens in it; the others
-get an entry each. A stream's expiry is renewed in the same commit: a bundled stream's once a
+get an entry each. A stream's expiry is renewed in the same MULTI: a bundled stream's once a
 quarter TTL per replica (stages/detokenizer/stream_expiries.py), the others' with every batch
 (a stream its reader deleted, written again by a late delta, still goes). Stateless as to
 requests (stages/detokenizer/incremental.py), so any replica handles any batch; readers order

@@ -1,13 +1,13 @@
 """The requests' own writes, gathered per turn of the event loop: one round trip, and one
 command where Redis takes many keys, for every handler that asks in the same turn.
 
-A request costs the bus, besides its tokens, one atomic call at its start (the SET of its
-request key and the XADD of its jobs, in one script call: bus/scripted_multi.py) and a DEL
-at its end. Under load many handlers ask in one turn: their starts go in one call (the SETs,
-and one XADD of a bundle entry holding every job of the turn: jobs/wire.py) and their ends
-in one DEL of all their keys (and one pipeline of their aborts). Each request is still all
-or none: a call that Redis refuses (OOM) fails every request in it, each answering its own
-503, and none of them is queued.
+A request costs the bus, besides its tokens, a MULTI at its start (the SET of its request
+key, the XADD of its jobs, EXEC) and a DEL at its end. Under load many handlers ask in one
+turn: their starts go in one MULTI (the SETs, and one XADD of a bundle entry holding every
+job of the turn: jobs/wire.py; one MULTI and EXEC for all) and their ends in one DEL of all
+their keys (and one pipeline of their aborts). Each request is still all or none: a MULTI
+that Redis refuses (OOM) fails every request in it, each answering its own 503, and none of
+them is queued.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import redis.asyncio as aredis
 from bus.aborts import publish_aborts_async
 from bus.client import add_requests
 from bus.reconnect import REDIS_TRANSIENT
-from bus.scripted_multi import AsyncScriptedMulti
 from jobs.protocol import GenerateRequest
 from runtime.config import BusConfig
 
@@ -42,8 +41,8 @@ class RequestWrites:
 
     async def start(self, request_id: str, record: bytes,
                     requests: Sequence[GenerateRequest]) -> None:  # fmt: skip
-        """Set the request's key to `record` and queue its jobs, in the next commit; raises
-        what that commit raised."""
+        """Set the request's key to `record` and queue its jobs, in the next MULTI; raises
+        what that MULTI raised."""
         done = asyncio.get_running_loop().create_future()
         self._starts.append((request_id, record, requests, done))
         if len(self._starts) == 1:
@@ -70,13 +69,13 @@ class RequestWrites:
 
     async def _start_all(self) -> None:
         starts, self._starts = self._starts, []
-        pipe = AsyncScriptedMulti(self.client)
+        pipe = self.client.pipeline(transaction=True)
         for request_id, record, _, _ in starts:
             pipe.set(self.config.request_key(request_id), record, ex=self.config.reply_ttl_s)
         add_requests(pipe, self.config, [job for _, _, jobs, _ in starts for job in jobs])
         try:
             await pipe.execute()
-        except BaseException as exc:  # every request of the commit failed, each says so
+        except BaseException as exc:  # every request of the MULTI failed, each says so
             for *_, done in starts:
                 if done.done():
                     continue

@@ -118,7 +118,7 @@ class IngressState:
         self, request_id: str, requests: Sequence[GenerateRequest], owner: str | None = None
     ) -> None:
         """Queue the request's jobs, recorded with their `owner` (tenancy/ownership.py),
-        all or none: in one commit (with the other requests of this turn: request_writes.py),
+        all or none: in a MULTI (with the other requests of this turn: request_writes.py),
         so a Redis that fills up midway (OOM) leaves no choice running that its 503 said
         was refused."""
         record = request_record(len(requests), owner)
