@@ -9,7 +9,8 @@
 On the wire (jobs/protocol.py has it all): ``submit`` XADDs one entry ``{m: msgpack map}`` to
 ``<p>:requests`` (``submit_many`` one entry ``{jobs: msgpack array of such maps' bytes}`` per
 round trip: jobs/wire.py), a GenerateRequest ``{kind: "generate", rid, reply_to, prompt | messages |
-input_ids (packed little-endian int32 bytes), sampling: {SamplingParams fields}, created}``.
+input_ids (packed: uint16s in a msgpack extension where every id fits, else little-endian
+int32 bytes; jobs/wire.py), sampling: {SamplingParams fields}, created}``.
 The pipeline answers on the client's own ``<p>:reply:client-<uuid>`` stream with TextDelta
 entries ``{kind: "delta", rid, seq, ids, text, finish?}`` (``finish`` on the last one:
 ``[reason, matched_stop, prompt_tokens, completion_tokens, cached_tokens]``, then

@@ -2,12 +2,13 @@
 
 A worker writes one `ProgressEntry` to its own progress stream (``<p>:progress:<id>``) in the
 MULTI that publishes a TokenBatch: for every job with new tokens, the output ids the batch
-published (``rid -> [start, packed ids]``). That is one command per publish for all its jobs,
-where a key per job cost an APPEND and an EXPIRE per job per step. The log is read only when
-a job must resume: the reaper moving a dead worker's jobs, or a worker taking back its own
-pending jobs after a restart. `rebuild` puts each job's ids back together; the job then
-carries them in its ``progress`` field (jobs/requests.py's TokenizedRequest) to whichever
-worker continues it.
+published (``rid -> [start, packed ids]``, packed as jobs/wire.py's `pack_ids_narrow` does:
+uint16 where they fit, else int32; a reader takes either). That is one command per publish for
+all its jobs, where a key per job cost an APPEND and an EXPIRE per job per step. The log is
+read only when a job must resume: the reaper moving a dead worker's jobs, or a worker taking
+back its own pending jobs after a restart. `rebuild` puts each job's ids back together; the
+job then carries them in its ``progress`` field (jobs/requests.py's TokenizedRequest) to
+whichever worker continues it.
 
 A segment starts where the ids its job already carries end: a worker that resumes a job
 first logs the ids it knows beyond the job's own ``progress``, so the log below its first
@@ -21,7 +22,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.wire import INT, MAP, STR, WIRE_VERSION, Message, ProtocolError, pack_ids, unpack_ids
+import msgpack
+
+from jobs.wire import (
+    INT,
+    MAP,
+    STR,
+    WIRE_VERSION,
+    Message,
+    ProtocolError,
+    pack_ids_narrow,
+    unpack_ids,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +53,7 @@ class ProgressEntry(Message):
 
     @staticmethod
     def segment(start: int, ids: list[int]) -> list[Any]:
-        return [start, pack_ids(ids)]
+        return [start, pack_ids_narrow(ids)]
 
     def spans(self) -> Iterable[tuple[str, int, list[int]]]:
         """(rid, start, ids) of each segment; raises `ProtocolError` for a malformed one."""
@@ -53,7 +65,7 @@ class ProgressEntry(Message):
                 or not isinstance(segment[0], int)
                 or isinstance(segment[0], bool)
                 or segment[0] < 0
-                or not isinstance(segment[1], bytes)
+                or not isinstance(segment[1], (bytes, msgpack.ExtType))
             ):
                 raise ProtocolError(f"malformed progress segment for {rid!r}")
             yield rid, segment[0], unpack_ids(segment[1])

@@ -64,6 +64,7 @@ from jobs.wire import (
     job_entries,
     job_payloads,
     pack_ids,
+    pack_ids_narrow,
     unpack_ids,
 )
 
@@ -73,7 +74,7 @@ __all__ = [
     "TokenItem", "TokenBatch", "TextDelta", "TextDeltas", "ErrorReply", "ProgressEntry",
     "KvEvents", "Heartbeat",
     "bundle_payloads", "decode", "encode", "fields_of", "job_entries", "job_payloads",
-    "pack_ids", "token_context", "unpack_ids", "WIRE_VERSION",
+    "pack_ids", "pack_ids_narrow", "token_context", "unpack_ids", "WIRE_VERSION",
 ]  # fmt: skip
 
 
@@ -181,11 +182,14 @@ class TextDelta(Message):
     def to_wire(self) -> dict[str, Any]:
         return {"kind": self.KIND, **self.fields_wire()}
 
-    def fields_wire(self) -> dict[str, Any]:
+    def fields_wire(self, narrow: bool = False) -> dict[str, Any]:
         """Its map less ``kind`` (what a TextDeltas entry holds). Written field by field, not
         through Record's loop over all 15: a detokenizer writes one per request per publish,
-        and most carry four."""
-        wire: dict[str, Any] = {"rid": self.rid, "seq": self.seq, "ids": pack_ids(self.ids)}
+        and most carry four. `narrow`: its ids packed as `pack_ids_narrow` does (in a
+        TextDeltas, which only this project's readers take); else int32, as a program that
+        reads its own reply stream has always had them."""
+        pack = pack_ids_narrow if narrow else pack_ids
+        wire: dict[str, Any] = {"rid": self.rid, "seq": self.seq, "ids": pack(self.ids)}
         if self.text is not None:
             wire["text"] = self.text
         if self.finish is not None:
@@ -193,7 +197,7 @@ class TextDelta(Message):
         for name in _DELTA_EXTRAS:
             value = getattr(self, name)
             if value is not None:
-                wire[name] = pack_ids(value) if name in _DELTA_IDS else value
+                wire[name] = pack(value) if name in _DELTA_IDS else value
         return wire
 
     @classmethod
@@ -206,7 +210,7 @@ class TextDelta(Message):
             data.keys() <= _DELTA_COMMON
             and type(data.get("rid")) is str
             and type(data.get("seq")) is int
-            and type(data.get("ids")) is bytes
+            and type(data.get("ids")) in _PACKED_IDS
             and (text is None or type(text) is str)
         ):
             delta = cls(data["rid"], data["seq"], unpack_ids(data["ids"]), text,
@@ -229,6 +233,7 @@ class TextDelta(Message):
         return read[1]
 
 
+_PACKED_IDS = (bytes, msgpack.ExtType)  # int32 bytes, or uint16s (jobs/wire.py)
 # A delta's fields past those of nearly every one: logprobs and the prompt's, asked for.
 _DELTA_COMMON = frozenset({"kind", "rid", "seq", "ids", "text", "finish"})
 _DELTA_EXTRAS = tuple(name for name in TextDelta.FIELDS if name not in _DELTA_COMMON)
@@ -248,7 +253,8 @@ class TextDeltas(Message):
     deltas: list[TextDelta]
 
     def to_wire(self) -> dict[str, Any]:
-        return {"kind": self.KIND, "deltas": [delta.fields_wire() for delta in self.deltas]}
+        return {"kind": self.KIND,
+                "deltas": [delta.fields_wire(narrow=True) for delta in self.deltas]}  # fmt: skip
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> TextDeltas:

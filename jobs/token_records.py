@@ -28,7 +28,7 @@ from jobs.wire import (
     ProtocolError,
     Record,
     check_field,
-    pack_ids,
+    pack_ids_narrow,
 )
 
 # Prompt tokens decoded as context for the first output tokens (vLLM and SGLang use 5).
@@ -162,8 +162,8 @@ class TokenItem(Record):
         # request per step, the bus's hottest record. Optional fields that hold their
         # default stay off the wire (most items stop on nothing and skip specials).
         wire: dict[str, Any] = {
-            "rid": self.rid, "start": self.start, "ids": pack_ids(self.ids),
-            "context": pack_ids(self.context),
+            "rid": self.rid, "start": self.start, "ids": pack_ids_narrow(self.ids),
+            "context": pack_ids_narrow(self.context),
         }  # fmt: skip
         shared = shared_reply == (self.reply_to, self.bundle)
         if not shared:
@@ -177,7 +177,7 @@ class TokenItem(Record):
         if self.finish is not None:
             wire["finish"] = self.finish.to_wire()
         if self.prompt_ids is not None:
-            wire["prompt_ids"] = pack_ids(self.prompt_ids)
+            wire["prompt_ids"] = pack_ids_narrow(self.prompt_ids)
         for name in ("logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs"):
             value = getattr(self, name)
             if value is not None:
