@@ -260,6 +260,7 @@ class Client(BatchMethods):
         requests = self.core.requests(jobs)
         for request in requests:
             self.replies.register(request.rid)
+            request.tag = self.replies.tag(request.rid)  # its replies' name (bus/reply_tags.py)
         for batch in self.core.round_trips(requests):
             pipe = self.redis.pipeline(transaction=False)
             add_requests(pipe, self.config, batch)
@@ -329,6 +330,7 @@ class AsyncClient:
         self.replies.start()
         for request in requests:
             self._queues[request.rid] = self.replies.register(request.rid)
+            request.tag = self.replies.tag(request.rid)  # its replies' name (bus/reply_tags.py)
         for batch in self.core.round_trips(requests):
             pipe = self.redis.pipeline(transaction=False)
             add_requests(pipe, self.config, batch)

@@ -290,7 +290,8 @@ class Worker:
         window = stop_window(params.stop)
         running = RunningJob(req, job.reply_to, entry_id, window, reported=len(generated),
                              created=None if generated else job.created,
-                             reply_version=job.v, bundle=bool(job.bundle_replies))  # fmt: skip
+                             reply_version=job.v, bundle=bool(job.bundle_replies),
+                             tag=job.tag)  # fmt: skip
         self.jobs[job.rid] = running
         if generated:
             self.metrics.migrated_in.inc()
