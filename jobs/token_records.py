@@ -72,8 +72,8 @@ class Finish(Record):
 
     def to_wire(self) -> dict[str, Any]:
         wire = super().to_wire()
-        if not (self.draft_tokens or self.queue_seconds is not None):
-            del wire["draft_tokens"], wire["accepted_draft_tokens"]  # no speculation
+        if not self.draft_tokens:  # no speculation: both read back as their default, 0
+            del wire["draft_tokens"], wire["accepted_draft_tokens"]
         return wire
 
     @classmethod
