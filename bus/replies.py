@@ -7,8 +7,8 @@ or by the tag its job was given (bus/reply_tags.py).
 
 A frontend (an ingress replica, a direct client) owns one reply stream, named in the
 ``reply_to`` of every job it submits. Detokenizer replicas race, so the deltas of one request
-can land out of order or twice: `ReplyOrderer` puts them back in output order by
-``TextDelta.seq`` (the output index of the delta's first token) and drops copies. One task
+can land out of order or twice: `ReplyOrderer` (bus/reply_order.py) puts them back in output
+order by ``TextDelta.seq`` (the output index of the delta's first token) and drops copies. One task
 (`AsyncReplyReader`) or one thread at a time (`ReplyReader`) reads the stream and hands each
 registered request its messages; rids nobody registered are replies to requests that were
 aborted or given up on, and are dropped.
@@ -36,6 +36,7 @@ import redis
 import redis.asyncio as aredis
 
 from bus.reconnect import RECONNECT_BACKOFF_S, REDIS_TRANSIENT
+from bus.reply_order import Reply, ReplyOrderer
 from bus.reply_tags import ReplyTags
 from jobs.protocol import (
     ENTRY_FIELD,
@@ -56,8 +57,6 @@ BLOCK_MS = 1000
 TRIM_INTERVAL_S = 1.0
 START_ID = "0-0"
 
-Reply = TextDelta | ErrorReply
-
 
 def is_terminal(message: Message) -> bool:
     return isinstance(message, ErrorReply) or (
@@ -75,42 +74,6 @@ def lost_bus_reply(rid: str, exc: Exception) -> ErrorReply:
         None,
         "redis_unavailable",
     )
-
-
-class ReplyOrderer:
-    """One request's replies, released in output order.
-
-    A delta is released once every token before its ``seq`` has been; one with ``seq`` below
-    the next expected index is a copy and is dropped. A finish delta without ids carries the
-    expected index as its ``seq``, so it waits for the tokens before it like any other. An
-    ErrorReply ends the request at once, whatever is still missing.
-    """
-
-    def __init__(self) -> None:
-        self.next_seq = 0
-        self.done = False
-        self._held: dict[int, TextDelta] = {}
-
-    def push(self, message: Reply) -> list[Reply]:
-        if self.done:
-            return []
-        if isinstance(message, ErrorReply):
-            self.done = True
-            self._held.clear()
-            return [message]
-        if message.seq < self.next_seq or (not message.ids and message.finish is None):
-            return []  # a copy, or a delta that carries nothing
-        self._held.setdefault(message.seq, message)
-        released: list[Reply] = []
-        while self.next_seq in self._held:
-            delta = self._held.pop(self.next_seq)
-            released.append(delta)
-            if delta.finish is not None:
-                self.done = True
-                self._held.clear()
-                break
-            self.next_seq += len(delta.ids)
-        return released
 
 
 class ReplyRouter:
