@@ -11,6 +11,8 @@ stream_trim.py    trimming a stream only below what every group has read and ack
 aborts.py         abort flags and Abort messages
 client.py         direct Redis jobs: `Client` and `AsyncClient`
 replies.py        reading a reply stream, in order, for many requests at once
+reply_order.py    one request's replies put back in output order
+reply_tags.py     the short tags a reply stream's reader gives its jobs, mapped back to rids
 access.py         the credentials a process is given, checked at start-up
 async_pool.py     the ingress's asyncio connection pool
 weights_admin.py  the fleet's weights record set, and each worker's version read

@@ -9,12 +9,14 @@
 On the wire (jobs/protocol.py has it all): ``submit`` XADDs one entry ``{m: msgpack map}`` to
 ``<p>:requests`` (``submit_many`` one entry ``{jobs: msgpack array of such maps' bytes}`` per
 round trip: jobs/wire.py), a GenerateRequest ``{kind: "generate", rid, reply_to, prompt | messages |
-input_ids (packed little-endian int32 bytes), sampling: {SamplingParams fields}, created}``.
-The pipeline answers on the client's own ``<p>:reply:client-<uuid>`` stream with TextDelta
-entries ``{kind: "delta", rid, seq, ids, text, finish?}`` (``finish`` on the last one:
-``[reason, matched_stop, prompt_tokens, completion_tokens, cached_tokens]``, then
-``draft_tokens, accepted_draft_tokens`` when the worker speculated) or one ErrorReply
-``{kind: "error", rid, status, message, type, param, code}``.
+input_ids (packed: uint16s in a msgpack extension where every id fits, else little-endian
+int32 bytes; jobs/wire.py), sampling: {SamplingParams fields}, created, bundle_replies: true,
+tag}``. The pipeline answers on the client's own ``<p>:reply:client-<uuid>`` stream with
+TextDeltas entries ``{kind: "deltas", deltas: [{tag, rid (on the first only), seq, ids, text,
+finish?}]}`` (``finish`` on the last one: ``{reason, matched, prompt_tokens,
+completion_tokens, cached_tokens}``, with ``draft_tokens, accepted_draft_tokens`` when the
+worker speculated; ``tag`` the number this client gave the job: bus/reply_tags.py) or one
+ErrorReply ``{kind: "error", rid, status, message, type, param, code}``.
 
 A submitted job's replies are kept for its `stream` until the request ends or is aborted;
 stream (or abort) every job you submit. A job with ``pooling="mean"`` or ``"last"`` is an
@@ -259,6 +261,7 @@ class Client(BatchMethods):
         requests = self.core.requests(jobs)
         for request in requests:
             self.replies.register(request.rid)
+            request.tag = self.replies.tag(request.rid)  # its replies' name (bus/reply_tags.py)
         for batch in self.core.round_trips(requests):
             pipe = self.redis.pipeline(transaction=False)
             add_requests(pipe, self.config, batch)
@@ -328,6 +331,7 @@ class AsyncClient:
         self.replies.start()
         for request in requests:
             self._queues[request.rid] = self.replies.register(request.rid)
+            request.tag = self.replies.tag(request.rid)  # its replies' name (bus/reply_tags.py)
         for batch in self.core.round_trips(requests):
             pipe = self.redis.pipeline(transaction=False)
             add_requests(pipe, self.config, batch)

@@ -2,12 +2,13 @@
 
 An entry holds one message, or a TextDeltas bundle of the deltas one detokenizer batch had
 for this stream (jobs that asked for ``bundle_replies``, as the ingress and `Client` do):
-the router takes a bundle apart and files each delta as if it came alone.
+the router takes a bundle apart and files each delta as if it came alone, named by its rid
+or by the tag its job was given (bus/reply_tags.py).
 
 A frontend (an ingress replica, a direct client) owns one reply stream, named in the
 ``reply_to`` of every job it submits. Detokenizer replicas race, so the deltas of one request
-can land out of order or twice: `ReplyOrderer` puts them back in output order by
-``TextDelta.seq`` (the output index of the delta's first token) and drops copies. One task
+can land out of order or twice: `ReplyOrderer` (bus/reply_order.py) puts them back in output
+order by ``TextDelta.seq`` (the output index of the delta's first token) and drops copies. One task
 (`AsyncReplyReader`) or one thread at a time (`ReplyReader`) reads the stream and hands each
 registered request its messages; rids nobody registered are replies to requests that were
 aborted or given up on, and are dropped.
@@ -35,6 +36,8 @@ import redis
 import redis.asyncio as aredis
 
 from bus.reconnect import RECONNECT_BACKOFF_S, REDIS_TRANSIENT
+from bus.reply_order import Reply, ReplyOrderer
+from bus.reply_tags import ReplyTags
 from jobs.protocol import (
     ENTRY_FIELD,
     ErrorReply,
@@ -53,8 +56,6 @@ READ_COUNT = 1024  # one XREAD drains a busy stream; entries are small
 BLOCK_MS = 1000
 TRIM_INTERVAL_S = 1.0
 START_ID = "0-0"
-
-Reply = TextDelta | ErrorReply
 
 
 def is_terminal(message: Message) -> bool:
@@ -75,42 +76,6 @@ def lost_bus_reply(rid: str, exc: Exception) -> ErrorReply:
     )
 
 
-class ReplyOrderer:
-    """One request's replies, released in output order.
-
-    A delta is released once every token before its ``seq`` has been; one with ``seq`` below
-    the next expected index is a copy and is dropped. A finish delta without ids carries the
-    expected index as its ``seq``, so it waits for the tokens before it like any other. An
-    ErrorReply ends the request at once, whatever is still missing.
-    """
-
-    def __init__(self) -> None:
-        self.next_seq = 0
-        self.done = False
-        self._held: dict[int, TextDelta] = {}
-
-    def push(self, message: Reply) -> list[Reply]:
-        if self.done:
-            return []
-        if isinstance(message, ErrorReply):
-            self.done = True
-            self._held.clear()
-            return [message]
-        if message.seq < self.next_seq or (not message.ids and message.finish is None):
-            return []  # a copy, or a delta that carries nothing
-        self._held.setdefault(message.seq, message)
-        released: list[Reply] = []
-        while self.next_seq in self._held:
-            delta = self._held.pop(self.next_seq)
-            released.append(delta)
-            if delta.finish is not None:
-                self.done = True
-                self._held.clear()
-                break
-            self.next_seq += len(delta.ids)
-        return released
-
-
 class ReplyRouter:
     """The sans-I/O core of both readers: what to read next, and whose each entry is.
 
@@ -127,13 +92,20 @@ class ReplyRouter:
         self._next_trim = 0.0
         self._orderers: dict[str, ReplyOrderer] = {}
         self._first_entry: dict[str, bytes] = {}  # of each request still running
+        self.tags = ReplyTags()  # the requests' short names on this stream (bus/reply_tags.py)
 
     def register(self, rid: str) -> None:
         self._orderers[rid] = ReplyOrderer()
+        self.tags.expect(rid)
+
+    def tag(self, rid: str) -> int:
+        """A tag for registered `rid`, to put in its job before submitting it."""
+        return self.tags.give(rid)
 
     def unregister(self, rid: str) -> None:
         self._orderers.pop(rid, None)
         self._first_entry.pop(rid, None)
+        self.tags.forget(rid)
 
     def rids(self) -> list[str]:
         return list(self._orderers)
@@ -173,9 +145,12 @@ class ReplyRouter:
             except ProtocolError as exc:
                 logger.warning("%s: dropping malformed reply %s: %s", self.stream, entry_id, exc)
                 continue
-            messages = message.deltas if isinstance(message, TextDeltas) else [message]
-            for one in messages:
-                self._file(entry_id, one, out)
+            if isinstance(message, TextDeltas):
+                for delta in message.deltas:
+                    for named_in, named in self.tags.name(entry_id, delta):
+                        self._file(named_in, named, out)
+            else:
+                self._file(entry_id, message, out)
         return out
 
     def _file(self, entry_id: bytes, message: Reply, out: list[tuple[str, Reply]]) -> None:
@@ -185,8 +160,7 @@ class ReplyRouter:
         self._first_entry.setdefault(message.rid, entry_id)
         out.extend((message.rid, released) for released in orderer.push(message))
         if orderer.done:
-            del self._orderers[message.rid]
-            self._first_entry.pop(message.rid, None)
+            self.unregister(message.rid)
 
 
 def _id_order(entry_id: bytes) -> tuple[int, ...]:
@@ -244,6 +218,10 @@ class AsyncReplyReader(_StreamReader):
     def unregister(self, rid: str) -> None:
         self._router.unregister(rid)
         self._queues.pop(rid, None)
+
+    def tag(self, rid: str) -> int:
+        """A tag for registered `rid`, for its job (bus/reply_tags.py)."""
+        return self._router.tag(rid)
 
     def start(self) -> None:
         if self._task is None:
@@ -331,6 +309,11 @@ class ReplyReader(_StreamReader):
         with self._cond:
             self._router.register(rid)
             self._buffers[rid] = collections.deque()
+
+    def tag(self, rid: str) -> int:
+        """A tag for registered `rid`, for its job (bus/reply_tags.py)."""
+        with self._cond:
+            return self._router.tag(rid)
 
     def cancel(self, rid: str) -> None:
         """Stop routing `rid`'s replies; its reader gets None next (unread replies dropped)."""

@@ -1,10 +1,12 @@
 """The worker's side of its progress log (jobs/progress.py): what the next publish logs, and
 how far the log may be trimmed.
 
-Each publish logs, in its commit, one entry with every job's new output ids. The log keeps
-what a job that must resume needs: every entry from the first one about each job this life
-still holds. A job this life took back with more ids than it carries (rebuilt from the log
-after a restart) logs those ids again first, so the entries of the previous life can go.
+Each publish logs, in its commit, one entry with every job's new output ids, the job named by
+a slot number, and by its rid too in the first entry about it of this life (or the next, if
+that one was not written). The log keeps what a job that must resume needs: every entry from
+the first one about each job this life still holds, which names it. A job this life took
+back with more ids than it carries (rebuilt from the log after a restart) logs those ids
+again first, so the entries of the previous life can go.
 After a restart or a failed step the jobs are admitted again from the log: until they are,
 nothing is trimmed (`hold`).
 """
@@ -28,6 +30,8 @@ class ProgressLog:
         self._segments: dict[str, tuple[int, list[int]]] = {}  # of the next entry: start, ids
         self._first_entry: dict[str, bytes] = {}  # of each job this life holds
         self._in_flight: list[str] = []  # rids of the entry being written, without a first
+        self._slots: dict[str, int] = {}  # each held job's slot number (jobs/progress.py)
+        self._next_slot = 0
         self._last_entry: bytes | None = None
         self._next_trim = 0.0
         self._trimmed_to: bytes | None = None
@@ -52,12 +56,22 @@ class ProgressLog:
         """The next entry's payload (None: nothing to log); `written` says where it went."""
         if not self._segments:
             return None
-        segments = {rid: ProgressEntry.segment(start, ids)
-                    for rid, (start, ids) in self._segments.items()}  # fmt: skip
-        payload = encode(ProgressEntry(self.worker_id, segments))
         self._in_flight = [rid for rid in self._segments if rid not in self._first_entry]
+        named = set(self._in_flight)
+        slots = [ProgressEntry.slot(self._slot_of(rid), start, ids, rid if rid in named else None)
+                 for rid, (start, ids) in self._segments.items()]  # fmt: skip
+        payload = encode(ProgressEntry(self.worker_id, slots=slots))
         self._segments = {}
         return payload
+
+    def _slot_of(self, rid: str) -> int:
+        """The job's slot for this life: never given to another job of this life, so an
+        entry that names it can be trimmed once the job is no longer held."""
+        slot = self._slots.get(rid)
+        if slot is None:
+            slot = self._slots[rid] = self._next_slot
+            self._next_slot += 1
+        return slot
 
     def written(self, entry_id: bytes | None) -> None:
         """The entry `take` gave is on the log under `entry_id` (None: it was not written)."""
@@ -71,6 +85,7 @@ class ProgressLog:
         """The job ended here, or went elsewhere: the log need not keep it."""
         self._first_entry.pop(rid, None)
         self._segments.pop(rid, None)
+        self._slots.pop(rid, None)
 
     def hold(self) -> None:
         """Every job is dropped, to be admitted again from the log: keep it all until then."""

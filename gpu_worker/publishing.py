@@ -126,7 +126,8 @@ class Publisher:
             ttl = self.config.reply_ttl_s
             if job.route_due(time.monotonic(), ttl):  # set by the router: outlive the job
                 self.bus.outbox.append(ExpireKey(self.config.route_key(req.rid), ttl))
-        item = token_item(req, job.reply_to, start, job.window, job.reply_version, job.bundle)
+        item = token_item(req, job.reply_to, start, job.window, job.reply_version, job.bundle,
+                          job.tag)  # fmt: skip
         if req.finished:
             self._finished_since = True
             self.log.forget(req.rid)

@@ -27,6 +27,7 @@ class RunningJob:
     queue_seconds: float | None = None  # set at its first token here, unless it resumed
     reply_version: int = WIRE_VERSION  # its job's: the wire version its requester reads
     bundle: bool = False  # its job's bundle_replies
+    tag: int | None = None  # its job's, if it is bundled: its items are named by it
 
     def route_due(self, now: float, ttl: int) -> bool:
         """Whether to renew its route key (set by the router with `ttl`) with this publish:
@@ -47,17 +48,17 @@ def stop_window(stop: list[str]) -> int:
 
 def token_item(
     req: Req, reply_to: str, start: int, window: int, reply_version: int = WIRE_VERSION,
-    bundle: bool = False,
+    bundle: bool = False, tag: int | None = None,
 ) -> TokenItem:  # fmt: skip
     """The item of `req`'s output ids from index `start` on; `window`: output tokens of
     context the detokenizer needs (gpu_worker/worker.py); `reply_version`: the wire version
-    of its requester; `bundle`: whether it reads TextDeltas."""
+    of its requester; `bundle`: whether it reads TextDeltas; `tag`: the job's, if bundled."""
     end = len(req.output_ids)
     context, prompt_context = token_context(req.origin_input_ids, req.output_ids, start, window)
     item = TokenItem(
         req.rid, reply_to, start, req.output_ids[start:end], context, prompt_context,
         req.params.stop, req.params.skip_special_tokens, reply_version=reply_version,
-        bundle=bundle,
+        bundle=bundle, tag=tag if bundle else None,
     )  # fmt: skip
     item.embedding = req.embedding  # an embedding's vector, once its prefill is done
     if req.params.logprobs:
@@ -75,8 +76,10 @@ def token_item(
 def aborted_item(job: TokenizedRequest, generated: int) -> TokenItem:
     """The last item of a job aborted before it ran here, `generated` tokens in."""
     finish = Finish("abort", None, len(job.input_ids), generated)
+    bundle = bool(job.bundle_replies)
     return TokenItem(job.rid, job.reply_to, generated, [], [], 0, finish=finish,
-                     reply_version=job.v, bundle=bool(job.bundle_replies))  # fmt: skip
+                     reply_version=job.v, bundle=bundle,
+                     tag=job.tag if bundle else None)  # fmt: skip
 
 
 def finish_of(req: Req, queue_seconds: float | None) -> Finish:

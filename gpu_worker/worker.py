@@ -289,7 +289,7 @@ class Worker:
             return
         window = stop_window(params.stop)
         running = RunningJob(req, job.reply_to, entry_id, window, reported=len(generated),
-                             created=None if generated else job.created,
+                             created=None if generated else job.created, tag=job.tag,
                              reply_version=job.v, bundle=bool(job.bundle_replies))  # fmt: skip
         self.jobs[job.rid] = running
         if generated:

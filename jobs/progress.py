@@ -2,12 +2,15 @@
 
 A worker writes one `ProgressEntry` to its own progress stream (``<p>:progress:<id>``) in the
 commit that publishes a TokenBatch: for every job with new tokens, the output ids the batch
-published (``rid -> [start, packed ids]``). That is one command per publish for all its jobs,
-where a key per job cost an APPEND and an EXPIRE per job per step. The log is read only when
-a job must resume: the reaper moving a dead worker's jobs, or a worker taking back its own
-pending jobs after a restart. `rebuild` puts each job's ids back together; the job then
-carries them in its ``progress`` field (jobs/requests.py's TokenizedRequest) to whichever
-worker continues it.
+published (``[slot, start, packed ids]``, packed as jobs/wire.py's `pack_ids_narrow` does:
+uint16 where they fit, else int32; a reader takes either). A job is named by its rid once,
+in the first entry about it of the writer's life, and by a slot number after that
+(`ProgressEntry` says why and how); readers read the log in order. That is one command per
+publish for all its jobs, where a key per job cost an APPEND and an EXPIRE per job per step.
+The log is read only when a job must resume: the reaper moving a dead worker's jobs, or a
+worker taking back its own pending jobs after a restart. `rebuild` puts each job's ids back
+together; the job then carries them in its ``progress`` field (jobs/requests.py's
+TokenizedRequest) to whichever worker continues it.
 
 A segment starts where the ids its job already carries end: a worker that resumes a job
 first logs the ids it knows beyond the job's own ``progress``, so the log below its first
@@ -18,45 +21,94 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from jobs.wire import INT, MAP, STR, WIRE_VERSION, Message, ProtocolError, pack_ids, unpack_ids
+import msgpack
+
+from jobs.wire import (
+    INT,
+    LIST,
+    MAP,
+    STR,
+    WIRE_VERSION,
+    Message,
+    ProtocolError,
+    pack_ids_narrow,
+    unpack_ids,
+)
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ProgressEntry(Message):
-    """The output ids one publish of `worker_id` carried, per job: rid -> [start, packed ids]."""
+    """The output ids one publish of `worker_id` carried, per job.
+
+    ``slots``: per job, ``[slot, start, packed ids]``, the job named by a number its writer
+    gave it for its life, and ``[slot, start, packed ids, rid]`` where the entry names it:
+    the first entry about the job of that life (the log is never trimmed above it while the
+    job is held) and any entry after one that was not written. A rid per job per publish was
+    the largest part of these entries (~34 bytes to a few ids). ``segments`` (rid -> [start,
+    packed ids]) is the form before slots, still read; an entry may hold both."""
 
     KIND = "progress"
     COMPRESSIBLE = True
-    FIELDS = {"worker_id": STR, "segments": MAP, "v": INT}
-    OPTIONAL = frozenset({"v"})
+    FIELDS = {"worker_id": STR, "segments": MAP, "v": INT, "slots": LIST}
+    OPTIONAL = frozenset({"v", "segments", "slots"})
 
     worker_id: str
-    segments: dict[str, list[Any]]
+    segments: dict[str, list[Any]] = field(default_factory=dict)
     v: int = WIRE_VERSION
+    slots: list[list[Any]] = field(default_factory=list)
 
     @staticmethod
     def segment(start: int, ids: list[int]) -> list[Any]:
-        return [start, pack_ids(ids)]
+        return [start, pack_ids_narrow(ids)]
 
-    def spans(self) -> Iterable[tuple[str, int, list[int]]]:
-        """(rid, start, ids) of each segment; raises `ProtocolError` for a malformed one."""
+    @staticmethod
+    def slot(slot: int, start: int, ids: list[int], rid: str | None = None) -> list[Any]:
+        """A job's ids in ``slots``; `rid` where this entry names its slot."""
+        span = [slot, start, pack_ids_narrow(ids)]
+        return span if rid is None else [*span, rid]
+
+    def spans(self, names: dict[int, str] | None = None) -> Iterable[tuple[str, int, list[int]]]:
+        """(rid, start, ids) of each segment and slot; raises `ProtocolError` for a malformed
+        one. `names`: the slots' rids named by the log's earlier entries, updated with this
+        one's; a slot no entry read so far names is skipped (its naming entry was trimmed:
+        a job no longer held, or skipped as malformed: the job resumes from what it has)."""
         for rid, segment in self.segments.items():
-            if (
-                not isinstance(rid, str)
-                or not isinstance(segment, list)
-                or len(segment) != 2
-                or not isinstance(segment[0], int)
-                or isinstance(segment[0], bool)
-                or segment[0] < 0
-                or not isinstance(segment[1], bytes)
-            ):
+            if not isinstance(rid, str) or not isinstance(segment, list) or len(segment) != 2:
                 raise ProtocolError(f"malformed progress segment for {rid!r}")
-            yield rid, segment[0], unpack_ids(segment[1])
+            yield rid, _start(segment[0], rid), _ids(segment[1], rid)
+        names = {} if names is None else names
+        for span in self.slots:
+            if not isinstance(span, list) or len(span) not in (3, 4):
+                raise ProtocolError("progress slot: must be [slot, start, ids] or "
+                                    "[slot, start, ids, rid]")  # fmt: skip
+            slot = span[0]
+            if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
+                raise ProtocolError(f"progress slot: {slot!r} is not a slot number")
+            if len(span) == 4:
+                if not isinstance(span[3], str):
+                    raise ProtocolError(f"progress slot {slot}: its rid must be a string")
+                names[slot] = span[3]
+            rid = names.get(slot)
+            start, ids = _start(span[1], slot), _ids(span[2], slot)
+            if rid is not None:
+                yield rid, start, ids
+
+
+def _start(start: Any, job: str | int) -> int:
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ProtocolError(f"malformed progress segment for {job!r}: start {start!r}")
+    return start
+
+
+def _ids(packed: Any, job: str | int) -> list[int]:
+    if not isinstance(packed, (bytes, msgpack.ExtType)):
+        raise ProtocolError(f"malformed progress segment for {job!r}: ids not packed")
+    return unpack_ids(packed)
 
 
 def rebuild(
@@ -73,9 +125,10 @@ def rebuild(
     wanted = set(known if rids is None else rids)
     ids = {rid: list(known.get(rid, ())) for rid in wanted}
     gaps: set[str] = set()
+    names: dict[int, str] = {}  # slot -> rid, as the entries read so far name them
     for entry in entries:
         try:
-            spans = list(entry.spans())
+            spans = list(entry.spans(names))
         except ProtocolError as exc:
             logger.warning("progress of %s: skipping an entry: %s", entry.worker_id, exc)
             continue

@@ -35,7 +35,7 @@ import msgpack
 
 from jobs.kv_events import KvEvents
 from jobs.progress import ProgressEntry
-from jobs.requests import Abort, GenerateRequest, TokenizedRequest
+from jobs.requests import MAX_TAG, Abort, GenerateRequest, TokenizedRequest, check_tag
 from jobs.token_records import PROMPT_CONTEXT_TOKENS, Finish, TokenItem, check_floats, token_context
 
 # The codec's names are the protocol's too: an importer of messages needs no second import.
@@ -64,6 +64,7 @@ from jobs.wire import (
     job_entries,
     job_payloads,
     pack_ids,
+    pack_ids_narrow,
     unpack_ids,
 )
 
@@ -73,7 +74,7 @@ __all__ = [
     "TokenItem", "TokenBatch", "TextDelta", "TextDeltas", "ErrorReply", "ProgressEntry",
     "KvEvents", "Heartbeat",
     "bundle_payloads", "decode", "encode", "fields_of", "job_entries", "job_payloads",
-    "pack_ids", "token_context", "unpack_ids", "WIRE_VERSION",
+    "pack_ids", "pack_ids_narrow", "token_context", "unpack_ids", "WIRE_VERSION",
 ]  # fmt: skip
 
 
@@ -140,10 +141,12 @@ class TextDelta(Message):
     """What a request gained: tokens ``seq`` .. ``seq + len(ids)`` of its output and their text.
 
     Deltas of one request may arrive out of order (detokenizer replicas race); a reader
-    orders them by ``seq``. ``text`` is None when the model has no tokenizer. The last delta
-    carries ``finish`` in the wire version of the job's requester: a map by name
-    (`Finish.to_wire`) for version 2, the positional list of jobs/legacy_records.py for a
-    job written without a version.
+    orders them by ``seq``. In a TextDeltas entry, a delta of a job with a ``tag``
+    (jobs/requests.py) is named by it, and by its ``rid`` too only at ``seq`` 0; read back
+    without one, ``rid`` is None until its reader names it (bus/replies.py). ``text`` is None
+    when the model has no tokenizer. The last delta carries ``finish`` in the wire version of
+    the job's requester: a map by name (`Finish.to_wire`) for version 2, the positional list
+    of jobs/legacy_records.py for a job written without a version.
     """
 
     KIND = "delta"
@@ -153,10 +156,11 @@ class TextDelta(Message):
         "top_token_texts": LIST, "prompt_ids": IDS, "prompt_text": STR,
         "prompt_logprobs": LIST, "prompt_top_logprobs": LIST, "prompt_token_texts": LIST,
         "prompt_top_token_texts": LIST, "embedding": BYTES, "weights_version": STR,
+        "tag": INT,
     }  # fmt: skip
     OPTIONAL = frozenset(FIELDS) - {"rid", "seq", "ids"}
 
-    rid: str
+    rid: str | None  # None: named by its tag alone, in a TextDeltas entry
     seq: int
     ids: list[int]
     text: str | None = None
@@ -177,15 +181,25 @@ class TextDelta(Message):
     # The weights computing the request, on its first delta (its TokenBatch's `weights`), so
     # a stream names them from its first chunk; its Finish names them again.
     weights_version: str | None = None
+    tag: int | None = None  # its job's, in a TextDeltas entry
 
     def to_wire(self) -> dict[str, Any]:
         return {"kind": self.KIND, **self.fields_wire()}
 
-    def fields_wire(self) -> dict[str, Any]:
+    def fields_wire(self, narrow: bool = False) -> dict[str, Any]:
         """Its map less ``kind`` (what a TextDeltas entry holds). Written field by field, not
         through Record's loop over all 15: a detokenizer writes one per request per publish,
-        and most carry four."""
-        wire: dict[str, Any] = {"rid": self.rid, "seq": self.seq, "ids": pack_ids(self.ids)}
+        and most carry four. `narrow`: its ids packed as `pack_ids_narrow` does (in a
+        TextDeltas, which only this project's readers take); else int32, as a program that
+        reads its own reply stream has always had them."""
+        pack = pack_ids_narrow if narrow else pack_ids
+        wire: dict[str, Any] = {"seq": self.seq, "ids": pack(self.ids)}
+        if narrow and self.tag is not None:
+            wire["tag"] = self.tag
+            if self.seq == 0:  # a request's first delta names it both ways
+                wire["rid"] = self.rid
+        else:
+            wire["rid"] = self.rid
         if self.text is not None:
             wire["text"] = self.text
         if self.finish is not None:
@@ -193,7 +207,7 @@ class TextDelta(Message):
         for name in _DELTA_EXTRAS:
             value = getattr(self, name)
             if value is not None:
-                wire[name] = pack_ids(value) if name in _DELTA_IDS else value
+                wire[name] = pack(value) if name in _DELTA_IDS else value
         return wire
 
     @classmethod
@@ -201,18 +215,23 @@ class TextDelta(Message):
         # Nearly every delta is rid, seq, ids and text, well formed: read those directly (an
         # ingress reads one per request per publish). Anything else, or any field of the
         # wrong kind, goes through Record's checks, which name what is wrong.
-        text = data.get("text")
+        text, rid, tag = data.get("text"), data.get("rid"), data.get("tag")
         if (
             data.keys() <= _DELTA_COMMON
-            and type(data.get("rid")) is str
+            and (type(rid) is str or (rid is None and type(tag) is int))
+            and (tag is None or (type(tag) is int and 0 <= tag <= MAX_TAG))
             and type(data.get("seq")) is int
-            and type(data.get("ids")) is bytes
+            and type(data.get("ids")) in _PACKED_IDS
             and (text is None or type(text) is str)
         ):
-            delta = cls(data["rid"], data["seq"], unpack_ids(data["ids"]), text,
-                        data.get("finish"))  # fmt: skip
+            delta = cls(rid, data["seq"], unpack_ids(data["ids"]), text, data.get("finish"))
+            delta.tag = tag
         else:
-            delta = super().from_wire(data)
+            defaults = {"rid": None} if "rid" not in data and "tag" in data else None
+            delta = super().from_wire(data, defaults)
+            check_tag(delta.tag)
+            if delta.rid is None and delta.tag is None:
+                raise ProtocolError("field 'rid' is missing")
         if delta.finish is not None:
             # Checked here, not where a reader trips on it; kept for finish_info.
             delta._read_finish = (delta.finish, Finish.from_wire(delta.finish))
@@ -229,8 +248,9 @@ class TextDelta(Message):
         return read[1]
 
 
+_PACKED_IDS = (bytes, msgpack.ExtType)  # int32 bytes, or uint16s (jobs/wire.py)
 # A delta's fields past those of nearly every one: logprobs and the prompt's, asked for.
-_DELTA_COMMON = frozenset({"kind", "rid", "seq", "ids", "text", "finish"})
+_DELTA_COMMON = frozenset({"kind", "rid", "seq", "ids", "text", "finish", "tag"})
 _DELTA_EXTRAS = tuple(name for name in TextDelta.FIELDS if name not in _DELTA_COMMON)
 _DELTA_IDS = frozenset(name for name in _DELTA_EXTRAS if TextDelta.FIELDS[name] == IDS)
 
@@ -248,7 +268,8 @@ class TextDeltas(Message):
     deltas: list[TextDelta]
 
     def to_wire(self) -> dict[str, Any]:
-        return {"kind": self.KIND, "deltas": [delta.fields_wire() for delta in self.deltas]}
+        return {"kind": self.KIND,
+                "deltas": [delta.fields_wire(narrow=True) for delta in self.deltas]}  # fmt: skip
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> TextDeltas:

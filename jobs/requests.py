@@ -21,6 +21,13 @@ the detokenizer then writes, per batch it reads, one entry to the reply stream w
 of every such job bound to it, where a job without it gets one entry per delta. The ingress
 and `Client` ask for it; a program that reads its reply stream entry by entry need not.
 
+A job with ``tag`` (a number its requester gives it, unique among the jobs that name the same
+``reply_to``) and ``bundle_replies`` is named by its tag, not its rid, on the tokens stream
+and in its reply stream's TextDeltas, except on its first delta (``seq`` 0), which carries
+both: a rid of 34 characters per request per publish on those two streams was the largest
+part of their bytes (issue 27). Its requester maps tags back to rids (bus/replies.py); a job
+without a tag is named by its rid everywhere, as before.
+
 A job with ``pooling`` (``mean`` or ``last``; `POOLINGS`) asks for an embedding, not a
 generation: the worker runs its prompt's prefill only (no prefix-cache hit, so every position
 it pools is computed), pools the final hidden states over the prompt, L2-normalizes them, and
@@ -53,6 +60,7 @@ from jobs.wire import (
 JOB_VERSION = WIRE_VERSION  # what the ingress and Client write; this code reads 1 to it
 PRIORITY = "priority"
 POOLINGS = ("mean", "last")  # an embedding job's pooling over its prompt (module docstring)
+MAX_TAG = 2**63 - 1  # msgpack's largest signed int: a requester may count as it likes
 
 
 def lift_priority(sampling: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
@@ -109,10 +117,11 @@ class GenerateRequest(_Job):
     FIELDS = {
         "rid": STR, "reply_to": STR, "prompt": STR, "messages": LIST, "input_ids": IDS,
         "sampling": MAP, "created": FLOAT, "tools": LIST, "tenant": STR, "weight": FLOAT,
-        "priority": INT, "v": INT, "bundle_replies": BOOL, "pooling": STR,
+        "priority": INT, "v": INT, "bundle_replies": BOOL, "pooling": STR, "tag": INT,
     }  # fmt: skip
     OPTIONAL = frozenset({"prompt", "messages", "input_ids", "created", "tools", "tenant",
-                          "weight", "priority", "v", "bundle_replies", "pooling"})  # fmt: skip
+                          "weight", "priority", "v", "bundle_replies", "pooling",
+                          "tag"})  # fmt: skip
 
     rid: str
     reply_to: str
@@ -128,6 +137,7 @@ class GenerateRequest(_Job):
     v: int = JOB_VERSION
     bundle_replies: bool | None = None  # its requester reads TextDeltas (module docstring)
     pooling: str | None = None  # an embedding job's (module docstring); None: a generation
+    tag: int | None = None  # its name in its bundled replies (module docstring)
 
     def __post_init__(self) -> None:
         given = [n for n in ("prompt", "messages", "input_ids") if getattr(self, n) is not None]
@@ -139,6 +149,7 @@ class GenerateRequest(_Job):
             raise ProtocolError("tools come with a chat job (messages)")
         _check_scheduling(self.weight, self.priority)
         _check_pooling(self.pooling)
+        check_tag(self.tag)
 
 
 @dataclass
@@ -156,7 +167,7 @@ class TokenizedRequest(_Job):
         "rid": STR, "reply_to": STR, "input_ids": IDS, "sampling": MAP, "created": FLOAT,
         "tenant": STR, "weight": FLOAT, "attempts": INT, "priority": INT, "v": INT,
         "progress": IDS, "bundle_replies": BOOL, "route_reason": STR, "expected_cached": INT,
-        "pooling": STR,
+        "pooling": STR, "tag": INT,
     }  # fmt: skip
     OPTIONAL = frozenset(FIELDS) - {"rid", "reply_to", "input_ids", "sampling"}
 
@@ -175,10 +186,12 @@ class TokenizedRequest(_Job):
     route_reason: str | None = None  # set by the router
     expected_cached: int | None = None
     pooling: str | None = None  # as the GenerateRequest's
+    tag: int | None = None  # as the GenerateRequest's
 
     def __post_init__(self) -> None:
         _check_scheduling(self.weight, self.priority)
         _check_pooling(self.pooling)
+        check_tag(self.tag)
         if self.attempts is not None and not 0 <= self.attempts < 2**31:
             raise ProtocolError(f"attempts must be a count >= 0; got {self.attempts}")
 
@@ -190,6 +203,12 @@ def _check_scheduling(weight: float | None, priority: int | None) -> None:
     problem = None if priority is None else check_priority(PRIORITY, priority)
     if problem is not None:
         raise ProtocolError(problem, field=PRIORITY)
+
+
+def check_tag(tag: int | None) -> None:
+    """A job's or a reply's ``tag``: a number from 0 to `MAX_TAG`, or none."""
+    if tag is not None and not 0 <= tag <= MAX_TAG:
+        raise ProtocolError(f"tag must be 0 to {MAX_TAG}; got {tag}", field="tag")
 
 
 def _check_pooling(pooling: str | None) -> None:

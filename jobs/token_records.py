@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from jobs.legacy_records import finish_fields_from_list, token_item_fields_from_list
+from jobs.requests import check_tag
 from jobs.wire import (
     BOOL,
     BYTES,
@@ -28,7 +29,7 @@ from jobs.wire import (
     ProtocolError,
     Record,
     check_field,
-    pack_ids,
+    pack_ids_narrow,
 )
 
 # Prompt tokens decoded as context for the first output tokens (vLLM and SGLang use 5).
@@ -71,8 +72,8 @@ class Finish(Record):
 
     def to_wire(self) -> dict[str, Any]:
         wire = super().to_wire()
-        if not (self.draft_tokens or self.queue_seconds is not None):
-            del wire["draft_tokens"], wire["accepted_draft_tokens"]  # no speculation
+        if not self.draft_tokens:  # no speculation: both read back as their default, 0
+            del wire["draft_tokens"], wire["accepted_draft_tokens"]
         return wire
 
     @classmethod
@@ -123,6 +124,9 @@ class TokenItem(Record):
     ``bundle`` is its job's ``bundle_replies``: its delta may share an entry with others.
     ``embedding`` is an embedding job's answer (jobs/requests.py's ``pooling``), on its one
     item: the L2-normalized pooled hidden state as packed little-endian float32 (`pack_floats`).
+    ``tag`` is its job's (jobs/requests.py), for a bundled job only: such an item is named by
+    it, and carries its ``rid`` too only at ``start`` 0 (its request's first delta names both);
+    read back without one, ``rid`` is None.
     """
 
     FIELDS: ClassVar[dict[str, str]] = {
@@ -130,12 +134,13 @@ class TokenItem(Record):
         "prompt_context": INT, "stop": LIST, "skip_special_tokens": BOOL, "finish": RECORD,
         "logprobs": LIST, "top_logprobs": LIST, "prompt_ids": IDS, "prompt_logprobs": LIST,
         "prompt_top_logprobs": LIST, "reply_version": INT, "bundle": BOOL, "embedding": BYTES,
+        "tag": INT,
     }  # fmt: skip
     OPTIONAL: ClassVar[frozenset[str]] = frozenset(FIELDS) - {
         "rid", "reply_to", "start", "ids", "context"
     }  # fmt: skip
 
-    rid: str
+    rid: str | None  # None: named by its tag alone (a bundled job's items after its first)
     reply_to: str
     start: int
     ids: list[int]
@@ -154,6 +159,7 @@ class TokenItem(Record):
     reply_version: int = WIRE_VERSION
     bundle: bool = False
     embedding: bytes | None = None
+    tag: int | None = None
 
     def to_wire(self, shared_reply: tuple[str, bool] | None = None) -> dict[str, Any]:
         """`shared_reply`: the (reply_to, bundle) its batch writes once for the items that
@@ -162,9 +168,13 @@ class TokenItem(Record):
         # request per step, the bus's hottest record. Optional fields that hold their
         # default stay off the wire (most items stop on nothing and skip specials).
         wire: dict[str, Any] = {
-            "rid": self.rid, "start": self.start, "ids": pack_ids(self.ids),
-            "context": pack_ids(self.context),
+            "start": self.start, "ids": pack_ids_narrow(self.ids),
+            "context": pack_ids_narrow(self.context),
         }  # fmt: skip
+        if self.tag is None or self.start == 0:
+            wire["rid"] = self.rid
+        if self.tag is not None:
+            wire["tag"] = self.tag
         shared = shared_reply == (self.reply_to, self.bundle)
         if not shared:
             wire["reply_to"] = self.reply_to
@@ -177,7 +187,7 @@ class TokenItem(Record):
         if self.finish is not None:
             wire["finish"] = self.finish.to_wire()
         if self.prompt_ids is not None:
-            wire["prompt_ids"] = pack_ids(self.prompt_ids)
+            wire["prompt_ids"] = pack_ids_narrow(self.prompt_ids)
         for name in ("logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -196,7 +206,10 @@ class TokenItem(Record):
         if isinstance(data, list):
             item = cls(**token_item_fields_from_list(data))
         elif isinstance(data, dict):
-            item = super().from_wire(data, shared_reply if "reply_to" not in data else None)
+            defaults = shared_reply if "reply_to" not in data else None
+            if "rid" not in data:  # named by its tag alone, or a malformed item: `check` says
+                defaults = {**(defaults or {}), "rid": None}
+            item = super().from_wire(data, defaults)
         else:
             raise ProtocolError("a token item must be a map")
         if item.finish is not None:
@@ -206,6 +219,13 @@ class TokenItem(Record):
 
     def check(self) -> None:
         """What the field kinds alone do not say."""
+        if self.rid is None:
+            if self.tag is None:
+                raise ProtocolError("field 'rid' is missing")
+            if not self.bundle:
+                raise ProtocolError("an item named by its tag alone must be bundled: a plain "
+                                    "delta names its rid")  # fmt: skip
+        check_tag(self.tag)
         if not all(isinstance(s, str) for s in self.stop):
             raise ProtocolError("field 'stop' must be a list of strings")
         if not 0 <= self.prompt_context <= len(self.context):

@@ -2,10 +2,15 @@
 
 Every entry on every stream has a single field, ``m`` (`ENTRY_FIELD`), holding a msgpack map
 whose ``kind`` names the message type. A `Message` subclass lists its fields' wire kinds;
-`Message.from_wire` checks each (`check_field`) and `to_wire` packs them. Token ids travel as
-packed little-endian int32 bytes (`pack_ids`), never as lists of Python ints. Every mistake is
-a `ProtocolError` with the reason, which the stages write to the dead-letter stream. The
-message kinds themselves are in jobs/protocol.py.
+`Message.from_wire` checks each (`check_field`) and `to_wire` packs them. Token ids travel
+packed, never as lists of Python ints: as little-endian uint16s in a msgpack extension of type
+`NARROW_IDS_EXT` where every id of the field fits in 16 bits (`pack_ids_narrow`), else as
+little-endian int32 bytes (`pack_ids`); readers take either (`unpack_ids`). Prompt and output
+ids were the bus's largest part per generated token (issue 27), and most vocabularies have
+under 65,536 ids. A program's own jobs with int32 bytes (as the README shows) read as before,
+and a plain TextDelta (a reply stream a program reads itself) is still written in int32.
+Every mistake is a `ProtocolError` with the reason, which the stages write to the dead-letter
+stream. The message kinds themselves are in jobs/protocol.py.
 
 The bus's bulkiest entries (a worker's token batch and progress log entry, a detokenizer's
 bundle of deltas: `Message.COMPRESSIBLE`) are written zlib-deflated once they pass
@@ -71,6 +76,11 @@ _SWAP = sys.byteorder == "big"
 assert array.array("i").itemsize == 4
 
 
+assert array.array("H").itemsize == 2
+# The msgpack extension type of token ids packed as little-endian uint16 (`pack_ids_narrow`).
+NARROW_IDS_EXT = 2
+
+
 def pack_ids(ids: list[int] | tuple[int, ...]) -> bytes:
     packed = array.array("i", ids)
     if _SWAP:
@@ -78,10 +88,34 @@ def pack_ids(ids: list[int] | tuple[int, ...]) -> bytes:
     return packed.tobytes()
 
 
-def unpack_ids(data: bytes) -> list[int]:
-    if len(data) % 4:
-        raise ProtocolError(f"packed token ids: {len(data)} bytes is not a multiple of 4")
-    ids = array.array("i")
+def pack_ids_narrow(ids: list[int] | tuple[int, ...]) -> bytes | msgpack.ExtType:
+    """`ids` in half the bytes where every one fits in 16 bits (vocabularies up to 65,536
+    ids, e.g. SmolLM2's, Llama 2's, Mistral's): a msgpack extension of type
+    `NARROW_IDS_EXT` holding little-endian uint16s; else (or empty) `pack_ids`'s int32 bytes.
+    An extension, not a flag inside the bytes: a reader that predates it refuses the field
+    (a dead letter) where int32 bytes of the wrong length could decode to wrong ids."""
+    if not ids:
+        return b""
+    try:
+        packed = array.array("H", ids)
+    except OverflowError:  # an id past 65,535 or below 0
+        return pack_ids(ids)
+    if _SWAP:
+        packed.byteswap()
+    return msgpack.ExtType(NARROW_IDS_EXT, packed.tobytes())
+
+
+def unpack_ids(data: bytes | msgpack.ExtType) -> list[int]:
+    """Token ids from either packing: int32 bytes or a narrow extension (`pack_ids_narrow`)."""
+    if isinstance(data, msgpack.ExtType):
+        if data.code != NARROW_IDS_EXT:
+            raise ProtocolError(f"packed token ids: msgpack extension type {data.code} is not "
+                                f"{NARROW_IDS_EXT} (uint16 ids)")  # fmt: skip
+        data, ids, width = data.data, array.array("H"), 2
+    else:
+        ids, width = array.array("i"), 4
+    if len(data) % width:
+        raise ProtocolError(f"packed token ids: {len(data)} bytes is not a multiple of {width}")
     ids.frombytes(data)
     if _SWAP:
         ids.byteswap()
@@ -105,7 +139,7 @@ _TYPE_CHECKS = {
     BOOL: lambda v: isinstance(v, bool),
     MAP: lambda v: isinstance(v, dict),
     LIST: lambda v: isinstance(v, list),
-    IDS: lambda v: isinstance(v, bytes),
+    IDS: lambda v: isinstance(v, (bytes, msgpack.ExtType)),
     BYTES: lambda v: isinstance(v, bytes),
     RECORD: lambda v: isinstance(v, (dict, list)),
 }
@@ -171,7 +205,7 @@ class Record:
             if value is None:
                 continue
             if kind == IDS:
-                value = pack_ids(value)
+                value = pack_ids_narrow(value)
             elif kind == LIST and value and isinstance(value[0], Record):
                 value = [item.to_wire() for item in value]
             out[name] = value

@@ -2,10 +2,11 @@
 
 Every process (each ingress, tokenizer, router and detokenizer replica, each worker) keeps
 its metrics in a prometheus-client registry of its own, and a thread publishes that
-registry to Redis every ``metrics_interval_s``: one key per process with a TTL, indexed in
-a sorted set. Any ingress serves the whole deployment at its ``/metrics``
-(observability/deployment_metrics.py), so Prometheus needs one scrape target, behind a load balancer
-too, and ``streamserve up``'s processes, which share no port, are all seen.
+registry to Redis every ``metrics_interval_s``: one key per process with a TTL (msgpack,
+deflated past 1 KiB: `pack_snapshot`), indexed in a sorted set. Any ingress serves the whole
+deployment at its ``/metrics`` (observability/deployment_metrics.py), so Prometheus needs one
+scrape target, behind a load balancer too, and ``streamserve up``'s processes, which share no
+port, are all seen.
 
 The published snapshot also carries each counter's rate over the last minute, computed by
 the publisher from its own history, so ``streamserve status`` and ``/status`` show
@@ -23,6 +24,7 @@ import collections
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +33,7 @@ import prometheus_client
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from jobs.wire import COMPRESS_FROM_BYTES, DEFLATED_MARK, inflate
 from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
@@ -183,7 +186,7 @@ class MetricsPublisher(threading.Thread):
         }
         ttl_s = TTL_INTERVALS * self.config.metrics_interval_s
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(self.key, msgpack.packb(snapshot), px=int(ttl_s * 1000))
+        pipe.set(self.key, pack_snapshot(snapshot), px=int(ttl_s * 1000))
         relist = now + ttl_s > self._listed_until
         if relist:
             until = now + INDEX_TTLS * ttl_s
@@ -228,5 +231,19 @@ def read_snapshots(client: redis.Redis, config: BusConfig) -> list[dict[str, Any
     snapshots = []
     for raw in client.mget(keys):
         if raw is not None:  # expired since the index was read
-            snapshots.append(msgpack.unpackb(raw))
+            snapshots.append(unpack_snapshot(raw))
     return snapshots
+
+
+def pack_snapshot(snapshot: dict[str, Any]) -> bytes:
+    """A snapshot's msgpack, deflated (level 1) from `COMPRESS_FROM_BYTES` on: its family
+    and label names repeat sample after sample, so 2 to 6 KiB shrink to a quarter, and every
+    process writes one every interval, busy or idle (issue 27 counts them per token too)."""
+    packed = msgpack.packb(snapshot)
+    return zlib.compress(packed, 1) if len(packed) >= COMPRESS_FROM_BYTES else packed
+
+
+def unpack_snapshot(raw: bytes) -> dict[str, Any]:
+    """What `pack_snapshot` wrote, deflated or not (a process of an earlier version writes
+    plain msgpack, a map, which never starts with zlib's `DEFLATED_MARK`)."""
+    return msgpack.unpackb(inflate(raw) if raw[:1] == DEFLATED_MARK else raw)

@@ -1,5 +1,6 @@
-"""The wire protocol: every message kind survives a round trip, token ids travel as packed
-int32 bytes, and anything malformed is a ProtocolError that says what is wrong."""
+"""The wire protocol: every message kind survives a round trip, token ids travel packed (int32
+bytes, or uint16s where they fit: tests/test_wire_narrow_ids.py), and anything malformed is a
+ProtocolError that says what is wrong."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from jobs.protocol import (
     pack_ids,
     unpack_ids,
 )
+from jobs.wire import NARROW_IDS_EXT
 
 ALL_KINDS = tuple(MESSAGE_TYPES.values())
 INT32_MAX = 2**31 - 1
@@ -165,22 +167,27 @@ def test_pack_ids_writes_little_endian_int32():
     assert pack_ids([]) == b"" and unpack_ids(b"") == []
 
 
-def test_ids_travel_as_one_bytes_field_not_a_list_of_ints():
+def test_ids_travel_as_one_packed_field_not_a_list_of_ints():
+    wire = msgpack.unpackb(encode(TokenizedRequest("r", "q", [1, 2, 70_000])), raw=False)
+    assert wire["input_ids"] == struct.pack("<3i", 1, 2, 70_000)
     wire = msgpack.unpackb(encode(TokenizedRequest("r", "q", [1, 2, 3])), raw=False)
-    assert wire["input_ids"] == struct.pack("<3i", 1, 2, 3)
+    assert wire["input_ids"] == msgpack.ExtType(NARROW_IDS_EXT, struct.pack("<3H", 1, 2, 3))
 
 
-@pytest.mark.parametrize("token", [7, 123_456, 2_000_000_000])
-def test_each_id_adds_four_bytes_to_the_payload_whatever_its_digits(token):
+@pytest.mark.parametrize("token, width", [(7, 2), (65_535, 2), (123_456, 4), (2_000_000_000, 4)])
+def test_each_id_adds_two_or_four_bytes_to_the_payload_whatever_its_digits(token, width):
     def size(n: int) -> int:
         return len(encode(TokenizedRequest("r", "q", [token] * n)))
 
-    # 10..40 ids stay within msgpack's one-byte bin length header.
-    assert [size(n + 1) - size(n) for n in (10, 20, 39)] == [4, 4, 4]
+    # 10..40 ids stay within msgpack's one-byte length header.
+    assert [size(n + 1) - size(n) for n in (10, 20, 39)] == [width] * 3
 
 
-def test_payload_size_does_not_depend_on_id_magnitude():
-    small = encode(TokenizedRequest("r", "q", [1] * 50))
+def test_payload_size_does_not_depend_on_id_magnitude_within_a_width():
+    assert len(encode(TokenizedRequest("r", "q", [1] * 50))) == len(
+        encode(TokenizedRequest("r", "q", [65_535] * 50))
+    )
+    small = encode(TokenizedRequest("r", "q", [65_536] * 50))
     large = encode(TokenizedRequest("r", "q", [INT32_MAX] * 50))
     assert len(small) == len(large)
 
@@ -421,7 +428,9 @@ def test_a_finish_carries_draft_counts_only_when_the_worker_speculated():
 
 def test_a_finish_carries_the_queue_time_when_measured():
     timed = Finish("stop", 2, 10, 4, 3, queue_seconds=0.25)
-    assert len(timed.to_wire()) == 8 and Finish.from_wire(timed.to_wire()) == timed
+    # Zero draft counts are left off the map (the list of version 1 keeps its positions).
+    assert len(timed.to_wire()) == 6 and Finish.from_wire(timed.to_wire()) == timed
+    assert len(finish_as_list(timed)) == 8
     assert Finish.from_wire(Finish("stop", 2, 10, 4, 3).to_wire()).queue_seconds is None
     with pytest.raises(ProtocolError, match="queue_seconds"):
         Finish.from_wire(["stop", 2, 10, 4, 3, 0, 0, "soon"])

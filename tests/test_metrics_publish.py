@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import time
 
+import msgpack
+
+from jobs.wire import DEFLATED_MARK
 from observability.deployment_metrics import deployment_registry, render
 from observability.metrics import (
     NOOP,
@@ -13,6 +16,7 @@ from observability.metrics import (
     RateHistory,
     read_snapshots,
     start_publisher,
+    unpack_snapshot,
 )
 from runtime.config import BusConfig
 from tests.prometheus_text import total
@@ -94,3 +98,19 @@ def test_observing_many_at_once_equals_observing_each():
     labelled = ProcessMetrics("ingress", "c").histogram("x_seconds", "X.", buckets, ["kind"])
     labelled.labels("a").observe_many(0.05, 2)
     assert [s.value for s in labelled.collect()[0].samples if s.name.endswith("_count")] == [2]
+
+
+def test_a_large_snapshot_is_stored_deflated_and_a_plain_one_still_reads(redis_client, redis_url):
+    config = BusConfig(redis_url=redis_url)
+    process = ProcessMetrics("worker", "w-big")
+    families = process.counter("stage_entries", "Entries handled.", ["stream"])
+    for i in range(60):  # many series: a snapshot past 1 KiB
+        families.labels(stream=f"streamserve:worker:{i}").inc(i)
+    publisher = MetricsPublisher(redis_client, config, process)
+    publisher.publish()
+    stored = redis_client.get(publisher.key)
+    plain = msgpack.packb(unpack_snapshot(stored))
+    assert stored[:1] == DEFLATED_MARK and len(stored) * 2 < len(plain)
+    redis_client.set(publisher.key, plain)  # as a process of an earlier version writes it
+    (snapshot,) = read_snapshots(redis_client, config)
+    assert snapshot["replica"] == "w-big" and snapshot == unpack_snapshot(stored)

@@ -78,7 +78,8 @@ class DetokenizerStage:
         self.expiries.forget()
 
     def _delta(self, item: TokenItem, text: str | None) -> TextDelta:
-        delta = TextDelta(item.rid, item.start, item.ids, text, embedding=item.embedding)
+        delta = TextDelta(item.rid, item.start, item.ids, text, embedding=item.embedding,
+                          tag=item.tag)  # fmt: skip
         if item.finish is not None:
             # In the version its requester reads: a job written without one gets the list.
             delta.finish = (

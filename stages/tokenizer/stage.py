@@ -65,7 +65,7 @@ class TokenizerStage:
             tokenized = TokenizedRequest(job.rid, job.reply_to, ids, job.sampling, job.created,
                                          job.tenant, job.weight, priority=job.priority,
                                          v=job.v, bundle_replies=job.bundle_replies,
-                                         pooling=job.pooling)  # fmt: skip
+                                         pooling=job.pooling, tag=job.tag)  # fmt: skip
             outputs.append(Outbound(self.config.tokenized_stream(), tokenized))
         return outputs
 

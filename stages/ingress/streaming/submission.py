@@ -83,6 +83,10 @@ class Submission:
     async def __aenter__(self) -> Submission:
         for request in self.requests:
             self.reader.register(request.rid, self.queue)
+            if not self.resumed and request.bundle_replies:
+                # Its bundled replies name it by this tag (bus/reply_tags.py); a resumed
+                # request's reader learns the tag from the stream.
+                request.tag = self.reader.tag(request.rid)
         if self.resumed:
             self.reader.start()
             return self
