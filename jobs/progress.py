@@ -26,17 +26,8 @@ from typing import Any
 
 import msgpack
 
-from jobs.wire import (
-    INT,
-    LIST,
-    MAP,
-    STR,
-    WIRE_VERSION,
-    Message,
-    ProtocolError,
-    pack_ids_narrow,
-    unpack_ids,
-)
+from jobs import wire
+from jobs.wire import Message, ProtocolError, pack_ids_narrow, unpack_ids
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +45,12 @@ class ProgressEntry(Message):
 
     KIND = "progress"
     COMPRESSIBLE = True
-    FIELDS = {"worker_id": STR, "segments": MAP, "v": INT, "slots": LIST}
+    FIELDS = {"worker_id": wire.STR, "segments": wire.MAP, "v": wire.INT, "slots": wire.LIST}
     OPTIONAL = frozenset({"v", "segments", "slots"})
 
     worker_id: str
     segments: dict[str, list[Any]] = field(default_factory=dict)
-    v: int = WIRE_VERSION
+    v: int = wire.WIRE_VERSION
     slots: list[list[Any]] = field(default_factory=list)
 
     @staticmethod
