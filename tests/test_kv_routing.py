@@ -144,9 +144,10 @@ def test_a_real_workers_stores_and_evictions_reach_every_router_index(redis_clie
 
 
 def _beat(client: redis.Redis, config: BusConfig, worker_id: str, running: int = 0,
-          ttl_ms: int = 5_000, free_kv_tokens: int = 10_000) -> None:  # fmt: skip
+          ttl_ms: int = 5_000, free_kv_tokens: int = 10_000,
+          admitted: int = 0) -> None:  # fmt: skip
     beat = Heartbeat(worker_id, config.worker_stream(worker_id), MODEL, running, 0,
-                     free_kv_tokens, 20_000, 0, time.time())  # fmt: skip
+                     free_kv_tokens, 20_000, admitted, time.time())  # fmt: skip
     client.set(config.heartbeat_key(worker_id), encode(beat), px=ttl_ms)
     client.sadd(config.workers_key(), worker_id)
 
@@ -206,6 +207,21 @@ def test_a_cold_burst_of_one_prefix_follows_its_first_job_across_router_batches(
         actor.run_once()
     holder = "w1" if _routed(redis_client, config, "w1") else "w2"
     assert _routed(redis_client, config, holder) == ["c0", "c1", "c2"]
+
+
+@pytest.mark.parametrize("policy", ["kv", "load"])
+def test_cold_jobs_one_at_a_time_spread_over_an_idle_fleet(redis_client, config, policy):
+    # Each job finished before the next came: every worker reads as idle, with the same free
+    # KV. The tie goes to the worker routed the fewest jobs, not always to the first by id.
+    config = BusConfig.from_env({}, **{**vars(config), "router_policy": policy})
+    actor, _ = _router(redis_client, config)
+    for i in range(6):
+        for worker_id in ("w1", "w2"):
+            _beat(redis_client, config, worker_id, admitted=len(_routed(redis_client, config,
+                                                                         worker_id)))  # fmt: skip
+        _job(redis_client, config, f"cold-{i}", [900 + i])
+        actor.run_once()
+    assert len(_routed(redis_client, config, "w1")) == len(_routed(redis_client, config, "w2")) == 3
 
 
 @pytest.mark.parametrize("balance_jobs", [4, 2])

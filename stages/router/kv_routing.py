@@ -7,7 +7,8 @@ With ``router_policy = "kv"`` each live worker gets a score for a job:
     score           = kv_cache_weight x expected_cached - kv_load_weight x load_tokens
 
 and the highest score wins; among equal scores the existing load order decides (fewest
-queued, then most free KV), so cold prefixes and ties spread load as load-only routing does.
+queued, then most free KV, then fewest routed so far), so cold prefixes and ties spread load
+as load-only routing does.
 
 A job is scored the same whether the jobs before it came in its router batch or in earlier
 ones: each routed job counts at once as queued on its worker (one more job, as the routed
@@ -41,6 +42,7 @@ class Candidate(Protocol):  # stages/router/stage.py WorkerLoad
     worker_id: str
     queued: int
     free_kv_tokens: int
+    routed: int  # jobs routed to it so far (every router replica's, `<p>:routed`)
 
 
 class BlockLookup(Protocol):  # stages/router/kv_index.py KvIndex
@@ -54,9 +56,12 @@ class Choice:
     expected_cached: int  # prompt tokens the worker is expected to find in its cache
 
 
-def load_order(worker: Candidate) -> tuple[int, int]:
-    """Least queued first; of equals, the one with the most free KV."""
-    return (worker.queued, -worker.free_kv_tokens)
+def load_order(worker: Candidate) -> tuple[int, int, int]:
+    """Least queued first; of equals, the one with the most free KV; of those, the one routed
+    the fewest jobs so far. The last spreads the cold requests of an idle fleet, where every
+    worker reads as empty (its load as fresh as its last finish) with the same free KV (its
+    cache counts as free): without it they would all go to the first worker by id."""
+    return (worker.queued, -worker.free_kv_tokens, worker.routed)
 
 
 def choose(

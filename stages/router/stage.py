@@ -61,6 +61,7 @@ class WorkerLoad:
     stream: str
     queued: int  # running + waiting + routed but not yet read by the worker
     free_kv_tokens: int
+    routed: int = 0  # jobs routed to it since it started, by every router replica
 
 
 def newest_load(beat: Heartbeat, reading: LoadReading | None) -> LoadReading:
@@ -87,7 +88,8 @@ def live_workers(
         # Routed, not yet read by the worker when `load` was taken.
         in_transit = max(0, liveness.routed.get(worker_id, 0) - load.admitted)
         queued = load.running + load.waiting + in_transit
-        loads.append(WorkerLoad(worker_id, beat.stream, queued, load.free_kv_tokens))
+        loads.append(WorkerLoad(worker_id, beat.stream, queued, load.free_kv_tokens,
+                                liveness.routed.get(worker_id, 0)))  # fmt: skip
     return loads
 
 
@@ -139,6 +141,7 @@ class RouterStage:
             worker = choice.worker
             # The next jobs, of this batch too, see it one job busier and holding the blocks.
             worker.queued += 1
+            worker.routed += 1
             if self.index is not None:
                 self.index.expect(worker.worker_id, hashes)
             self.metrics.decided(choice, len(ids))
