@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import redis  # noqa: E402
 
 from benchmarks import jsonl  # noqa: E402
-from bus.scripted_multi import SyncScriptedMulti  # noqa: E402
+from bus.scripted_multi import ScriptedMulti  # noqa: E402
 from runtime.embedded_server import EmbeddedRedis  # noqa: E402
 
 TOKENS, PROGRESS, REPLY = os.urandom(2000), os.urandom(300), os.urandom(1000)
@@ -46,7 +46,7 @@ def commits(client: redis.Redis) -> dict[str, Callable[[], object]]:
             pipe.execute()
 
     def worker_script() -> None:
-        pipe = SyncScriptedMulti(client, fence=("fence", b"token"))
+        pipe = ScriptedMulti(client, fence=("fence", b"token"))
         _worker_writes(pipe)
         pipe.execute()
 
@@ -56,7 +56,7 @@ def commits(client: redis.Redis) -> dict[str, Callable[[], object]]:
         pipe.execute()
 
     def detokenizer_script() -> None:
-        pipe = SyncScriptedMulti(client)
+        pipe = ScriptedMulti(client)
         _hand_off(pipe)
         pipe.execute()
 

@@ -46,7 +46,7 @@ import redis
 from bus.actor import unique_consumer_name
 from bus.effects import Output, execute_logging_errors, write_dead_letters, write_outputs
 from bus.reconnect import ensure_group, is_missing_group
-from bus.scripted_multi import SyncScriptedMulti
+from bus.scripted_multi import ScriptedMulti
 from bus.stream_trim import StreamTrimmer
 from jobs.progress import ProgressEntry
 from jobs.protocol import ENTRY_FIELD, ProtocolError, decode
@@ -130,7 +130,7 @@ class FencedStream:
         if not (self.outbox or self.acks or self.dead or read or self.progress or self.kv_events):
             return []
         # One script call, checked against the fence first (bus/scripted_multi.py).
-        pipe = SyncScriptedMulti(self.client, fence=(self.fence_key, self._fence))
+        pipe = ScriptedMulti(self.client, fence=(self.fence_key, self._fence))
         if self.progress is not None:  # first: its reply is the entry's id
             pipe.xadd(self.progress_stream, {ENTRY_FIELD: self.progress})
         if self.progress_trim is not None:

@@ -4,7 +4,7 @@ same all-or-nothing write, one round trip and two commands fewer.
 A worker's publish (bus/fenced_stream.py) writes its token batch, its progress-log entry and
 the acknowledgements of finished jobs only while its fence key still holds the token it
 took: as a MULTI that was a WATCH and a GET of the fence (one round trip), then MULTI, the
-writes and EXEC (a second). `SyncScriptedMulti` records the same commands, driven through
+writes and EXEC (a second). `ScriptedMulti` records the same commands, driven through
 redis-py's command methods (``xadd``, ``xack``, ...), and `execute` sends them in one EVALSHA
 of `SOURCE`, which
 
@@ -63,17 +63,13 @@ return results
 SHA = hashlib.sha1(SOURCE.encode()).hexdigest()
 FENCED = "FENCED"
 
-# The position of a command's first key, for the commands a commit sends (XREADGROUP's
-# keys follow STREAMS).
-_FIRST_KEY = {"XADD": 1, "XACK": 1, "XTRIM": 1, "SET": 1, "GET": 1, "EXPIRE": 1,
-              "HINCRBY": 1, "DEL": 1, "XCLAIM": 1}  # fmt: skip
-
 
 class ScriptedMulti(StreamCommands, BasicKeyCommands, HashCommands):
     """The commands of one commit, sent by `execute` as one script call. Used as a
     transaction pipeline is: queue commands through its methods, then execute."""
 
-    def __init__(self, fence: tuple[str, bytes | None] | None = None) -> None:
+    def __init__(self, client: redis.Redis, fence: tuple[str, bytes | None] | None = None):
+        self.client = client
         self.fence = fence  # (fence key, the token it must hold; None: it must not exist)
         self.commands: list[tuple[Any, ...]] = []
 
@@ -81,45 +77,13 @@ class ScriptedMulti(StreamCommands, BasicKeyCommands, HashCommands):
         self.commands.append(args)
         return self
 
-    def __len__(self) -> int:
-        return len(self.commands)
-
-    def script_call(self) -> tuple[list[Any], list[Any]]:
-        """(keys, args) of the EVALSHA."""
-        if self.fence is not None:
-            key, token = self.fence
-            keys = [key]
-            args: list[Any] = ["!" if token is None else b"=" + token]
-        else:
-            keys = [_first_key(self.commands[0])] if self.commands else []
-            args = [""]
-        for command in self.commands:
-            args.append(len(command))
-            args.extend(command)
-        return keys, args
-
-    def parse(self, raw: Any, raise_on_error: bool) -> list[Any]:
-        """Per command, what a pipeline would have returned for it (stream reads as
-        redis-py parses them; errors as ResponseError instances, or the first one raised
-        as a pipeline's `execute` raises it)."""
-        pairs = zip(self.commands, raw, strict=True)
-        results = [_parsed(command[0], result) for command, result in pairs]
-        if raise_on_error:
-            for result in results:
-                if isinstance(result, Exception):
-                    raise result
-        return results
-
-
-class SyncScriptedMulti(ScriptedMulti):
-    def __init__(self, client: redis.Redis, fence: tuple[str, bytes | None] | None = None):
-        super().__init__(fence)
-        self.client = client
-
     def execute(self, raise_on_error: bool = True) -> list[Any]:
+        """Per command, what a pipeline would have returned for it (stream reads as redis-py
+        parses them; errors as ResponseError instances, or the first one raised as a
+        pipeline's `execute` raises it). Raises ``redis.WatchError`` when fenced."""
         if not self.commands and self.fence is None:
             return []
-        keys, args = self.script_call()
+        keys, args = self._script_call()
         try:
             try:
                 raw = self.client.evalsha(SHA, len(keys), *keys, *args)
@@ -128,7 +92,27 @@ class SyncScriptedMulti(ScriptedMulti):
                 raw = self.client.evalsha(SHA, len(keys), *keys, *args)
         except redis.ResponseError as exc:
             raise _fenced_or(exc) from None
-        return self.parse(raw, raise_on_error)
+        pairs = zip(self.commands, raw, strict=True)
+        results = [_parsed(command[0], result) for command, result in pairs]
+        if raise_on_error:
+            for result in results:
+                if isinstance(result, Exception):
+                    raise result
+        return results
+
+    def _script_call(self) -> tuple[list[Any], list[Any]]:
+        """(keys, args) of the EVALSHA."""
+        if self.fence is not None:
+            key, token = self.fence
+            keys = [key]
+            args: list[Any] = ["!" if token is None else b"=" + token]
+        else:
+            keys = [_first_key(self.commands[0])]
+            args = [""]
+        for command in self.commands:
+            args.append(len(command))
+            args.extend(command)
+        return keys, args
 
 
 def _fenced_or(exc: redis.ResponseError) -> redis.RedisError:
@@ -138,10 +122,10 @@ def _fenced_or(exc: redis.ResponseError) -> redis.RedisError:
 
 
 def _first_key(command: tuple[Any, ...]) -> Any:
-    name = str(command[0]).upper()
-    if name in ("XREADGROUP", "XREAD"):
+    """The first key a command names: its first argument, or XREAD(GROUP)'s after STREAMS."""
+    if _upper(command[0]) in ("XREADGROUP", "XREAD"):
         return command[list(map(_upper, command)).index("STREAMS") + 1]
-    return command[_FIRST_KEY.get(name, 1)]
+    return command[1]
 
 
 def _upper(arg: Any) -> str:
@@ -153,7 +137,7 @@ def _upper(arg: Any) -> str:
 def _parsed(name: Any, result: Any) -> Any:
     if isinstance(result, Exception) or result is None:
         return result
-    if str(name).upper() in ("XREADGROUP", "XREAD"):
+    if _upper(name) in ("XREADGROUP", "XREAD"):
         # As redis-py's RESP2 parse: [[stream, [(id, {field: value}), ...]], ...]; a
         # deleted entry's fields are None.
         return [

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from bus.effects import execute_logging_errors
-from bus.scripted_multi import SyncScriptedMulti
+from bus.scripted_multi import ScriptedMulti
 
 
 def _calls(client: redis.Redis) -> dict[str, int]:
@@ -20,7 +20,7 @@ def _calls(client: redis.Redis) -> dict[str, int]:
 def test_the_commands_run_in_order_and_reply_as_a_pipeline_would(redis_client):
     redis_client.xgroup_create("in", "g", id="0", mkstream=True)
     first = redis_client.xadd("in", {"m": b"\x00\xffjob"})
-    pipe = SyncScriptedMulti(redis_client)
+    pipe = ScriptedMulti(redis_client)
     pipe.xadd("out", {"m": b"a"})
     pipe.set("key", "v", ex=60)
     pipe.xreadgroup("g", "c", {"in": ">"}, count=10)
@@ -36,13 +36,13 @@ def test_the_commands_run_in_order_and_reply_as_a_pipeline_would(redis_client):
 
 def test_a_failing_command_is_dropped_and_the_others_still_run(redis_client):
     redis_client.hset("a-hash", "f", "v")  # a "reply stream" that is a hash
-    pipe = SyncScriptedMulti(redis_client)
+    pipe = ScriptedMulti(redis_client)
     pipe.xadd("a-hash", {"m": b"x"})
     pipe.xadd("fine", {"m": b"y"})
     results = execute_logging_errors(pipe, "test")
     assert isinstance(results[0], redis.ResponseError) and "WRONGTYPE" in str(results[0])
     assert redis_client.xlen("fine") == 1
-    pipe = SyncScriptedMulti(redis_client)  # a pipeline's default: the first error raised
+    pipe = ScriptedMulti(redis_client)  # a pipeline's default: the first error raised
     pipe.xadd("a-hash", {"m": b"x"})
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
         pipe.execute()
@@ -52,11 +52,11 @@ def test_a_failing_command_is_dropped_and_the_others_still_run(redis_client):
 def test_a_changed_fence_writes_nothing(redis_client, held):
     if held is not None:
         redis_client.set("fence", held)
-    pipe = SyncScriptedMulti(redis_client, fence=("fence", held))
+    pipe = ScriptedMulti(redis_client, fence=("fence", held))
     pipe.xadd("out", {"m": b"a"})
     assert isinstance(pipe.execute()[0], bytes)  # the fence holds what we took: written
     redis_client.set("fence", "the reaper's")
-    pipe = SyncScriptedMulti(redis_client, fence=("fence", held))
+    pipe = ScriptedMulti(redis_client, fence=("fence", held))
     pipe.xadd("out", {"m": b"b"})
     with pytest.raises(redis.WatchError):
         pipe.execute()
@@ -64,7 +64,7 @@ def test_a_changed_fence_writes_nothing(redis_client, held):
 
 
 def test_a_full_redis_refuses_the_whole_commit(redis_client):
-    pipe = SyncScriptedMulti(redis_client)
+    pipe = ScriptedMulti(redis_client)
     pipe.xadd("out", {"m": b"a"})
     pipe.xadd("other", {"m": b"b"})
     redis_client.config_set("maxmemory", "1")
@@ -77,9 +77,9 @@ def test_a_full_redis_refuses_the_whole_commit(redis_client):
 
 
 def test_a_restarted_server_gets_the_script_again(redis_client):
-    SyncScriptedMulti(redis_client).xadd("out", {"m": b"a"}).execute()
+    ScriptedMulti(redis_client).xadd("out", {"m": b"a"}).execute()
     redis_client.script_flush()  # as a restart or a failover forgets it
-    pipe = SyncScriptedMulti(redis_client)
+    pipe = ScriptedMulti(redis_client)
     pipe.xadd("out", {"m": b"b"})
     pipe.execute()
     assert redis_client.xlen("out") == 2
@@ -88,7 +88,7 @@ def test_a_restarted_server_gets_the_script_again(redis_client):
 def test_a_fenced_commit_costs_one_call_and_its_commands(redis_client):
     redis_client.set("fence", "t")
     redis_client.config_resetstat()
-    pipe = SyncScriptedMulti(redis_client, fence=("fence", b"t"))
+    pipe = ScriptedMulti(redis_client, fence=("fence", b"t"))
     pipe.xadd("progress", {"m": b"p"})
     pipe.xadd("tokens", {"m": b"t"})
     pipe.execute()
@@ -102,7 +102,7 @@ def test_on_a_cluster_node_that_does_not_own_the_names_it_is_moved(nodes):
     # Every name of one shard shares a hash tag; "{a}" hashes to the third primary's slots.
     for url in nodes:
         client = redis.Redis.from_url(url)
-        pipe = SyncScriptedMulti(client)
+        pipe = ScriptedMulti(client)
         pipe.xadd("p:{a}:out", {"m": b"a"})
         pipe.xadd("p:{a}:dead", {"m": b"b"})
         if url == nodes[2]:
