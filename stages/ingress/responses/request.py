@@ -335,7 +335,8 @@ def openapi_schema() -> dict[str, Any]:
                                                  "items": {"anyOf": [message, call, output]}}]},
         "instructions": {"type": ["string", "null"]},
         "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
-        "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+        # As every endpoint takes it (jobs/sampling_checks.py): finite and >= 0, no maximum.
+        "temperature": {"type": ["number", "null"], "minimum": 0},
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
         "text": {"type": ["object", "null"], "properties": {"format": text_format}},
         "tools": {"type": ["array", "null"], "items": tool},
