@@ -52,3 +52,16 @@ def hf_generate_seconds(model, prompts: list[list[int]], max_new: int) -> float:
         torch.cuda.synchronize()
     assert out.shape[1] == width + max_new
     return time.perf_counter() - start
+
+
+def is_near_tie(model, model_float32, ids: list[int], one: int, other: int) -> bool:
+    """Whether greedy may pick either `one` or `other` after `ids` in `model`'s precision:
+    their float32 logits are closer than twice the largest rounding difference between
+    `model` and its float32 copy there (as with any two summation orders)."""
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        batch = torch.tensor([ids], device=device)
+        low = model(batch).logits[0, -1].float()
+        exact = model_float32(batch).logits[0, -1].float()
+    rounding = (low - exact).abs().max()
+    return bool((exact[one] - exact[other]).abs() <= 2 * rounding)

@@ -10,6 +10,7 @@ import sys
 import torch
 
 from gpu_worker import gpu_check
+from gpu_worker.hf_reference import is_near_tie
 
 
 def test_without_cuda_it_says_so_and_exits_2():
@@ -40,3 +41,26 @@ def test_timings_run_and_report_against_their_floors():
     rows = gpu_check.measure_throughput("cpu", "random:tiny-llama", [[5] * 20] * 3, [4, 3, 2])
     assert [row["system"] for row in rows] == ["engine", "hf-batch"]
     assert rows[1]["engine_vs_hf"] > 0
+
+
+def test_greedy_check_in_bfloat16_passes_right_paths_where_ties_may_round_either_way():
+    paths = {"torch_native": {"attention_backend": "torch_native"}}
+    rows = gpu_check.check_greedy("cpu", torch.bfloat16, paths, page_sizes=(16,))
+    assert len(rows) == 3
+    assert all(row["ok"] and row["near_ties"] == row["requests_differing"] for row in rows)
+
+
+def test_greedy_judge_fails_a_token_float32_ranks_clearly_below():
+    model = gpu_check._tiny_hf_model("llama", torch.bfloat16, "cpu")
+    prompts = [[5, 9, 33, 7], [11, 2]]
+    judge = gpu_check.GreedyJudge(model, prompts)
+    assert judge([list(out) for out in judge.expected]) == {
+        "equal": True, "requests_differing": 0, "near_ties": 0, "ok": True,
+    }  # fmt: skip
+    with torch.inference_mode():
+        logits = judge.exact(torch.tensor([prompts[1]])).logits[0, -1]
+    top, worst = logits.argmax().item(), logits.argmin().item()
+    assert is_near_tie(model, judge.exact, prompts[1], top, top)
+    assert not is_near_tie(model, judge.exact, prompts[1], top, worst)
+    wrong = [list(judge.expected[0]), [worst] + judge.expected[1][1:]]
+    assert judge(wrong) == {"equal": False, "requests_differing": 1, "near_ties": 0, "ok": False}

@@ -60,7 +60,11 @@ class FlashInferKernels:
         self._flashinfer = flashinfer
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        # fa2, not "auto" (which takes fa3 on Hopper): FlashInfer compiles its kernels on
+        # first use, and fa3's CUTLASS build takes minutes more at every fresh start.
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, "NHD", backend="fa2"
+        )
         self._wrapper = self._decode
         self._fixed: PagedKVMetadata | None = None
         self._graph_wrappers: dict[int, object] = {}
