@@ -10,7 +10,6 @@ which the OpenAI clients raise.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -37,6 +36,7 @@ from stages.ingress.api.params import (
     parse_completion,
     parse_generate,
 )
+from stages.ingress.api.sse import ChunkEncoder, SSEStream, encode_json
 from stages.ingress.api.tool_call_parser import ToolCallParser
 from stages.ingress.body import read_object
 from stages.ingress.errors import ApiError, error_body, redis_full, redis_unavailable
@@ -49,32 +49,6 @@ from stages.ingress.tenancy.ownership import owner_of
 from stages.ingress.tenancy.tenants import Tenant
 
 logger = logging.getLogger(__name__)
-
-DONE = b"data: [DONE]\n\n"
-
-
-def _json(data: Any) -> bytes:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-async def _start_sse(
-    request: web.Request, extra_headers: dict[str, str] | None = None
-) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",  # proxies must not hold events back
-            **(extra_headers or {}),
-        }
-    )
-    await response.prepare(request)
-    return response
-
-
-async def _send(response: web.StreamResponse, data: Any, event_id: str | None = None) -> None:
-    head = b"id: " + event_id.encode() + b"\n" if event_id is not None else b""
-    await response.write(head + b"data: " + _json(data) + b"\n\n")
 
 
 async def _resume_point(
@@ -167,7 +141,7 @@ async def _openai(
         body = await _whole_openai(sub, job, fmt, head, choices)
     return web.json_response(
         body,
-        dumps=lambda d: _json(d).decode(),
+        dumps=lambda d: encode_json(d).decode(),
         headers=timing_headers(sub.timing([c.finish for c in choices])),
     )
 
@@ -241,9 +215,10 @@ async def _stream_openai(
     # Headers go out after every choice's first reply: time to first token is known, queue
     # and decode time are not yet (they come in no header of a stream).
     ttft = {} if resumed else {k: v for k, v in sub.timing([]).items() if k == "ttft"}
-    response = await _start_sse(request, timing_headers(ttft))
+    out = await SSEStream.start(request, timing_headers(ttft))
     head = {**head, "object": fmt.chunk_object}
     extra = {"usage": None} if job.include_usage else {}  # as OpenAI: null until the last
+    chunks = ChunkEncoder(head, extra)
     frontend_id = resumed.frontend_id if resumed else sub.state.frontend_id
 
     def event_id() -> str | None:
@@ -254,12 +229,11 @@ async def _stream_openai(
         if isinstance(early, TextDelta):
             choices[sub.index[early.rid]].named(early)
     for first in [] if resumed else fmt.first_chunk_choices(choices):
-        await _send(response, {**head, "system_fingerprint": system_fingerprint(choices),
-                               "choices": [first], **extra}, event_id())  # fmt: skip
+        out.add_encoded(chunks.encode(system_fingerprint(choices), [first]), event_id())
     try:
-        async for reply in sub.replies():
+        async for reply in sub.replies(before_wait=out.flush):
             if isinstance(reply, ErrorReply):
-                await _send(response, error_body(reply))
+                out.add(error_body(reply))
                 break
             index = sub.index[reply.rid]
             choice = choices[index]
@@ -275,12 +249,11 @@ async def _stream_openai(
             if not delta and finish is None and logprobs is None:
                 continue  # text held back (a partial character, a stop prefix, a tool call)
             chunk_choice = fmt.chunk_choice(choice, delta, logprobs, finish)
-            await _send(response, {**head, "system_fingerprint": system_fingerprint([choice]),
-                                   "choices": [chunk_choice], **extra}, event_id())  # fmt: skip
+            fingerprint = system_fingerprint([choice])
+            out.add_encoded(chunks.encode(fingerprint, [chunk_choice]), event_id())
         else:
             if job.include_usage:
-                await _send(
-                    response,
+                out.add(
                     {
                         **head,
                         "choices": [],
@@ -291,13 +264,12 @@ async def _stream_openai(
     except (ConnectionError, OSError):
         if sub.state.draining:
             raise  # cut by a shutdown: the submission hands it over, to resume elsewhere
-        return response  # the client left: nothing to send or log (the rest is aborted)
+        return out.response  # the client left: nothing to send or log (the rest is aborted)
     except Exception as exc:
         logger.exception("stream %s failed", head["id"])
-        await _send(response, error_body(_internal(exc)))
-    await response.write(DONE)
-    await response.write_eof()
-    return response
+        out.add(error_body(_internal(exc)))
+    await out.close()
+    return out.response
 
 
 def _internal(exc: Exception) -> ApiError:
@@ -360,13 +332,13 @@ async def _stream_generate(
     resumed: resume.ResumePoint | None = None,
     ids: bool = True,
 ) -> web.StreamResponse:
-    response = await _start_sse(request)
+    out = await SSEStream.start(request)
     frontend_id = resumed.frontend_id if resumed else sub.state.frontend_id
     choice = Choice(0)  # for the event ids' progress
     try:
-        async for reply in sub.replies():
+        async for reply in sub.replies(before_wait=out.flush):
             if isinstance(reply, ErrorReply):
-                await _send(response, error_body(reply))
+                out.add(error_body(reply))
                 break
             choice.add(reply)
             if resumed and resumed.already_sent(0, reply):
@@ -377,18 +349,16 @@ async def _stream_generate(
             if job.logprobs:
                 meta.update(native_logprobs(reply))
             meta.update(native_prompt_logprobs(reply))
-            await _send(
-                response,
+            out.add(
                 {"text": reply.text or "", "output_ids": reply.ids, "meta_info": meta},
                 resume.event_id(sub.request_id, frontend_id, [choice]) if ids else None,
             )
     except (ConnectionError, OSError):
         if sub.state.draining:
             raise  # cut by a shutdown: the submission hands it over, to resume elsewhere
-        return response  # the client left: nothing to send or log (the rest is aborted)
+        return out.response  # the client left: nothing to send or log (the rest is aborted)
     except Exception as exc:
         logger.exception("stream %s failed", rid)
-        await _send(response, error_body(_internal(exc)))
-    await response.write(DONE)
-    await response.write_eof()
-    return response
+        out.add(error_body(_internal(exc)))
+    await out.close()
+    return out.response

@@ -29,7 +29,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from bus.replies import AsyncReplyReader, Reply, is_terminal
@@ -185,9 +185,14 @@ class Submission:
         """The replies `first_replies` read, which `replies` hands out first."""
         return list(self._early)
 
-    async def replies(self) -> AsyncIterator[Reply]:
-        """Every reply (the early ones first) until each sub-request has its last one."""
+    async def replies(
+        self, before_wait: Callable[[], Awaitable[None]] | None = None
+    ) -> AsyncIterator[Reply]:
+        """Every reply (the early ones first) until each sub-request has its last one;
+        `before_wait` is awaited each time none is there yet (a stream writes then)."""
         while self._early or len(self.finished) < len(self.requests):
+            if before_wait is not None and not self._early and self.queue.empty():
+                await before_wait()
             reply = self._early.popleft() if self._early else await self._next_reply()
             if reply is None:
                 # Not noted as finished: the exit aborts the sub-requests that timed out.
