@@ -1,6 +1,7 @@
 """The ingress's HTTP API: OpenAI's endpoints and the native /generate.
 
 handlers.py          the generation endpoints (chat, completions, /generate)
+sse.py               their event streams, written in as few sends as the replies allow
 embeddings.py        /v1/embeddings: pooled hidden states, one embedding job per input
 service_endpoints.py the rest: models, aborts, OpenAPI document, health, metrics
 admin_weights.py     /admin/weights: new weights for every worker, behind the admin key
