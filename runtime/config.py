@@ -336,11 +336,6 @@ class BusConfig:
         """A lock: the router replica moving a dead worker's jobs holds it."""
         return self._name("reaping", _require_id("worker_id", worker_id))
 
-    def fence_key(self, worker_id: str) -> str:
-        """A new random token each time the reaper takes jobs off the worker: a worker whose
-        token changed under it must not publish for jobs it no longer holds."""
-        return self._name("fence", _require_id("worker_id", worker_id))
-
     def routed_key(self) -> str:
         """A hash worker id -> jobs routed to it, so routers see each other's routing."""
         return self._name("routed")
