@@ -105,6 +105,7 @@ class FencedStream:
         self.progress_stream = config.progress_stream(worker_id)  # also our fence
         self._no_progress = encode(ProgressEntry(worker_id))  # a commit's entry, no job in it
         self._open_log = client.register_script(OPEN_LOG)
+        self._log_opened = False
         self.progress: bytes | None = None  # an encoded ProgressEntry, for the log
         self.progress_trim: bytes | None = None  # trim the log below this id (MINID)
         self.progress_written: bytes | None = None  # where the last commit logged `progress`
@@ -142,9 +143,11 @@ class FencedStream:
 
     def open_log(self) -> None:
         """Make our progress log, or open it again after a reaper closed it: the commits
-        from now on write only until a reaper closes it again."""
+        from now on write only until a reaper closes it again. (`open` does, else the
+        first commit.)"""
         args = [ENTRY_FIELD, self._no_progress, CLOSED_LOG_ID]
         self._open_log(keys=[self.progress_stream], args=args)
+        self._log_opened = True
 
     def read_blocking(self) -> list[Entry]:
         """New jobs, waiting up to block_ms for some."""
@@ -162,6 +165,8 @@ class FencedStream:
         self.progress_written = None
         if not (self.outbox or self.acks or self.dead or read or self.progress or self.kv_events):
             return []
+        if not self._log_opened:
+            self.open_log()
         # One script call, the log's entry first: it is the fence (bus/scripted_multi.py),
         # and its reply is the entry's id. NOMKSTREAM: a log the reaper deleted is a fence.
         pipe = ScriptedMulti(self.client, guarded=True)

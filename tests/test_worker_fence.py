@@ -121,3 +121,11 @@ def test_the_reaper_claims_off_a_worker_that_never_opened_its_log(redis_client, 
     entries, deliveries = fence_off(redis_client, config, "w9", "router-test", 256)
     assert len(entries) == 1 and deliveries == {entries[0][0]: 1}
     assert not redis_client.exists(config.progress_stream("w9"))
+
+
+def test_a_stream_never_opened_opens_its_log_at_its_first_commit(redis_client, config):
+    bus = FencedStream(redis_client, config, "w2")  # as a worker driven step by step
+    _publish(bus, config, "r1")
+    bus.commit(read=False)
+    assert redis_client.xlen("out") == 1
+    assert redis_client.xlen(bus.progress_stream) == 2  # the opening entry, then the commit's
