@@ -110,6 +110,8 @@ class FencedStream:
         self.progress_trim: bytes | None = None  # trim the log below this id (MINID)
         self.progress_written: bytes | None = None  # where the last commit logged `progress`
         self.kv_events: bytes | None = None  # an encoded KvEvents, for the kv-events stream
+        self.abort_checks: list[str] = []  # rids whose abort flags the commit reads
+        self.flagged: list[str] = []  # of those, the ones the last commit found aborted
         # Entry id -> deliveries to a previous life under this id, for the entries `open`
         # took back (read once, when the job is admitted).
         self.previous_deliveries: dict[bytes, int] = {}
@@ -158,12 +160,14 @@ class FencedStream:
         return response[0][1] if response else []
 
     def commit(self, read: bool) -> list[Entry]:
-        """One script call, valid only under our fence: outputs, dead letters, acks, and
-        (optionally) a non-blocking read of new jobs. Returns the jobs read; raises `Fenced`
+        """One script call, valid only under our fence: outputs, dead letters, acks, the
+        `abort_checks` flags read (the aborted ones then in `flagged`), and (optionally) a
+        non-blocking read of new jobs. Returns the jobs read; raises `Fenced`
         (having written nothing) when a reaper closed or deleted our log since we opened it."""
         self.trimmer.maybe_trim()
         self.progress_written = None
-        if not (self.outbox or self.acks or self.dead or read or self.progress or self.kv_events):
+        writes = self.outbox or self.acks or self.dead or self.progress or self.kv_events
+        if not (writes or read or self.abort_checks):
             return []
         if not self._log_opened:
             self.open_log()
@@ -181,6 +185,9 @@ class FencedStream:
         write_dead_letters(pipe, self.config, self.dead)
         if self.acks:
             pipe.xack(self.stream, WORKER_GROUP, *self.acks)
+        checks = self.abort_checks
+        if checks:  # bus/aborts.py
+            pipe.mget([self.config.abort_key(rid) for rid in checks])
         if read:
             pipe.xreadgroup(WORKER_GROUP, self.consumer, {self.stream: ">"},
                             count=self.config.read_count)  # fmt: skip
@@ -190,6 +197,10 @@ class FencedStream:
             raise Fenced from exc
         if self.progress is not None and isinstance(results[0], bytes):
             self.progress_written = results[0]
+        if checks:
+            flags = results[-2 if read else -1]
+            if isinstance(flags, list):  # else an error, logged: checked again next time
+                self.flagged = [rid for rid, flag in zip(checks, flags, strict=True) if flag]
         self._clear()
         if read and results[-1] and not isinstance(results[-1], redis.ResponseError):
             return results[-1][0][1]
@@ -220,8 +231,13 @@ class FencedStream:
             self.stream, WORKER_GROUP, "-", "+", count=10_000, consumername=consumer
         )
 
+    def take_flagged(self) -> list[str]:
+        """The jobs the last commit found aborted, once."""
+        flagged, self.flagged = self.flagged, []
+        return flagged
+
     def _clear(self) -> None:
-        self.outbox, self.acks, self.dead = [], [], []
+        self.outbox, self.acks, self.dead, self.abort_checks = [], [], [], []
         self.progress = self.progress_trim = self.kv_events = None
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import redis
 
-from bus.effects import ExpireKey, Outbound
+from bus.effects import Outbound
 from bus.fenced_stream import Entry, FencedStream, read_progress_log
 from gpu_worker.cached_blocks import watch_prefix_cache
 from gpu_worker.heartbeat import Load
@@ -57,6 +57,7 @@ class Publisher:
         self.log = ProgressLog(worker_id, config.trim_interval_s)
         self._gained: dict[str, None] = {}  # rids with tokens not yet published, in order
         self._last = 0.0  # monotonic time of the last publish
+        self._aborts_checked = time.monotonic()  # and of the last read of abort flags
         self._finished_since = False  # a job finished since the last publish: the load fell
         self._taken_back: set[bytes] = set()  # entries whose progress is in our own log
         # rid -> why the router sent the job here and what it expected cached, for its Finish.
@@ -94,6 +95,9 @@ class Publisher:
         self.bus.kv_events = self._kv_events(load)
         self._finished_since = False
         self._last = time.monotonic()
+        if jobs and self._last - self._aborts_checked >= self.config.abort_check_interval_ms / 1000:
+            self.bus.abort_checks = list(jobs)  # bus/aborts.py: read in this commit
+            self._aborts_checked = self._last
 
     def _kv_events(self, load: Load) -> bytes | None:
         """The kv-events entry of this publish, stamped with `load`; None: nothing to say (or
@@ -123,9 +127,6 @@ class Publisher:
         if end > start and not req.finished:
             # Logged in the commit that publishes these tokens, for all our jobs at once.
             self.log.log(req.rid, start, req.output_ids[start:end])
-            ttl = self.config.reply_ttl_s
-            if job.route_due(time.monotonic(), ttl):  # set by the router: outlive the job
-                self.bus.outbox.append(ExpireKey(self.config.route_key(req.rid), ttl))
         item = token_item(req, job.reply_to, start, job.window, job.reply_version, job.bundle,
                           job.tag)  # fmt: skip
         if req.finished:
@@ -136,6 +137,7 @@ class Publisher:
             route = self._routes.pop(req.rid, None)
             if route is not None:
                 item.finish.route_reason, item.finish.expected_cached_tokens = route
+                item.finish.worker = self.worker_id
             self.metrics.finished(item.finish)
             self.finished(job)
         return item
