@@ -82,10 +82,12 @@ class Publisher:
 
     # ---- what ----------------------------------------------------------------------------
 
-    def publish(self, jobs: dict[str, RunningJob], step: int, load: Load) -> None:
+    def publish(self, jobs: dict[str, RunningJob], step: int, load: Load,
+                waiting: list[str] | None = None) -> None:  # fmt: skip
         """Queue on the bus's next commit one item per request that gained tokens since the
         last publish, the progress log's entry for them, and the prefix cache's changes with
-        `load` (already reported to the heartbeat: it is stamped after that)."""
+        `load` (already reported to the heartbeat: it is stamped after that); and, when due,
+        a read of the abort flags of `jobs` and of the jobs `waiting` outside the engine."""
         gained, self._gained = self._gained, {}
         if len(self._routes) > 2 * len(jobs) + 64:
             self._routes = {rid: route for rid, route in self._routes.items() if rid in jobs}
@@ -95,8 +97,9 @@ class Publisher:
         self.bus.kv_events = self._kv_events(load)
         self._finished_since = False
         self._last = time.monotonic()
-        if jobs and self._last - self._aborts_checked >= self.config.abort_check_interval_ms / 1000:
-            self.bus.abort_checks = list(jobs)  # bus/aborts.py: read in this commit
+        held = [*jobs, *(waiting or ())]
+        if held and self._last - self._aborts_checked >= self.config.abort_check_interval_ms / 1000:
+            self.bus.abort_checks = held  # bus/aborts.py: read in this commit
             self._aborts_checked = self._last
 
     def _kv_events(self, load: Load) -> bytes | None:

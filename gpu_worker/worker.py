@@ -163,7 +163,8 @@ class Worker:
     def _commit(self, read: bool) -> list[Entry]:
         """Publish what was generated and queued since the last publish, and the load (told
         the heartbeat first: heartbeat.py), in one commit (fenced_stream.py); the jobs read."""
-        self.publisher.publish(self.jobs, self.steps, self._report_load())
+        self.publisher.publish(self.jobs, self.steps, self._report_load(),
+                               self.grammar_waits.rids())  # fmt: skip
         try:
             jobs = self.bus.commit(read)
         except Fenced:
