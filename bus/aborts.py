@@ -2,10 +2,10 @@
 
 An abort writes only the flag (`<p>:abort:<rid>`). A job still on its way to a worker (in the
 requests, tokenized or worker streams, or moving off a dead worker) is dropped when a worker
-admits it (one MGET per admission, gpu_worker/worker.py); a running one is ended by its
-worker, which reads its jobs' flags in its commit at most every `abort_check_interval_ms`
-(bus/fenced_stream.py ``abort_checks``: one MGET for all its jobs) and frees it within about
-that. The job's stream ends with "abort".
+admits it (one MGET per admission, gpu_worker/worker.py); one it holds (running, or waiting
+for its grammar) is ended by its worker, which reads its jobs' flags in its commit at most
+every `abort_check_interval_ms` (bus/fenced_stream.py ``abort_checks``: one MGET for all its
+jobs) and frees it within about that. The job's stream ends with "abort".
 
 Nothing records which worker a job went to. A route key per job (set by the router, renewed
 by the worker, read here to send an Abort to that worker's stream) cost a SET per request at
