@@ -33,7 +33,9 @@ nothing and raises `Fenced`; the worker drops every job and starts again from
 and resume from the log. The fence so costs no command of its own: a GET of a fence key in
 every commit had been one command per publish, a quarter of a batch-1 decode step's (issue
 27). A Redis restarted empty has no log either: its worker's first commit is fenced, and it
-serves on with what is pending to it (nothing: the jobs were lost with Redis).
+serves on with what is pending to it (nothing: the jobs were lost with Redis). The reaper
+also changes the fence key that workers before this fence read (`legacy_fence_key`), so
+routers are upgraded before workers.
 
 The worker trims its stream, at most once per ``trim_interval_s``, below what its group has
 acknowledged (bus/stream_trim.py): a job stays on the stream until it finishes. It trims its
@@ -44,6 +46,7 @@ progress log below the first entry about the oldest job it holds
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any
 
 import redis
@@ -273,11 +276,12 @@ def fence_off(
     try:
         pipe = client.pipeline(transaction=True)
         pipe.execute_command("XSETID", config.progress_stream(worker_id), CLOSED_LOG_ID)
+        pipe.set(config.legacy_fence_key(worker_id), secrets.token_hex(8))  # older workers'
         # Before the claim counts itself: the deliveries to workers that died holding them.
         pipe.xpending_range(stream, WORKER_GROUP, "-", "+", count=count)
         pipe.xautoclaim(stream, WORKER_GROUP, consumer, min_idle_time=0, start_id="0-0",
                         count=count)  # fmt: skip
-        closed, pending, claimed = pipe.execute(raise_on_error=False)
+        closed, _, pending, claimed = pipe.execute(raise_on_error=False)
         for result in (pending, claimed):
             if isinstance(result, Exception):
                 raise result

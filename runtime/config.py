@@ -340,6 +340,12 @@ class BusConfig:
         """A lock: the router replica moving a dead worker's jobs holds it."""
         return self._name("reaping", _require_id("worker_id", worker_id))
 
+    def legacy_fence_key(self, worker_id: str) -> str:
+        """The fence of workers older than the progress-log fence (bus/fenced_stream.py): a
+        token they WATCH, which the reaper still changes so that such a worker is fenced
+        during a rolling upgrade (routers are upgraded before workers)."""
+        return self._name("fence", _require_id("worker_id", worker_id))
+
     def routed_key(self) -> str:
         """A hash worker id -> jobs routed to it, so routers see each other's routing."""
         return self._name("routed")

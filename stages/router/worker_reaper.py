@@ -191,7 +191,8 @@ class WorkerReaper:
                     return False
                 pipe.multi()
                 # The log too: a worker taken for dead while alive finds none, and is fenced.
-                pipe.delete(stream, self.config.progress_stream(worker_id))
+                pipe.delete(stream, self.config.progress_stream(worker_id),
+                            self.config.legacy_fence_key(worker_id))  # fmt: skip
                 pipe.srem(self.config.workers_key(), worker_id)
                 pipe.hdel(self.config.routed_key(), worker_id)
                 pipe.execute()
