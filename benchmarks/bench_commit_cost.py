@@ -5,8 +5,8 @@
 Two commits of the bus, each written both ways against a private embedded server:
 
 - worker: a publish under its fence (the TokenBatch, the progress-log entry and a
-  non-blocking read of new jobs); as WATCH and GET of the fence, then MULTI ... EXEC, or as
-  one EVALSHA that checks the fence itself;
+  non-blocking read of new jobs); as WATCH and GET of a fence key, then MULTI ... EXEC, or as
+  one EVALSHA whose first write, the progress entry, is the fence (bus/fenced_stream.py);
 - detokenizer: a hand-off (the reply entry and the XACK of its input); as MULTI ... EXEC, or
   as one EVALSHA.
 
@@ -42,12 +42,12 @@ def commits(client: redis.Redis) -> dict[str, Callable[[], object]]:
             if pipe.get("fence") != b"token":
                 raise RuntimeError("fenced")
             pipe.multi()
-            _worker_writes(pipe)
+            _worker_writes(pipe, nomkstream=False)
             pipe.execute()
 
     def worker_script() -> None:
-        pipe = ScriptedMulti(client, fence=("fence", b"token"))
-        _worker_writes(pipe)
+        pipe = ScriptedMulti(client, guarded=True)
+        _worker_writes(pipe, nomkstream=True)
         pipe.execute()
 
     def detokenizer_multi() -> None:
@@ -65,8 +65,8 @@ def commits(client: redis.Redis) -> dict[str, Callable[[], object]]:
             "detokenizer_script": detokenizer_script}  # fmt: skip
 
 
-def _worker_writes(pipe) -> None:
-    pipe.xadd("progress", {"m": PROGRESS}, maxlen=100, approximate=True)
+def _worker_writes(pipe, nomkstream: bool) -> None:
+    pipe.xadd("progress", {"m": PROGRESS}, maxlen=100, approximate=True, nomkstream=nomkstream)
     pipe.xadd("tokens", {"m": TOKENS}, maxlen=1000, approximate=True)
     pipe.xreadgroup("worker", "w", {"jobs": ">"}, count=64)
 
@@ -90,6 +90,7 @@ def main() -> None:
     with EmbeddedRedis() as server:
         client = redis.Redis.from_url(server.url)
         client.set("fence", b"token")
+        client.xadd("progress", {"m": PROGRESS})
         client.xgroup_create("jobs", "worker", id="0", mkstream=True)
         client.xgroup_create("tokens", "detokenizer", id="0", mkstream=True)
         forms = commits(client)

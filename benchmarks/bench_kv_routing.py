@@ -75,9 +75,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-async def run_workload(client: AsyncClient, bus: redis.Redis, config: BusConfig,
-                       systems: list[list[int]], args: argparse.Namespace,
-                       seed: int) -> dict:  # fmt: skip
+async def run_workload(client: AsyncClient, systems: list[list[int]],
+                       args: argparse.Namespace, seed: int) -> dict:  # fmt: skip
     rng = random.Random(seed)
     conversations = [Conversation(i, i % len(systems), systems[i % len(systems)],
                                   random.Random(rng.random()))
@@ -109,8 +108,7 @@ async def run_workload(client: AsyncClient, bus: redis.Redis, config: BusConfig,
         outputs += len(ids)
         usage = usage or {}
         cached += usage.get("cached_tokens", 0)
-        worker = bus.get(config.route_key(rid))
-        worker = worker.decode() if worker else "?"
+        worker = usage.get("worker", "?")  # the worker that finished it (its Finish)
         per_worker[worker] = per_worker.get(worker, 0) + len(prompt)
         requests.append({
             "conversation": conversation.number, "turn": conversation.turns,
@@ -181,7 +179,7 @@ async def measure(args: argparse.Namespace, redis_url: str, seed: int) -> list[d
                                for i in range(2 * args.workers)))  # fmt: skip
         for name, systems in (("shared", shared), ("hot", hot)):
             wait_for_idle_workers(bus, config, args.workers)
-            row = await run_workload(client, bus, config, systems, args, seed + len(rows))
+            row = await run_workload(client, systems, args, seed + len(rows))
             rows.append({"workload": name, **row})
     return rows
 

@@ -3,12 +3,14 @@
 actor.py          `Actor`: a CPU stage replica's loop on its consumer group, each turn's
                   effects and acknowledgements committed in one MULTI
 effects.py        what a stage's turn writes (`Outbound`, `SetKey`, `ExpireKey`, ...)
-fenced_stream.py  a worker's own stream, written only under its fence; the reaper's `fence_off`
+fenced_stream.py  a worker's own stream, written only under its fence (its progress log, which
+                  the reaper closes: `fence_off`)
 liveness.py       which workers are alive: the one reader of their heartbeats, sync and async
-scripted_multi.py a worker's fenced commit as one Lua script call (not WATCH, GET, MULTI, EXEC)
+scripted_multi.py a worker's fenced commit as one Lua script call (not WATCH, GET, MULTI, EXEC),
+                  its first write the fence
 reconnect.py      every consumer loop's backoff on outages and its group made again
 stream_trim.py    trimming a stream only below what every group has read and acknowledged
-aborts.py         abort flags and Abort messages
+aborts.py         abort flags: all an abort writes; the worker holding the job reads them
 client.py         direct Redis jobs: `Client` and `AsyncClient`
 replies.py        reading a reply stream, in order, for many requests at once
 reply_order.py    one request's replies put back in output order

@@ -1,9 +1,17 @@
-"""Aborting requests: a flag every stage can check, and a message to the worker that runs it.
+"""Aborting requests: a flag, with the reply stream's TTL, that the worker holding the job reads.
 
-The abort key is set first and the route read after, both in one pipeline (Redis runs them
-in order): if the router has not routed the job yet, the worker finds the key when the job
-arrives and drops it; if it has, the route key names the worker, which gets an Abort on its
-own stream and frees the request within a step.
+An abort writes only the flag (`<p>:abort:<rid>`). A job still on its way to a worker (in the
+requests, tokenized or worker streams, or moving off a dead worker) is dropped when a worker
+admits it (one MGET per admission, gpu_worker/worker.py); one it holds (running, or waiting
+for its grammar) is ended by its worker, which reads its jobs' flags in its commit at most
+every `abort_check_interval_ms` (bus/fenced_stream.py ``abort_checks``: one MGET for all its
+jobs) and frees it within about that. The job's stream ends with "abort".
+
+Nothing records which worker a job went to. A route key per job (set by the router, renewed
+by the worker, read here to send an Abort to that worker's stream) cost a SET per request at
+any rate of aborts, and the checks cost a command per worker per interval at most, whatever
+the number of jobs: at a 64-request burst 64 SETs against a few MGETs (issue 27). An Abort
+entry on a worker's stream (an older client's) is still obeyed.
 """
 
 from __future__ import annotations
@@ -13,38 +21,20 @@ from collections.abc import Sequence
 import redis
 import redis.asyncio as aredis
 
-from jobs.protocol import ENTRY_FIELD, Abort, encode
 from runtime.config import BusConfig
 
 
-def _flag_and_find(pipe, config: BusConfig, rids: Sequence[str]) -> None:
+def _flag(pipe, config: BusConfig, rids: Sequence[str]) -> None:
     for rid in rids:
         pipe.set(config.abort_key(rid), 1, ex=config.reply_ttl_s)
-    for rid in rids:
-        pipe.get(config.route_key(rid))
-
-
-def _routed(rids: Sequence[str], results: list) -> list[tuple[str, str]]:
-    """(rid, worker id) of the rids a router has routed; `results` are SETs then GETs."""
-    routes = results[len(rids) :]
-    return [(rid, worker.decode()) for rid, worker in zip(rids, routes, strict=True) if worker]
-
-
-def _tell_workers(pipe, config: BusConfig, routed: list[tuple[str, str]]) -> None:
-    for rid, worker_id in routed:
-        pipe.xadd(config.worker_stream(worker_id), {ENTRY_FIELD: encode(Abort(rid))})
 
 
 def publish_aborts(client: redis.Redis, config: BusConfig, rids: Sequence[str]) -> None:
     if not rids:
         return
     pipe = client.pipeline(transaction=False)
-    _flag_and_find(pipe, config, rids)
-    routed = _routed(rids, pipe.execute())
-    if routed:
-        pipe = client.pipeline(transaction=False)
-        _tell_workers(pipe, config, routed)
-        pipe.execute()
+    _flag(pipe, config, rids)
+    pipe.execute()
 
 
 async def publish_aborts_async(
@@ -53,12 +43,8 @@ async def publish_aborts_async(
     if not rids:
         return
     pipe = client.pipeline(transaction=False)
-    _flag_and_find(pipe, config, rids)
-    routed = _routed(rids, await pipe.execute())
-    if routed:
-        pipe = client.pipeline(transaction=False)
-        _tell_workers(pipe, config, routed)
-        await pipe.execute()
+    _flag(pipe, config, rids)
+    await pipe.execute()
 
 
 def publish_abort(client: redis.Redis, config: BusConfig, rid: str) -> None:

@@ -65,7 +65,7 @@ class SetKey:
 
 @dataclass
 class ExpireKey:
-    """A key's TTL renewed (a running job's route key, which outlives the TTL it was set with)."""
+    """A key's TTL renewed (a reply stream, which outlives the TTL it was set with)."""
 
     key: str
     ttl_s: int

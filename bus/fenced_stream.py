@@ -22,12 +22,20 @@ entries its previous life left pending (`open`) and reads their progress from it
 
 A worker taken for dead while alive (paused, or out of reach of Redis for longer than the
 heartbeat TTL) must not go on publishing for jobs now served elsewhere: two writers would
-send a client two versions of a token and garble the progress log. Every commit first
-checks, in the same script call, that the worker's fence key still holds the token the
-worker took; the reaper changes it in the MULTI that claims jobs off it (`fence_off`). A
-commit that finds the fence changed writes nothing and raises `Fenced`; the worker drops
-every job and starts again from `restart_fenced`: the entries still pending to it are its
-own, and resume from the log.
+send a client two versions of a token and garble the progress log. Its progress log is its
+fence. Every commit writes an entry there first, in the same script call
+(bus/scripted_multi.py, ``guarded``; an empty entry when no job has new ids), with
+NOMKSTREAM; the reaper closes the log in the MULTI that claims jobs off the worker
+(`fence_off`: XSETID to the last possible id, so no XADD can add to it) and deletes it
+once the worker is gone. A commit whose entry the log refuses, closed or missing, writes
+nothing and raises `Fenced`; the worker drops every job and starts again from
+`restart_fenced`, which opens its log again: the entries still pending to it are its own,
+and resume from the log. The fence so costs no command of its own: a GET of a fence key in
+every commit had been one command per publish, a quarter of a batch-1 decode step's (issue
+27). A Redis restarted empty has no log either: its worker's first commit is fenced, and it
+serves on with what is pending to it (nothing: the jobs were lost with Redis). The reaper
+also changes the fence key that workers before this fence read (`legacy_fence_key`), so
+routers are upgraded before workers.
 
 The worker trims its stream, at most once per ``trim_interval_s``, below what its group has
 acknowledged (bus/stream_trim.py): a job stays on the stream until it finishes. It trims its
@@ -49,7 +57,7 @@ from bus.reconnect import ensure_group, is_missing_group
 from bus.scripted_multi import ScriptedMulti
 from bus.stream_trim import StreamTrimmer
 from jobs.progress import ProgressEntry
-from jobs.protocol import ENTRY_FIELD, ProtocolError, decode
+from jobs.protocol import ENTRY_FIELD, ProtocolError, decode, encode
 from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
@@ -57,6 +65,26 @@ logger = logging.getLogger(__name__)
 WORKER_GROUP = "worker"  # the workers' consumer group, one per worker stream
 
 Entry = tuple[bytes, dict[bytes, bytes] | None]  # (entry id, fields; None once trimmed)
+
+# A log whose last id is this takes no more entries (XADD fails): the reaper's fence.
+CLOSED_LOG_ID = "18446744073709551615-18446744073709551615"
+
+# A worker opening its log: made if missing, opened again if a reaper closed it (its last
+# id set back to its newest entry's, or, emptied, to the last deleted one's), then an entry
+# (ARGV[1], ARGV[2]: its field and payload) added, which a closed log (ARGV[3] the closed
+# id) would refuse. One call, so no reaper closes it between the look and the reopening.
+OPEN_LOG = """#!lua
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local info = redis.call('XINFO', 'STREAM', KEYS[1])
+  local fields = {}
+  for i = 1, #info, 2 do fields[info[i]] = info[i + 1] end
+  if fields['last-generated-id'] == ARGV[3] then
+    local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
+    redis.call('XSETID', KEYS[1], newest and newest[1] or fields['max-deleted-entry-id'])
+  end
+end
+return redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+"""
 
 
 class Fenced(Exception):  # noqa: N818 (a state the worker recovers from, not an error)
@@ -70,19 +98,23 @@ class FencedStream:
         self.client = client
         self.config = config
         self.who = f"worker {worker_id}"
+        self.worker_id = worker_id
         self.stream = config.worker_stream(worker_id)
         self.consumer = unique_consumer_name(f"worker-{worker_id}")
-        self.fence_key = config.fence_key(worker_id)
-        self._fence: bytes | None = None  # the fence token our writes are valid under
         # Written by the next commit, all or nothing:
         self.outbox: list[Output] = []
         self.acks: list[bytes] = []
         self.dead: list[dict[str, Any]] = []  # dead_letter_fields
-        self.progress_stream = config.progress_stream(worker_id)
+        self.progress_stream = config.progress_stream(worker_id)  # also our fence
+        self._no_progress = encode(ProgressEntry(worker_id))  # a commit's entry, no job in it
+        self._open_log = client.register_script(OPEN_LOG)
+        self._log_opened = False
         self.progress: bytes | None = None  # an encoded ProgressEntry, for the log
         self.progress_trim: bytes | None = None  # trim the log below this id (MINID)
         self.progress_written: bytes | None = None  # where the last commit logged `progress`
         self.kv_events: bytes | None = None  # an encoded KvEvents, for the kv-events stream
+        self.abort_checks: list[str] = []  # rids whose abort flags the commit reads
+        self.flagged: list[str] = []  # of those, the ones the last commit found aborted
         # Entry id -> deliveries to a previous life under this id, for the entries `open`
         # took back (read once, when the job is admitted).
         self.previous_deliveries: dict[bytes, int] = {}
@@ -92,10 +124,11 @@ class FencedStream:
         ensure_group(self.client, self.stream, WORKER_GROUP)
 
     def open(self) -> list[Entry]:
-        """Make the group, take the current fence, and return the entries a previous life
-        under this id left pending: they are ours, to resume from their progress."""
+        """Make the group, open our progress log (our fence), and return the entries a
+        previous life under this id left pending: they are ours, to resume from their
+        progress."""
         self.ensure_group()
-        self._fence = self.client.get(self.fence_key)
+        self.open_log()
         entries: list[Entry] = []
         cursor: bytes | str = "0-0"
         while True:
@@ -113,6 +146,14 @@ class FencedStream:
                     self.previous_deliveries[pending["message_id"]] = pending["times_delivered"] - 1
         return entries
 
+    def open_log(self) -> None:
+        """Make our progress log, or open it again after a reaper closed it: the commits
+        from now on write only until a reaper closes it again. (`open` does, else the
+        first commit.)"""
+        args = [ENTRY_FIELD, self._no_progress, CLOSED_LOG_ID]
+        self._open_log(keys=[self.progress_stream], args=args)
+        self._log_opened = True
+
     def read_blocking(self) -> list[Entry]:
         """New jobs, waiting up to block_ms for some."""
         response = self.client.xreadgroup(
@@ -122,17 +163,22 @@ class FencedStream:
         return response[0][1] if response else []
 
     def commit(self, read: bool) -> list[Entry]:
-        """One script call, valid only under our fence: outputs, dead letters, acks, and
-        (optionally) a non-blocking read of new jobs. Returns the jobs read; raises `Fenced`
-        (having written nothing) when the fence changed."""
+        """One script call, valid only under our fence: outputs, dead letters, acks, the
+        `abort_checks` flags read (the aborted ones then in `flagged`), and (optionally) a
+        non-blocking read of new jobs. Returns the jobs read; raises `Fenced`
+        (having written nothing) when a reaper closed or deleted our log since we opened it."""
         self.trimmer.maybe_trim()
         self.progress_written = None
-        if not (self.outbox or self.acks or self.dead or read or self.progress or self.kv_events):
+        writes = self.outbox or self.acks or self.dead or self.progress or self.kv_events
+        if not (writes or read or self.abort_checks):
             return []
-        # One script call, checked against the fence first (bus/scripted_multi.py).
-        pipe = ScriptedMulti(self.client, fence=(self.fence_key, self._fence))
-        if self.progress is not None:  # first: its reply is the entry's id
-            pipe.xadd(self.progress_stream, {ENTRY_FIELD: self.progress})
+        if not self._log_opened:
+            self.open_log()
+        # One script call, the log's entry first: it is the fence (bus/scripted_multi.py),
+        # and its reply is the entry's id. NOMKSTREAM: a log the reaper deleted is a fence.
+        pipe = ScriptedMulti(self.client, guarded=True)
+        pipe.xadd(self.progress_stream, {ENTRY_FIELD: self.progress or self._no_progress},
+                  nomkstream=True)  # fmt: skip
         if self.progress_trim is not None:
             pipe.xtrim(self.progress_stream, minid=self.progress_trim, approximate=False)
         if self.kv_events is not None:  # capped by count: a snapshot follows a cut
@@ -142,6 +188,9 @@ class FencedStream:
         write_dead_letters(pipe, self.config, self.dead)
         if self.acks:
             pipe.xack(self.stream, WORKER_GROUP, *self.acks)
+        checks = self.abort_checks
+        if checks:  # bus/aborts.py
+            pipe.mget([self.config.abort_key(rid) for rid in checks])
         if read:
             pipe.xreadgroup(WORKER_GROUP, self.consumer, {self.stream: ">"},
                             count=self.config.read_count)  # fmt: skip
@@ -151,16 +200,20 @@ class FencedStream:
             raise Fenced from exc
         if self.progress is not None and isinstance(results[0], bytes):
             self.progress_written = results[0]
+        if checks:
+            flags = results[-2 if read else -1]
+            if isinstance(flags, list):  # else an error, logged: checked again next time
+                self.flagged = [rid for rid, flag in zip(checks, flags, strict=True) if flag]
         self._clear()
         if read and results[-1] and not isinstance(results[-1], redis.ResponseError):
             return results[-1][0][1]
         return []
 
     def restart_fenced(self) -> list[Entry]:
-        """After `Fenced`: drop what was not yet written, take the new fence, and return the
+        """After `Fenced`: drop what was not yet written, open our log again, and return the
         entries still pending to us (the reaper did not claim them), to admit again."""
         self._clear()
-        self._fence = self.client.get(self.fence_key)
+        self.open_log()
         self.ensure_group()  # the reaper may have deleted it
         return self.pending_entries()
 
@@ -181,8 +234,13 @@ class FencedStream:
             self.stream, WORKER_GROUP, "-", "+", count=10_000, consumername=consumer
         )
 
+    def take_flagged(self) -> list[str]:
+        """The jobs the last commit found aborted, once."""
+        flagged, self.flagged = self.flagged, []
+        return flagged
+
     def _clear(self) -> None:
-        self.outbox, self.acks, self.dead = [], [], []
+        self.outbox, self.acks, self.dead, self.abort_checks = [], [], [], []
         self.progress = self.progress_trim = self.kv_events = None
 
 
@@ -209,18 +267,27 @@ def fence_off(
     client: redis.Redis, config: BusConfig, worker_id: str, consumer: str, count: int
 ) -> tuple[list[Entry], dict[bytes, int]]:
     """The reaper's claim: up to `count` of the worker's pending entries, else of its unread
-    ones, taken by `consumer` in the MULTI that gives the worker a new fence token, so their
-    old owner can write nothing more about them. Also returns, by entry id, how many times
-    each claimed entry had been delivered to a worker (none for unread ones)."""
+    ones, taken by `consumer` in the MULTI that closes the worker's progress log (its
+    fence: `CLOSED_LOG_ID`), so their old owner can write nothing more about them (a
+    worker that never opened its log has none to close: it has written nothing). Also
+    returns, by entry id, how many times each claimed entry had been delivered to a worker
+    (none for unread ones)."""
     stream = config.worker_stream(worker_id)
     try:
         pipe = client.pipeline(transaction=True)
-        pipe.set(config.fence_key(worker_id), secrets.token_hex(8))
+        pipe.execute_command("XSETID", config.progress_stream(worker_id), CLOSED_LOG_ID)
+        pipe.set(config.legacy_fence_key(worker_id), secrets.token_hex(8))  # older workers'
         # Before the claim counts itself: the deliveries to workers that died holding them.
         pipe.xpending_range(stream, WORKER_GROUP, "-", "+", count=count)
         pipe.xautoclaim(stream, WORKER_GROUP, consumer, min_idle_time=0, start_id="0-0",
                         count=count)  # fmt: skip
-        _, pending, (_, entries, _) = pipe.execute()
+        closed, _, pending, claimed = pipe.execute(raise_on_error=False)
+        for result in (pending, claimed):
+            if isinstance(result, Exception):
+                raise result
+        if isinstance(closed, Exception) and client.exists(config.progress_stream(worker_id)):
+            raise closed  # not "no such key": a log that is not a stream
+        _, entries, _ = claimed
         if entries:
             return entries, {p["message_id"]: p["times_delivered"] for p in pending}
         response = client.xreadgroup(WORKER_GROUP, consumer, {stream: ">"}, count=count)

@@ -39,6 +39,9 @@ class GrammarWaits:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def rids(self) -> list[str]:
+        return list(self._waiting)
+
     def park(self, waiting: Waiting) -> None:
         self._waiting[waiting.job.rid] = waiting
 

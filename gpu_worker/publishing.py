@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import redis
 
-from bus.effects import ExpireKey, Outbound
+from bus.effects import Outbound
 from bus.fenced_stream import Entry, FencedStream, read_progress_log
 from gpu_worker.cached_blocks import watch_prefix_cache
 from gpu_worker.heartbeat import Load
@@ -57,6 +57,7 @@ class Publisher:
         self.log = ProgressLog(worker_id, config.trim_interval_s)
         self._gained: dict[str, None] = {}  # rids with tokens not yet published, in order
         self._last = 0.0  # monotonic time of the last publish
+        self._aborts_checked = time.monotonic()  # and of the last read of abort flags
         self._finished_since = False  # a job finished since the last publish: the load fell
         self._taken_back: set[bytes] = set()  # entries whose progress is in our own log
         # rid -> why the router sent the job here and what it expected cached, for its Finish.
@@ -81,10 +82,12 @@ class Publisher:
 
     # ---- what ----------------------------------------------------------------------------
 
-    def publish(self, jobs: dict[str, RunningJob], step: int, load: Load) -> None:
+    def publish(self, jobs: dict[str, RunningJob], step: int, load: Load,
+                waiting: list[str] | None = None) -> None:  # fmt: skip
         """Queue on the bus's next commit one item per request that gained tokens since the
         last publish, the progress log's entry for them, and the prefix cache's changes with
-        `load` (already reported to the heartbeat: it is stamped after that)."""
+        `load` (already reported to the heartbeat: it is stamped after that); and, when due,
+        a read of the abort flags of `jobs` and of the jobs `waiting` outside the engine."""
         gained, self._gained = self._gained, {}
         if len(self._routes) > 2 * len(jobs) + 64:
             self._routes = {rid: route for rid, route in self._routes.items() if rid in jobs}
@@ -94,6 +97,10 @@ class Publisher:
         self.bus.kv_events = self._kv_events(load)
         self._finished_since = False
         self._last = time.monotonic()
+        held = [*jobs, *(waiting or ())]
+        if held and self._last - self._aborts_checked >= self.config.abort_check_interval_ms / 1000:
+            self.bus.abort_checks = held  # bus/aborts.py: read in this commit
+            self._aborts_checked = self._last
 
     def _kv_events(self, load: Load) -> bytes | None:
         """The kv-events entry of this publish, stamped with `load`; None: nothing to say (or
@@ -123,9 +130,6 @@ class Publisher:
         if end > start and not req.finished:
             # Logged in the commit that publishes these tokens, for all our jobs at once.
             self.log.log(req.rid, start, req.output_ids[start:end])
-            ttl = self.config.reply_ttl_s
-            if job.route_due(time.monotonic(), ttl):  # set by the router: outlive the job
-                self.bus.outbox.append(ExpireKey(self.config.route_key(req.rid), ttl))
         item = token_item(req, job.reply_to, start, job.window, job.reply_version, job.bundle,
                           job.tag)  # fmt: skip
         if req.finished:
@@ -136,6 +140,7 @@ class Publisher:
             route = self._routes.pop(req.rid, None)
             if route is not None:
                 item.finish.route_reason, item.finish.expected_cached_tokens = route
+                item.finish.worker = self.worker_id
             self.metrics.finished(item.finish)
             self.finished(job)
         return item

@@ -22,23 +22,11 @@ class RunningJob:
     entry_id: bytes  # acknowledged when the request finishes, not before
     window: int  # output tokens of context the detokenizer needs
     reported: int = 0  # output tokens already published
-    route_renewed_at: float | None = None  # monotonic; when its route key's TTL was last set
     created: float | None = None  # unix time the job entered the system
     queue_seconds: float | None = None  # set at its first token here, unless it resumed
     reply_version: int = WIRE_VERSION  # its job's: the wire version its requester reads
     bundle: bool = False  # its job's bundle_replies
     tag: int | None = None  # its job's, if it is bundled: its items are named by it
-
-    def route_due(self, now: float, ttl: int) -> bool:
-        """Whether to renew its route key (set by the router with `ttl`) with this publish:
-        each quarter of the TTL, so a job running longer keeps it; never a command per token."""
-        if self.route_renewed_at is None:
-            self.route_renewed_at = now  # the router set it about now
-            return False
-        if now - self.route_renewed_at < ttl / 4:
-            return False
-        self.route_renewed_at = now
-        return True
 
 
 def stop_window(stop: list[str]) -> int:

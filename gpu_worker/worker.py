@@ -7,7 +7,8 @@ at its two ends. Jobs arrive on this worker's own stream ``<p>:worker:<id>``, wh
 router stage routes them. While there is work the worker publishes at most every
 ``publish_interval_ms`` (gpu_worker/publishing.py): one TokenBatch to ``<p>:tokens`` with
 every request's tokens since the last publish, and an entry of its progress log, in one commit
-that also carries the acknowledgements of finished jobs and a non-blocking read of new jobs.
+that also carries the acknowledgements of finished jobs, a non-blocking read of new jobs and,
+at most every ``abort_check_interval_ms``, a read of its jobs' abort flags (bus/aborts.py).
 So the bus costs one round trip per publish, whatever the batch size and however many steps
 it covers; idle, the worker blocks on its stream. The heartbeat has a thread of its own
 (gpu_worker/heartbeat.py), so a long step never makes a live worker look dead. Forming
@@ -55,14 +56,7 @@ from gpu_worker.token_item import RunningJob, stop_window
 from gpu_worker.weights_update import WeightsUpdates, split_aborts
 from gpu_worker.worker_metrics import WorkerMetrics
 from jobs.job_failures import failure_reply, malformed_reply, too_many_deliveries
-from jobs.protocol import (
-    ENTRY_FIELD,
-    Abort,
-    ErrorReply,
-    ProtocolError,
-    TokenizedRequest,
-    decode,
-)
+from jobs.protocol import ENTRY_FIELD, Abort, ErrorReply, ProtocolError, TokenizedRequest, decode
 from jobs.request_bounds import request_bounds
 from jobs.weights import initial_version
 from observability.metrics import ProcessMetrics, start_publisher
@@ -169,13 +163,16 @@ class Worker:
     def _commit(self, read: bool) -> list[Entry]:
         """Publish what was generated and queued since the last publish, and the load (told
         the heartbeat first: heartbeat.py), in one commit (fenced_stream.py); the jobs read."""
-        self.publisher.publish(self.jobs, self.steps, self._report_load())
+        self.publisher.publish(self.jobs, self.steps, self._report_load(),
+                               self.grammar_waits.rids())  # fmt: skip
         try:
             jobs = self.bus.commit(read)
         except Fenced:
             self.publisher.committed(False)
             return self._restart_fenced()
         self.publisher.committed(True)
+        for rid in self.bus.take_flagged():  # aborted since the last check: bus/aborts.py
+            self._abort(rid)
         return jobs
 
     def _restart_fenced(self) -> list[Entry]:

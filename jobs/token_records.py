@@ -45,7 +45,7 @@ class Finish(Record):
         "reason": STR, "matched": "str or int", "prompt_tokens": INT, "completion_tokens": INT,
         "cached_tokens": INT, "draft_tokens": INT, "accepted_draft_tokens": INT,
         "queue_seconds": FLOAT, "route_reason": STR, "expected_cached_tokens": INT,
-        "weights_version": STR,
+        "weights_version": STR, "worker": STR,
     }  # fmt: skip
     OPTIONAL: ClassVar[frozenset[str]] = frozenset(FIELDS) - {
         "reason", "prompt_tokens", "completion_tokens"
@@ -69,6 +69,8 @@ class Finish(Record):
     # The weights that computed every token of it (jobs/weights.py): a worker finishes the
     # requests it runs before it swaps weights, so one version computed all of them.
     weights_version: str | None = None
+    # The worker that finished it, for a routed job (nothing else records where a job ran).
+    worker: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         wire = super().to_wire()
@@ -108,6 +110,8 @@ class Finish(Record):
         if self.route_reason is not None:
             usage.update(route_reason=self.route_reason,
                          expected_cached_tokens=self.expected_cached_tokens or 0)  # fmt: skip
+            if self.worker is not None:
+                usage.update(worker=self.worker)
         return usage
 
 

@@ -142,6 +142,9 @@ class BusConfig:
     # A busy worker publishes its tokens at most this often (0: every engine step): each
     # publish costs the bus about a dozen commands, whatever it carries.
     publish_interval_ms: int = 50
+    # A busy worker reads its jobs' abort flags (bus/aborts.py) at most this often, in its
+    # commit: one MGET for all of them. An abort ends a running job within about this.
+    abort_check_interval_ms: int = 500
     redis_maxmemory: str = "1gb"
     reply_timeout_s: float = 3_600.0  # as long as a reply stream outlives its last write
     # Request bounds: see docs/BOUNDS.md and jobs/request_bounds.py.
@@ -212,6 +215,7 @@ class BusConfig:
         # 0 would mean "block forever" to XREADGROUP, and a stage must stay responsive.
         _require_int("block_ms", self.block_ms, minimum=1)
         _require_int("publish_interval_ms", self.publish_interval_ms, minimum=0)
+        _require_int("abort_check_interval_ms", self.abort_check_interval_ms, minimum=0)
         _require_int("kv_job_load_tokens", self.kv_job_load_tokens, minimum=0)
         _require_int("kv_balance_jobs", self.kv_balance_jobs, minimum=0)
         if self.router_policy not in ROUTER_POLICIES:
@@ -336,18 +340,15 @@ class BusConfig:
         """A lock: the router replica moving a dead worker's jobs holds it."""
         return self._name("reaping", _require_id("worker_id", worker_id))
 
-    def fence_key(self, worker_id: str) -> str:
-        """A new random token each time the reaper takes jobs off the worker: a worker whose
-        token changed under it must not publish for jobs it no longer holds."""
+    def legacy_fence_key(self, worker_id: str) -> str:
+        """The fence of workers older than the progress-log fence (bus/fenced_stream.py): a
+        token they WATCH, which the reaper still changes so that such a worker is fenced
+        during a rolling upgrade (routers are upgraded before workers)."""
         return self._name("fence", _require_id("worker_id", worker_id))
 
     def routed_key(self) -> str:
         """A hash worker id -> jobs routed to it, so routers see each other's routing."""
         return self._name("routed")
-
-    def route_key(self, rid: str) -> str:
-        """Which worker holds request `rid` (set by the router, read by aborts)."""
-        return self._name("route", rid)
 
     def request_key(self, request_id: str) -> str:
         """How many sub-requests (rids ``<request_id>-<i>``) one HTTP request made; set by
@@ -361,7 +362,8 @@ class BusConfig:
         return self._name("frontend", _require_id("frontend_id", frontend_id))
 
     def abort_key(self, rid: str) -> str:
-        """Set when `rid` is aborted, so a job still on its way is dropped on arrival."""
+        """Set when `rid` is aborted: a job still on its way is dropped on arrival, and its
+        worker reads it while the job runs (bus/aborts.py)."""
         return self._name("abort", rid)
 
 

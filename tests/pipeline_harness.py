@@ -23,6 +23,7 @@ from typing import Any
 
 import redis
 
+from jobs.protocol import ENTRY_FIELD, ProtocolError, TokenizedRequest, decode
 from runtime.cluster import shard_configs
 from runtime.config import BusConfig
 from runtime.embedded_server import EmbeddedRedis
@@ -232,3 +233,23 @@ def stream_then_kill_its_ingress(
             killed = True
     assert killed and last_id is not None, "the stream ended before the kill"
     return text, last_id
+
+
+def worker_holding(client: redis.Redis, config: BusConfig, rid: str) -> str:
+    """The id of the registered worker that holds job `rid` (pending on its stream). Nothing
+    records where a job went (an abort is a flag its worker reads: bus/aborts.py)."""
+    for member in sorted(client.smembers(config.workers_key())):
+        worker_id = member.decode()
+        stream = config.worker_stream(worker_id)
+        pending = {p["message_id"] for p in client.xpending_range(stream, "worker", "-", "+", 1000)}
+        for entry_id, fields in client.xrange(stream):
+            if entry_id in pending and (job := _job_of(fields)) is not None and job.rid == rid:
+                return worker_id
+    raise LookupError(f"no worker holds {rid}")
+
+
+def _job_of(fields: dict[bytes, bytes]) -> TokenizedRequest | None:
+    try:
+        return decode(fields[ENTRY_FIELD], TokenizedRequest)
+    except (KeyError, ProtocolError):  # an Abort, or not a job
+        return None

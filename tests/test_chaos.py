@@ -24,6 +24,7 @@ from tests.pipeline_harness import (
     resume_stream,
     sse_events,
     stream_then_kill_its_ingress,
+    worker_holding,
 )
 from tests.prometheus_text import total
 
@@ -131,14 +132,14 @@ TRIP_SCHEMA = {
 
 
 def _serving_worker_pid(pipeline: Pipeline, rid: str) -> int:
-    """The pid of the worker holding `rid`: its route names the worker, whose consumer name on
-    its own stream carries its pid (bus.actor.unique_consumer_name)."""
+    """The pid of the worker holding `rid`: its consumer name on its own stream carries its
+    pid (bus.actor.unique_consumer_name)."""
     import redis
 
     config = pipeline.config
     client = redis.Redis.from_url(pipeline.redis_url)
     try:
-        worker_id = client.get(config.route_key(rid)).decode()
+        worker_id = worker_holding(client, config, rid)
         consumers = client.xinfo_consumers(config.worker_stream(worker_id), "worker")
     finally:
         client.close()

@@ -23,7 +23,7 @@ from gpu_worker.hf_reference import hf_greedy
 from runtime.cluster import EXIT_SHARD_MOVED, key_slot, shard_configs
 from runtime.config import BusConfig
 from stages.router.stage import live_workers
-from tests.pipeline_harness import QUICK_RECOVERY_ENV
+from tests.pipeline_harness import QUICK_RECOVERY_ENV, worker_holding
 
 pytestmark = pytest.mark.slow
 
@@ -153,7 +153,7 @@ def test_a_job_whose_worker_is_killed_finishes_on_the_shards_other_worker(
         for chunk in client.stream(rid, timeout=READY_TIMEOUT_S):
             ids += chunk["output_ids"]
             if killed is None and len(ids) >= 8:
-                killed = bus.get(shard.route_key(rid)).decode()
+                killed = worker_holding(bus, shard, rid)
                 processes.processes[killed].send_signal(signal.SIGKILL)
                 killed_at = len(ids)
     assert killed in ("w-a", "w-b") and killed_at < max_new

@@ -36,8 +36,8 @@ NAMES = {
     "reply_stream": (("f1",), "reply:f1"), "dead_letter_stream": ((), "dead-letter"),
     "heartbeat_key": (("w1",), "heartbeat:w1"), "workers_key": ((), "workers"),
     "progress_stream": (("w1",), "progress:w1"), "reaping_key": (("w1",), "reaping:w1"),
-    "fence_key": (("w1",), "fence:w1"), "routed_key": ((), "routed"),
-    "route_key": (("r1",), "route:r1"), "request_key": (("q1",), "request:q1"),
+    "legacy_fence_key": (("w1",), "fence:w1"), "routed_key": ((), "routed"),
+    "request_key": (("q1",), "request:q1"),
     "frontend_key": (("f1",), "frontend:f1"), "abort_key": (("r1",), "abort:r1"),
 }  # fmt: skip
 

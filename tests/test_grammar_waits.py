@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from bus.aborts import publish_aborts
 from gpu_worker import Engine
 from gpu_worker.worker import Worker
 from jobs.protocol import ENTRY_FIELD, ErrorReply, TokenizedRequest, encode
@@ -78,4 +79,22 @@ def test_a_grammar_past_its_compile_deadline_is_a_400_naming_the_field(
     assert isinstance(error, ErrorReply)
     assert (error.status, error.param) == (400, "json_schema")
     assert "took longer" in error.message
+    assert redis_client.xpending(worker.bus.stream, "worker")["pending"] == 0
+
+
+def test_a_job_waiting_for_its_grammar_is_ended_by_its_abort_flag(
+    redis_client, redis_url, engine, busy_compile_pool
+):
+    """The worker reads the flags of the jobs waiting beside the engine too (bus/aborts.py):
+    an aborted one ends while its grammar still compiles, not once it has started."""
+    config = BusConfig(redis_url=redis_url, block_ms=5, abort_check_interval_ms=0)
+    worker = Worker(engine, redis_client, config, "g", MODEL)
+    worker._inbox = worker.bus.open()
+    _send(redis_client, worker, "schema", json_schema=schema("aborted"))
+    _turns(worker, lambda: "schema" in worker.grammar_waits)
+    publish_aborts(redis_client, config, ["schema"])
+    _turns(worker, lambda: "schema" in _outputs(redis_client))
+    assert "schema" not in worker.grammar_waits
+    assert _outputs(redis_client)["schema"] == []  # ended with no token (not the 400 of a
+    # compile past its deadline, which the busy pool would have given it)
     assert redis_client.xpending(worker.bus.stream, "worker")["pending"] == 0

@@ -1,6 +1,7 @@
-"""A job that runs longer than the keys' TTL keeps them: the worker renews its route key
-every quarter of ``reply_ttl_s`` (never a command per token); its progress is on the worker's
-log, which has no TTL (the reaper deletes it with the worker)."""
+"""A job that runs longer than the keys' TTL keeps what it needs to resume: its progress is on
+the worker's log, which has no TTL (the reaper deletes it with the worker). No key of its own
+needs renewing: where it runs is not recorded (an abort is a flag its worker reads,
+bus/aborts.py)."""
 
 from __future__ import annotations
 
@@ -24,30 +25,26 @@ SLOW = {
 MAX_NEW = 150  # about 3 s at 20 ms a step: three times the TTL
 
 
-def test_a_job_longer_than_the_ttl_keeps_its_route_key_and_its_progress(redis_client, redis_url):
+def test_a_job_longer_than_the_ttl_keeps_its_progress(redis_client, redis_url):
     config = BusConfig(redis_url=redis_url, block_ms=20, reply_ttl_s=1)
     worker = Worker(Engine(MODEL, dtype="float32", forward_hooks=[SLOW]), redis_client, config,
                     "w", MODEL)  # fmt: skip
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     rid = "long"
-    route = config.route_key(rid)
-    redis_client.set(route, "w", ex=config.reply_ttl_s)  # as the router sets it
     job = TokenizedRequest(rid, "t:reply", [5, 17, 99], {"max_new_tokens": MAX_NEW,
                                                           "ignore_eos": True})  # fmt: skip
     redis_client.xadd(config.worker_stream("w"), {ENTRY_FIELD: encode(job)})
     try:
         seen = []
-        deadline = time.monotonic() + 2.5  # well past the 1 s TTL both were set with
+        deadline = time.monotonic() + 2.5  # well past the 1 s TTL
         while time.monotonic() < deadline:
             produced = rebuild(read_progress_log(redis_client, config, "w"), {rid: []})[rid]
             if produced:
                 seen.append(len(produced))
-            assert not produced or redis_client.exists(route), "route key expired"
             time.sleep(0.05)
         assert seen and max(seen) < MAX_NEW, "the job ended too soon to say anything"
-        assert redis_client.exists(route)
-        assert 0 < redis_client.ttl(route) <= config.reply_ttl_s
+        assert seen == sorted(seen) and max(seen) > 1  # the log kept all of it, growing
     finally:
         worker.stop.set()
         thread.join(timeout=30)

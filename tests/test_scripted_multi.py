@@ -1,7 +1,7 @@
 """A worker's fenced commit run as one Lua script (bus/scripted_multi.py) keeps what WATCH and
-MULTI promised: all of it or (fenced, or Redis full) none of it, a failing command dropped
-without undoing the others, stream reads parsed as redis-py parses them; and it costs fewer
-commands."""
+MULTI promised: all of it or (fenced: its first write refused, or Redis full) none of it, a
+failing command dropped without undoing the others, stream reads parsed as redis-py parses
+them; and it costs fewer commands."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import redis
 
 from bus.effects import execute_logging_errors
+from bus.fenced_stream import CLOSED_LOG_ID
 from bus.scripted_multi import ScriptedMulti
 
 
@@ -48,19 +49,26 @@ def test_a_failing_command_is_dropped_and_the_others_still_run(redis_client):
         pipe.execute()
 
 
-@pytest.mark.parametrize("held", [b"token-1", None])
-def test_a_changed_fence_writes_nothing(redis_client, held):
-    if held is not None:
-        redis_client.set("fence", held)
-    pipe = ScriptedMulti(redis_client, fence=("fence", held))
-    pipe.xadd("out", {"m": b"a"})
-    assert isinstance(pipe.execute()[0], bytes)  # the fence holds what we took: written
-    redis_client.set("fence", "the reaper's")
-    pipe = ScriptedMulti(redis_client, fence=("fence", held))
-    pipe.xadd("out", {"m": b"b"})
+def _guarded_commit(client: redis.Redis, payload: bytes) -> list:
+    pipe = ScriptedMulti(client, guarded=True)
+    pipe.xadd("log", {"m": payload}, nomkstream=True)  # the fence: it must write
+    pipe.xadd("out", {"m": payload})
+    return pipe.execute()
+
+
+@pytest.mark.parametrize("fence", ["closed", "deleted"])
+def test_a_guard_that_writes_nothing_fences_the_whole_call(redis_client, fence):
+    redis_client.xadd("log", {"m": b"opened"})
+    logged, added = _guarded_commit(redis_client, b"a")
+    assert redis_client.xrange("log")[-1][0] == logged and isinstance(added, bytes)
+    if fence == "closed":  # as the reaper closes a worker's log (XSETID to the last id)
+        redis_client.execute_command("XSETID", "log", CLOSED_LOG_ID)
+    else:  # as the reaper deletes a gone worker's log
+        redis_client.delete("log")
     with pytest.raises(redis.WatchError):
-        pipe.execute()
+        _guarded_commit(redis_client, b"b")
     assert redis_client.xlen("out") == 1
+    assert redis_client.xlen("log") == (2 if fence == "closed" else 0)  # nothing added
 
 
 def test_a_full_redis_refuses_the_whole_commit(redis_client):
@@ -86,16 +94,14 @@ def test_a_restarted_server_gets_the_script_again(redis_client):
 
 
 def test_a_fenced_commit_costs_one_call_and_its_commands(redis_client):
-    redis_client.set("fence", "t")
+    redis_client.xadd("log", {"m": b"opened"})
     redis_client.config_resetstat()
-    pipe = ScriptedMulti(redis_client, fence=("fence", b"t"))
-    pipe.xadd("progress", {"m": b"p"})
-    pipe.xadd("tokens", {"m": b"t"})
-    pipe.execute()
+    _guarded_commit(redis_client, b"p")
     calls = _calls(redis_client)
     calls.pop("config|resetstat", None)
-    # A MULTI under WATCH sent WATCH, GET, MULTI, 2 XADD and EXEC: six.
-    assert calls == {"evalsha": 1, "get": 1, "xadd": 2}
+    # A MULTI under WATCH sent WATCH, GET, MULTI, 2 XADD and EXEC: six; the script with a
+    # fence key, its GET too: four.
+    assert calls == {"evalsha": 1, "xadd": 2}
 
 
 def test_on_a_cluster_node_that_does_not_own_the_names_it_is_moved(nodes):

@@ -6,9 +6,10 @@ Stateless across replicas: the live workers and their load come from Redis on ev
 (bus/liveness.py: the workers set, then their heartbeats and the jobs every router replica
 has routed to each worker, ``<p>:routed``, in one pipelined read), so jobs routed since a
 worker's last heartbeat count against it and a burst is spread instead of piling onto the
-worker that looked idlest a second ago. A job's worker is recorded under its route key, for
-aborts. With no live worker the batch is held (unacknowledged) until one appears, and failed
-with a 503 reply after ``no_worker_timeout_s``.
+worker that looked idlest a second ago. Where a job went is not recorded per job (an abort
+is a flag its worker reads: bus/aborts.py). With no live worker the batch is held
+(unacknowledged) until one appears, and failed with a 503 reply after
+``no_worker_timeout_s``.
 
 A heartbeat is up to ``heartbeat_interval_s`` old: it would show a worker that just finished
 a conversation's turn still running it, and send the next turn elsewhere. So with
@@ -24,8 +25,7 @@ there, so the batch routes as a run of one-job batches would: a cold burst's job
 prefix follow its first job, and those of other prefixes spread. Why each job went where it
 did, and the cached tokens expected there, travel with the job (its ``route_reason`` and
 ``expected_cached``, which the worker reports in its Finish) and are counted in the router's
-metrics (stages/router/router_metrics.py); the route key keeps holding just the worker id,
-which aborts read.
+metrics (stages/router/router_metrics.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import redis
 
 from bus.actor import HoldBatch, Inbound
-from bus.effects import IncrHash, Outbound, Output, SetKey, reply
+from bus.effects import IncrHash, Outbound, Output, reply
 from bus.liveness import read_liveness
 from jobs.kv_blocks import block_hashes
 from jobs.kv_events import LoadReading
@@ -147,8 +147,6 @@ class RouterStage:
             self.metrics.decided(choice, len(ids))
             job.route_reason, job.expected_cached = choice.reason, choice.expected_cached
             outputs.append(Outbound(worker.stream, job))
-            outputs.append(SetKey(self.config.route_key(job.rid), worker.worker_id,
-                                  self.config.reply_ttl_s))  # fmt: skip
             routed[worker.worker_id] = routed.get(worker.worker_id, 0) + 1
         # One count per worker per batch, not one per job.
         outputs += [IncrHash(self.config.routed_key(), w, n) for w, n in routed.items()]

@@ -24,10 +24,10 @@ jobs/job_failures.py): a job that killed its workers ``max_deliveries`` times is
 to another, but dead-lettered with an error reply to its requester.
 
 A worker taken for dead may be alive (paused, or cut off from Redis for longer than the
-TTL). So each claim goes in one MULTI with a new random token on the worker's fence key,
-which the worker WATCHes around every write (`fence_off`, bus/fenced_stream.py): once a job
-is claimed, its old worker can publish nothing more, and the progress the next worker
-resumes from is final.
+TTL). So each claim goes in one MULTI that closes the worker's progress log, which every
+commit of the worker writes first and which then refuses it (`fence_off`,
+bus/fenced_stream.py): once a job is claimed, its old worker can publish nothing more, and
+the progress the next worker resumes from is final.
 """
 
 from __future__ import annotations
@@ -190,8 +190,9 @@ class WorkerReaper:
                     pipe.unwatch()
                     return False
                 pipe.multi()
-                pipe.delete(stream, self.config.fence_key(worker_id),
-                            self.config.progress_stream(worker_id))  # fmt: skip
+                # The log too: a worker taken for dead while alive finds none, and is fenced.
+                pipe.delete(stream, self.config.progress_stream(worker_id),
+                            self.config.legacy_fence_key(worker_id))  # fmt: skip
                 pipe.srem(self.config.workers_key(), worker_id)
                 pipe.hdel(self.config.routed_key(), worker_id)
                 pipe.execute()

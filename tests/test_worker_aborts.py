@@ -1,0 +1,103 @@
+"""An abort is a flag the worker holding the job reads (bus/aborts.py), on a real server with a
+real worker loop (the synthetic engine: no model): a running job ends with "abort" within the
+check interval, whoever flagged it and with nothing recording where it ran; the checks cost
+one MGET per interval for all the worker's jobs, not a command per job or per publish."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from bus.aborts import publish_aborts
+from gpu_worker.synthetic_engine import SyntheticEngine
+from gpu_worker.worker import Worker
+from jobs.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, encode
+from runtime.config import BusConfig
+
+MODEL = "smollm2-135m-instruct"
+STEP_MS = 10.0
+MAX_NEW = 2_000  # 20 s of steps: only an abort ends it within the test
+
+
+@pytest.fixture
+def config(redis_url) -> BusConfig:
+    return BusConfig(redis_url=redis_url, block_ms=20, publish_interval_ms=20,
+                     abort_check_interval_ms=200)  # fmt: skip
+
+
+@pytest.fixture
+def worker(redis_client, config):
+    engine = SyntheticEngine(MODEL, step_ms=STEP_MS, batch=8)
+    worker = Worker(engine, redis_client, config, "w", MODEL)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    yield worker
+    worker.stop.set()
+    thread.join(timeout=30)
+
+
+def _route(client: redis.Redis, config: BusConfig, *rids: str) -> None:
+    """As the router forwards a job: onto the worker's stream, nothing else."""
+    for rid in rids:
+        job = TokenizedRequest(rid, "t:reply", [5, 17, 99], {"max_new_tokens": MAX_NEW,
+                                                              "ignore_eos": True})  # fmt: skip
+        client.xadd(config.worker_stream("w"), {ENTRY_FIELD: encode(job)})
+
+
+def _finishes(client: redis.Redis, config: BusConfig) -> dict[str, tuple[str, int]]:
+    """rid -> (finish reason, output ids published) of the jobs that ended."""
+    published: dict[str, int] = {}
+    ended = {}
+    for _, fields in client.xrange(config.tokens_stream()):
+        for item in decode(fields[ENTRY_FIELD], TokenBatch).items:
+            published[item.rid] = item.start + len(item.ids)
+            if item.finish is not None:
+                ended[item.rid] = (item.finish.reason, published[item.rid])
+    return ended
+
+
+def _wait(condition, timeout_s: float = 10.0) -> float:
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout_s, "timed out"
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+def _calls(client: redis.Redis, name: str) -> int:
+    return client.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0)
+
+
+def test_a_flag_ends_a_running_job_within_the_check_interval(redis_client, config, worker):
+    _route(redis_client, config, "r1", "r2")
+    _wait(lambda: {"r1", "r2"} <= set(worker.jobs))
+    _wait(lambda: worker.jobs["r1"].reported > 0)
+    publish_aborts(redis_client, config, ["r1"])  # as the ingress or any client does
+    took = _wait(lambda: "r1" in _finishes(redis_client, config))
+    assert took < config.abort_check_interval_ms / 1000 + 0.5
+    reason, published = _finishes(redis_client, config)["r1"]
+    assert reason == "abort" and published < MAX_NEW
+    assert "r2" in worker.jobs and "r2" not in _finishes(redis_client, config)  # untouched
+    assert not redis_client.keys("*route*")  # nothing recorded where the jobs ran
+
+
+def test_a_job_flagged_on_its_way_is_dropped_on_arrival(redis_client, config, worker):
+    publish_aborts(redis_client, config, ["early"])
+    _route(redis_client, config, "early")
+    _wait(lambda: "early" in _finishes(redis_client, config))
+    assert _finishes(redis_client, config)["early"] == ("abort", 0)
+    assert redis_client.xpending(config.worker_stream("w"), "worker")["pending"] == 0
+
+
+def test_the_checks_cost_one_mget_per_interval_for_all_the_jobs(redis_client, config, worker):
+    _route(redis_client, config, *(f"r{i}" for i in range(8)))
+    _wait(lambda: len(worker.jobs) == 8)
+    redis_client.config_resetstat()
+    time.sleep(1.0)
+    mgets, commits = _calls(redis_client, "mget"), _calls(redis_client, "evalsha")
+    # ~50 publishes of 8 jobs in the second; the flags read 5 times, at one MGET each.
+    assert commits >= 10
+    assert 3 <= mgets <= 1.0 / (config.abort_check_interval_ms / 1000) + 1
