@@ -341,9 +341,8 @@ class BusConfig:
         return self._name("reaping", _require_id("worker_id", worker_id))
 
     def legacy_fence_key(self, worker_id: str) -> str:
-        """The fence of workers older than the progress-log fence (bus/fenced_stream.py): a
-        token they WATCH, which the reaper still changes so that such a worker is fenced
-        during a rolling upgrade (routers are upgraded before workers)."""
+        """Older workers' fence (a token they WATCH; the log is now, bus/fenced_stream.py):
+        the reaper still changes it, fencing them in a rolling upgrade (routers first)."""
         return self._name("fence", _require_id("worker_id", worker_id))
 
     def routed_key(self) -> str:
@@ -362,8 +361,7 @@ class BusConfig:
         return self._name("frontend", _require_id("frontend_id", frontend_id))
 
     def abort_key(self, rid: str) -> str:
-        """Set when `rid` is aborted: a job still on its way is dropped on arrival, and its
-        worker reads it while the job runs (bus/aborts.py)."""
+        """Set when `rid` is aborted: dropped on arrival, or read by its worker (bus/aborts.py)."""
         return self._name("abort", rid)
 
 
