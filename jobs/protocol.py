@@ -156,7 +156,7 @@ class TextDelta(Message):
         "top_token_texts": LIST, "prompt_ids": IDS, "prompt_text": STR,
         "prompt_logprobs": LIST, "prompt_top_logprobs": LIST, "prompt_token_texts": LIST,
         "prompt_top_token_texts": LIST, "embedding": BYTES, "weights_version": STR,
-        "tag": INT,
+        "tag": INT, "worker": STR,
     }  # fmt: skip
     OPTIONAL = frozenset(FIELDS) - {"rid", "seq", "ids"}
 
@@ -182,6 +182,9 @@ class TextDelta(Message):
     # a stream names them from its first chunk; its Finish names them again.
     weights_version: str | None = None
     tag: int | None = None  # its job's, in a TextDeltas entry
+    # The worker computing the request, on its first delta (its TokenBatch's `worker_id`):
+    # the ingress serving it sends an abort straight to that worker's stream.
+    worker: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {"kind": self.KIND, **self.fields_wire()}

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jobs.protocol import GenerateRequest
+from jobs.protocol import ENTRY_FIELD, Abort, GenerateRequest, decode
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
 from tests.prometheus_text import samples, total
 
@@ -90,6 +90,37 @@ def test_a_client_that_disconnects_gets_its_request_aborted(ingress, redis_clien
     # The flag is the whole abort: the worker running the job reads it (bus/aborts.py).
     assert not redis_client.exists(config.worker_stream("w1"))
     assert 0 < redis_client.ttl(config.abort_key(request.rid)) <= config.reply_ttl_s
+
+
+def _running_on_w1(request: GenerateRequest):
+    """As _running, the first delta naming its worker as the detokenizer copies it."""
+    first = deltas(request.rid, [("Once", [1]), (" upon", [2])])[0]
+    first.worker = "w1"
+    return [first]
+
+
+def test_the_worker_a_first_delta_named_is_told_when_the_client_leaves(ingress, redis_client):
+    add_worker(redis_client, ingress.config)
+    config = ingress.config
+    redis_client.xgroup_create(config.worker_stream("w1"), "worker", mkstream=True)
+    with Upstream(config.redis_url, config, _running_on_w1) as up:
+        connection = http.client.HTTPConnection("127.0.0.1", ingress.port, timeout=5)
+        body = {"model": MODEL, "prompt": "Hi", "stream": True}
+        connection.request("POST", "/v1/completions", json.dumps(body),
+                           {"Content-Type": "application/json"})  # fmt: skip
+        response = connection.getresponse()
+        received = b""
+        while b"Once" not in received:
+            received += response.read1()
+        connection.close()
+        [request] = up.requests
+        deadline = time.monotonic() + 2
+        while not redis_client.xlen(config.worker_stream("w1")):
+            assert time.monotonic() < deadline, "the worker was not told"
+            time.sleep(0.02)
+    entries = redis_client.xrange(config.worker_stream("w1"))
+    assert [decode(fields[ENTRY_FIELD], Abort).rid for _, fields in entries] == [request.rid]
+    assert redis_client.exists(config.abort_key(request.rid))  # and flagged, as always
 
 
 def test_any_client_can_abort_a_running_request_by_its_id(ingress, redis_client):

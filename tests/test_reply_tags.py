@@ -91,6 +91,8 @@ def test_the_detokenizer_names_bundled_deltas_by_tag_and_plain_ones_by_rid():
     wire = msgpack.unpackb(encode(bundle), raw=False)["deltas"]
     assert (wire[0]["rid"], wire[0]["tag"]) == (RID, 7)
     assert "rid" not in wire[1] and wire[1]["tag"] == 7
+    # The first names the worker computing it, for its ingress's aborts (bus/aborts.py).
+    assert wire[0]["worker"] == "w" and "worker" not in wire[1]
     plain = TextDelta(RID, 4, [1], "x", tag=7)
     assert msgpack.unpackb(encode(plain), raw=False)["rid"] == RID
 

@@ -23,9 +23,9 @@ MAX_NEW = 2_000  # 20 s of steps: only an abort ends it within the test
 
 
 @pytest.fixture
-def config(redis_url) -> BusConfig:
-    return BusConfig(redis_url=redis_url, block_ms=20, publish_interval_ms=20,
-                     abort_check_interval_ms=200)  # fmt: skip
+def config(request, redis_url) -> BusConfig:
+    options = {"abort_check_interval_ms": 200, **getattr(request, "param", {})}
+    return BusConfig(redis_url=redis_url, block_ms=20, publish_interval_ms=20, **options)
 
 
 @pytest.fixture
@@ -101,3 +101,27 @@ def test_the_checks_cost_one_mget_per_interval_for_all_the_jobs(redis_client, co
     # ~50 publishes of 8 jobs in the second; the flags read 5 times, at one MGET each.
     assert commits >= 10
     assert 3 <= mgets <= 1.0 / (config.abort_check_interval_ms / 1000) + 1
+
+
+@pytest.mark.parametrize("config", [{"abort_check_interval_ms": 60_000}], indirect=True)
+def test_a_worker_told_on_its_stream_ends_the_job_within_a_step(redis_client, config, worker):
+    """The ingress serving a request knows its worker from its first delta: told on the
+    worker's stream, the job ends with the worker's next read, not its next flag check
+    (a minute here)."""
+    _route(redis_client, config, "r1", "r2")
+    _wait(lambda: worker.jobs.get("r1") is not None and worker.jobs["r1"].reported > 0)
+    publish_aborts(redis_client, config, ["r1"], workers={"r1": "w"})
+    took = _wait(lambda: "r1" in _finishes(redis_client, config))
+    assert took < 1.0
+    assert _finishes(redis_client, config)["r1"][0] == "abort"
+    assert "r2" in worker.jobs  # untouched
+
+
+def test_an_abort_names_no_stream_it_would_create_or_break(redis_client, config):
+    """A worker gone (no stream) gets none recreated; a name that is no worker id, or a key
+    of another type under a worker stream's name, leaves those jobs to their flags."""
+    redis_client.set(config.worker_stream("clash"), "not a stream")
+    workers = {"a": "gone", "b": "no id!", "c": "clash"}
+    publish_aborts(redis_client, config, ["a", "b", "c"], workers=workers)
+    assert not redis_client.exists(config.worker_stream("gone"))
+    assert all(redis_client.exists(config.abort_key(rid)) for rid in "abc")

@@ -36,7 +36,7 @@ class RequestWrites:
         self.client = client
         self.config = config
         self._starts: list[Start] = []
-        self._ends: list[tuple[str, list[str]]] = []
+        self._ends: list[tuple[str, list[str], dict[str, str]]] = []
         self._writing: set[asyncio.Task[None]] = set()
 
     async def start(self, request_id: str, record: bytes,
@@ -49,10 +49,10 @@ class RequestWrites:
             asyncio.get_running_loop().call_soon(self._write, self._start_all)
         await done
 
-    def end(self, request_id: str, unfinished: list[str]) -> None:
+    def end(self, request_id: str, unfinished: list[str], workers: dict[str, str]) -> None:
         """Delete the request's key and abort its `unfinished` sub-requests, with the next
         ends (an error is logged: the key expires, as an abort's flag would)."""
-        self._ends.append((request_id, unfinished))
+        self._ends.append((request_id, unfinished, workers))
         if len(self._ends) == 1:
             asyncio.get_running_loop().call_soon(self._write, self._end_all)
 
@@ -92,11 +92,12 @@ class RequestWrites:
 
     async def _end_all(self) -> None:
         ends, self._ends = self._ends, []
-        aborted = [rid for _, unfinished in ends for rid in unfinished]
+        aborted = [rid for _, unfinished, _ in ends for rid in unfinished]
+        workers = {rid: worker for *_, known in ends for rid, worker in known.items()}
         try:
-            await self.client.delete(*(self.config.request_key(r) for r, _ in ends))
+            await self.client.delete(*(self.config.request_key(r) for r, *_ in ends))
             if aborted:
-                await publish_aborts_async(self.client, self.config, aborted)
+                await publish_aborts_async(self.client, self.config, aborted, workers)
                 logger.debug("aborted %s", aborted)
         except REDIS_TRANSIENT as exc:
             logger.warning("could not end %d requests (%d aborts): %s",

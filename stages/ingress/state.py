@@ -168,11 +168,18 @@ class IngressState:
         self.settling.add(task)
         task.add_done_callback(self.settling.discard)
 
-    def finish_soon(self, request_id: str, unfinished: list[str], shard: Shard | None) -> None:
+    def finish_soon(
+        self,
+        request_id: str,
+        unfinished: list[str],
+        shard: Shard | None,
+        workers: dict[str, str] | None = None,
+    ) -> None:
         """Forget `request_id` and abort its `unfinished` sub-requests on the shard it was
         submitted to (None: this replica's), with the other ends of this turn, from a task
-        of their own: the handler asking may be being cancelled."""
-        self.writes(shard or self.shards.own).end(request_id, unfinished)
+        of their own: the handler asking may be being cancelled. `workers`: those known to
+        be running on a worker (bus/aborts.py tells it at once)."""
+        self.writes(shard or self.shards.own).end(request_id, unfinished, workers or {})
 
     async def sub_requests(
         self, request_id: str, caller: str | None = None

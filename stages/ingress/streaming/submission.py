@@ -68,6 +68,7 @@ class Submission:
         self.index = {request.rid: i for i, request in enumerate(requests)}
         self.queue: asyncio.Queue[Reply] = asyncio.Queue()
         self.finished: set[str] = set()
+        self.workers: dict[str, str] = {}  # rid -> the worker its first delta named
         self._early: collections.deque[Reply] = collections.deque()
         self._arrived = time.monotonic()
         self._last_token_at: dict[str, float] = {}
@@ -129,7 +130,8 @@ class Submission:
             return
         if unfinished:
             self.state.metrics.aborts.inc(len(unfinished))
-        self.state.finish_soon(self.request_id, unfinished, self.shard)
+        workers = {rid: self.workers[rid] for rid in unfinished if rid in self.workers}
+        self.state.finish_soon(self.request_id, unfinished, self.shard, workers)
         if settling:
             self.state.settle_soon(self._settle(set(unfinished)))
 
@@ -211,6 +213,8 @@ class Submission:
         if reply is _TIMED_OUT:
             return None
         self._last_reply = time.monotonic()
+        if isinstance(reply, TextDelta) and reply.worker is not None:
+            self.workers[reply.rid] = reply.worker
         return reply
 
     def _watch(self) -> None:
