@@ -92,7 +92,11 @@ class HeartbeatThread(threading.Thread):
                                             weights_version=weights.version,
                                             weights_target=weights.target,
                                             weights_error=weights.error)  # fmt: skip
-        pipe = self.client.pipeline(transaction=True)
+        # One round trip, no MULTI (two commands a beat per worker, a fleet's background):
+        # Redis runs them in order, so the beat exists before the membership that a reaper
+        # reads with it, and a reaper that forgot this worker in between only makes the SADD
+        # answer 1, which is warned about as any lapse is.
+        pipe = self.client.pipeline(transaction=False)
         pipe.set(self.config.heartbeat_key(self.worker_id), encode(heartbeat),
                  px=int(self.config.heartbeat_ttl_s * 1000))  # fmt: skip
         pipe.sadd(self.config.workers_key(), self.worker_id)  # 1: we were not a member
