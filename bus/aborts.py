@@ -34,9 +34,14 @@ from runtime.config import BusConfig
 logger = logging.getLogger(__name__)
 
 
-def _flag_and_tell(
-    pipe, config: BusConfig, rids: Sequence[str], workers: Mapping[str, str] | None
-) -> None:
+Workers = Mapping[str, str]  # rid -> the worker known to run it, told on its stream too
+
+
+def _queued(client, config: BusConfig, rids: Sequence[str], workers: Workers | None):
+    """A pipeline of the flags, then the Abort entries; None when there is nothing to abort."""
+    if not rids:
+        return None
+    pipe = client.pipeline(transaction=False)
     for rid in rids:
         pipe.set(config.abort_key(rid), 1, ex=config.reply_ttl_s)
     for rid, worker_id in (workers or {}).items():
@@ -46,6 +51,7 @@ def _flag_and_tell(
             logger.warning("abort of %s: %r is no worker id", rid, worker_id)
             continue
         pipe.xadd(stream, {ENTRY_FIELD: encode(Abort(rid))}, nomkstream=True)
+    return pipe
 
 
 def _check(rids: Sequence[str], results: list) -> None:
@@ -59,32 +65,18 @@ def _check(rids: Sequence[str], results: list) -> None:
             logger.warning("an abort's entry on a worker stream was refused: %s", result)
 
 
-def publish_aborts(
-    client: redis.Redis,
-    config: BusConfig,
-    rids: Sequence[str],
-    workers: Mapping[str, str] | None = None,
-) -> None:
-    """Abort `rids`; `workers`: rid -> the worker known to run it, told on its stream too."""
-    if not rids:
-        return
-    pipe = client.pipeline(transaction=False)
-    _flag_and_tell(pipe, config, rids, workers)
-    _check(rids, pipe.execute(raise_on_error=False))
+def publish_aborts(client: redis.Redis, config: BusConfig, rids: Sequence[str],
+                   workers: Workers | None = None) -> None:  # fmt: skip
+    """Abort `rids` (and tell `workers`' workers)."""
+    if (pipe := _queued(client, config, rids, workers)) is not None:
+        _check(rids, pipe.execute(raise_on_error=False))
 
 
-async def publish_aborts_async(
-    client: aredis.Redis,
-    config: BusConfig,
-    rids: Sequence[str],
-    workers: Mapping[str, str] | None = None,
-) -> None:
-    """As publish_aborts."""
-    if not rids:
-        return
-    pipe = client.pipeline(transaction=False)
-    _flag_and_tell(pipe, config, rids, workers)
-    _check(rids, await pipe.execute(raise_on_error=False))
+async def publish_aborts_async(client: aredis.Redis, config: BusConfig, rids: Sequence[str],
+                               workers: Workers | None = None) -> None:  # fmt: skip
+    """As publish_aborts, awaited."""
+    if (pipe := _queued(client, config, rids, workers)) is not None:
+        _check(rids, await pipe.execute(raise_on_error=False))
 
 
 def publish_abort(client: redis.Redis, config: BusConfig, rid: str) -> None:
