@@ -41,17 +41,16 @@ class DetokenizerStage:
 
     def handle(self, batch: list[Inbound]) -> list[Output]:
         items = [item for inbound in batch for item in inbound.message.items]
-        weights = [inbound.message.weights for inbound in batch for _ in inbound.message.items]
-        workers = [inbound.message.worker_id for inbound in batch for _ in inbound.message.items]
+        sources = [inbound.message for inbound in batch for _ in inbound.message.items]
         texts = text_deltas(self.tokenizer, items) if self.tokenizer else [None] * len(items)
         bundles: dict[str, list[TextDelta]] = {}
         entries: list[tuple[str, Message]] = []
-        for item, text, version, worker in zip(items, texts, weights, workers, strict=True):
+        for item, text, source in zip(items, texts, sources, strict=True):
             delta = self._delta(item, text)
             if item.start == 0:  # a request's first delta names the weights computing it
-                delta.weights_version = version
+                delta.weights_version = source.weights
                 if item.bundle:  # and to an ingress, the worker (to abort it there at once)
-                    delta.worker = worker
+                    delta.worker = source.worker_id
             if item.bundle:
                 bundle = bundles.get(item.reply_to)
                 if bundle is None:
