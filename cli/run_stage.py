@@ -57,7 +57,7 @@ def run_stage(
 
         tokenizer = load_stage_tokenizer(model)
         if name == "tokenizer":
-            from stages.tokenizer.context_length import model_context_length
+            from runtime.context_length import model_context_length
             from stages.tokenizer.stage import TokenizerStage
 
             stage = TokenizerStage(config, tokenizer, model_context_length(model))

@@ -20,9 +20,11 @@ Each mistake is a FieldError naming its field. What a door does not know is None
 tokenizer stage knows the context length (read from the model's files) but neither the
 vocabulary the worker loaded nor its KV pool, so it checks the prompt and its fit, and the
 worker checks it all again, sampling included (`check_request`, through
-`Engine.build_request`). Tokenizing is passed in (`PromptTokenizer`): the stages render
-chat templates with jinja, the engine with transformers; they give the same ids
-(tests/test_stage_tokenizer.py).
+`Engine.build_request`). A prompt of token ids needs no tokenizer: the ingress checks it as
+the tokenizer stage would (`tokenized_job`, with the context length where the model's files
+are on its host) and sends it straight to the router. Tokenizing is passed in
+(`PromptTokenizer`): the stages render chat templates with jinja, the engine with
+transformers; they give the same ids (tests/test_stage_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from jobs.field_error import FieldError
+from jobs.protocol import ErrorReply, GenerateRequest, TokenizedRequest
 from jobs.sampling_checks import SamplingParamError
 from jobs.sampling_params import SamplingParams
 from jobs.wire import MAX_TOKEN_ID
@@ -185,6 +188,25 @@ def check_prompt(
     check_token_ids(ids, field, limits.vocab_size)
     asked = max_new_tokens if type(max_new_tokens) is int else None
     check_fits(len(ids), None if asked is None else max(asked, 0), field, limits)
+
+
+def tokenized_job(
+    job: GenerateRequest, ids: list[int] | ValueError, field: str, limits: ModelLimits
+) -> TokenizedRequest | ErrorReply:
+    """The pipeline's job with its prompt as `ids` once they pass `check_prompt` (with the
+    ``max_new_tokens`` the job asks for), else the 400 its requester gets; `ids` is the
+    ValueError of a prompt that could not be tokenized. The tokenizer stage's answer to
+    every job, and the ingress's to a prompt of token ids, which it sends the router
+    directly: either door refuses the same prompt with the same ErrorReply."""
+    try:
+        if isinstance(ids, ValueError):
+            raise ids
+        asked = job.sampling.get("max_new_tokens") if isinstance(job.sampling, dict) else None
+        check_prompt(ids, field, limits, asked)  # its type is the worker's to check
+    except ValueError as exc:
+        param, code = (exc.field, exc.code) if isinstance(exc, FieldError) else (None, None)
+        return ErrorReply(job.rid, 400, str(exc), "invalid_request_error", param, code)
+    return job.tokenized(ids)
 
 
 def check_resumed_ids(ids: Sequence[int], params: SamplingParams, vocab_size: int | None) -> None:

@@ -151,6 +151,13 @@ class GenerateRequest(_Job):
         _check_pooling(self.pooling)
         check_tag(self.tag)
 
+    def tokenized(self, ids: list[int]) -> TokenizedRequest:
+        """This job with its prompt as token ids `ids`: what the router reads."""
+        return TokenizedRequest(self.rid, self.reply_to, ids, self.sampling, self.created,
+                                self.tenant, self.weight, priority=self.priority, v=self.v,
+                                bundle_replies=self.bundle_replies, pooling=self.pooling,
+                                tag=self.tag)  # fmt: skip
+
 
 @dataclass
 class TokenizedRequest(_Job):

@@ -7,4 +7,5 @@ embedded_server.py  the private server `streamserve up` starts (unix socket, app
 child_process.py    children that stop in their parent's order
 model_files.py      a `--model` argument resolved to its files (worker and tokenizer alike)
 gguf_header.py      a GGUF file's header metadata, read key by key without loading it
+context_length.py   the model's context length, from config.json or the GGUF header
 """

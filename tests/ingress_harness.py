@@ -1,9 +1,10 @@
 """The real ingress and a scripted upstream, for tests of the HTTP side and the direct client.
 
 `RunningIngress` serves `create_app` on a free port from a thread of its own. `Upstream`
-plays tokenizer, router, worker and detokenizer at once: it reads each GenerateRequest
-from the real requests stream and writes the replies a test's script returns (in whatever
-order, duplicated or failing) to the request's real reply stream.
+plays tokenizer, router, worker and detokenizer at once: it reads each job from the real
+requests stream (and a prompt of token ids from the tokenized stream, where the ingress
+sends it) and writes the replies a test's script returns (in whatever order, duplicated or
+failing) to the request's real reply stream.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ from typing import Any
 
 import redis
 
-from jobs.protocol import Finish, GenerateRequest, Heartbeat, TextDelta, decode
+from jobs.protocol import (
+    Finish,
+    GenerateRequest,
+    Heartbeat,
+    TextDelta,
+    TokenizedRequest,
+    decode,
+)
 from jobs.token_records import pack_floats
 from jobs.wire import ENTRY_FIELD, Message, ProtocolError, encode, job_payloads
 from runtime.config import BusConfig
@@ -91,7 +99,7 @@ def embedding_delta(rid: str, vector: list[float], prompt_tokens: int = 7) -> Te
     return TextDelta(rid, 0, [], None, finish.to_wire(), embedding=pack_floats(vector))
 
 
-def _requests_in(fields: dict[bytes, bytes]) -> list[GenerateRequest]:
+def _requests_in(fields: dict[bytes, bytes]) -> list[GenerateRequest | TokenizedRequest]:
     """The jobs an entry carries (one, or a bundle's: jobs/wire.py), filler left out."""
     requests = []
     try:
@@ -100,34 +108,51 @@ def _requests_in(fields: dict[bytes, bytes]) -> list[GenerateRequest]:
         return []
     for payload in payloads:
         try:
-            requests.append(decode(payload, GenerateRequest))
+            requests.append(decode(payload, GenerateRequest, TokenizedRequest))
         except ProtocolError:
             continue  # filler a test put on the stream
     return requests
 
 
+def _as_submitted(job: GenerateRequest | TokenizedRequest) -> GenerateRequest:
+    """A job as the ingress submitted it: one it sent the router (a prompt of token ids)
+    in the form a script reads, its input_ids as its prompt."""
+    if isinstance(job, GenerateRequest):
+        return job
+    return GenerateRequest(job.rid, job.reply_to, input_ids=job.input_ids, sampling=job.sampling,
+                           created=job.created, tenant=job.tenant, weight=job.weight,
+                           priority=job.priority, v=job.v, bundle_replies=job.bundle_replies,
+                           pooling=job.pooling, tag=job.tag)  # fmt: skip
+
+
 class Upstream:
-    """Answers every job on the requests stream with what `script` returns for it."""
+    """Answers every job the ingress queues (on the requests stream, and a prompt of token
+    ids on the tokenized stream) with what `script` returns for it."""
 
     def __init__(self, redis_url: str, config: BusConfig, script: Script) -> None:
         self.client = redis.Redis.from_url(redis_url)
         self.config = config
         self.script = script
         self.requests: list[GenerateRequest] = []
+        self.routed: list[str] = []  # the rids of those read on the tokenized stream
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        last = "0-0"
+        last = {self.config.requests_stream(): "0-0", self.config.tokenized_stream(): "0-0"}
         while not self._stop.is_set():
-            response = self.client.xread({self.config.requests_stream(): last}, block=50)
+            response = self.client.xread(last, block=50)
             pipe = self.client.pipeline(transaction=False)
-            for entry_id, fields in response[0][1] if response else []:
-                last = entry_id
-                for request in _requests_in(fields):
-                    self.requests.append(request)
-                    for message in self.script(request):
-                        pipe.xadd(request.reply_to, {ENTRY_FIELD: encode(message)})
+            for stream, entries in response or []:
+                for entry_id, fields in entries:
+                    last[stream.decode()] = entry_id
+                    for job in _requests_in(fields):
+                        request = _as_submitted(job)
+                        if isinstance(job, TokenizedRequest):
+                            self.routed.append(job.rid)
+                        self.requests.append(request)
+                        for message in self.script(request):
+                            pipe.xadd(request.reply_to, {ENTRY_FIELD: encode(message)})
             pipe.execute()
 
     def __enter__(self) -> Upstream:

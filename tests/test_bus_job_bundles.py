@@ -27,6 +27,7 @@ from jobs.protocol import (
     decode,
     encode,
 )
+from jobs.request_normaliser import ModelLimits
 from jobs.wire import JOBS_FIELD, ProtocolError, job_entries, job_payloads
 from runtime.config import BusConfig
 from stages.ingress.request_writes import RequestWrites
@@ -124,26 +125,60 @@ def test_a_commits_jobs_for_a_job_stream_go_in_one_entry_and_other_outputs_as_th
     assert redis_client.xlen(REPLY) == 2  # a reply stream's entries are never bundled
 
 
-def test_the_ingress_writes_one_turns_jobs_as_one_entry_with_each_requests_key(redis_url):
-    config = BusConfig(redis_url=redis_url)
+def _start_all(redis_url: str, config: BusConfig, starts: dict[str, list[GenerateRequest]],
+               context_length: int | None = None) -> None:  # fmt: skip
+    """The ingress's writes of `starts` (request id -> its jobs), all in one turn."""
 
-    async def start_three() -> None:
+    async def start() -> None:
         client = aredis.Redis.from_url(redis_url)
         await client.flushall()
-        writes = RequestWrites(client, config)
-        await asyncio.gather(*(
-            writes.start(f"q{i}", b"1", [GenerateRequest(f"q{i}-{n}", REPLY, input_ids=[1])
-                                         for n in range(i + 1)])
-            for i in range(3)
-        ))  # fmt: skip
+        writes = RequestWrites(client, config, ModelLimits(context_length=context_length))
+        await asyncio.gather(*(writes.start(request_id, b"1", jobs)
+                               for request_id, jobs in starts.items()))  # fmt: skip
         await client.aclose()
 
-    asyncio.run(start_three())
+    asyncio.run(start())
+
+
+def test_the_ingress_writes_one_turns_jobs_as_one_entry_per_stream_with_each_requests_key(
+    redis_url,
+):
+    """Prompts of token ids go straight to the router's stream, texts to the tokenizer's."""
+    config = BusConfig(redis_url=redis_url)
+    ids = {f"q{i}": [GenerateRequest(f"q{i}-{n}", REPLY, input_ids=[1]) for n in range(i + 1)]
+           for i in range(3)}  # fmt: skip
+    texts = {"t": [GenerateRequest(f"t-{n}", REPLY, prompt="hi") for n in range(2)]}
+    _start_all(redis_url, config, {**ids, **texts})
     client = redis.Redis.from_url(redis_url)
+    assert client.xlen(config.tokenized_stream()) == 1
+    routed = [decode(p, TokenizedRequest) for p in _jobs(client, config.tokenized_stream())]
+    assert [job.rid for job in routed] == ["q0-0", "q1-0", "q1-1", "q2-0", "q2-1", "q2-2"]
+    assert all(job.input_ids == [1] for job in routed)
     assert client.xlen(config.requests_stream()) == 1
     rids = [decode(p, GenerateRequest).rid for p in _jobs(client, config.requests_stream())]
-    assert rids == ["q0-0", "q1-0", "q1-1", "q2-0", "q2-1", "q2-2"]
-    assert all(client.get(config.request_key(f"q{i}")) == b"1" for i in range(3))
+    assert rids == ["t-0", "t-1"]
+    assert all(client.get(config.request_key(r)) == b"1" for r in [*ids, *texts])
+
+
+def test_the_ingress_refuses_an_id_prompt_past_the_context_as_the_tokenizer_stage_does(
+    redis_url,
+):
+    config = BusConfig(redis_url=redis_url)
+    long = GenerateRequest("long-0", REPLY, input_ids=[1] * 40, sampling={"max_new_tokens": 30})
+    fits = GenerateRequest("fits-0", REPLY, input_ids=[1] * 40, sampling={"max_new_tokens": 24})
+    _start_all(redis_url, config, {"long": [long], "fits": [fits]}, context_length=64)
+    client = redis.Redis.from_url(redis_url)
+    ((_, fields),) = client.xrange(REPLY)
+    tokenizer = TokenizerStage(config, None, 64)
+    (output,) = tokenizer.handle([Inbound(b"1-0", long)])
+    assert fields[ENTRY_FIELD] == encode(output.message)  # the very reply that stage writes
+    refusal = decode(fields[ENTRY_FIELD], ErrorReply)
+    assert (refusal.rid, refusal.status, refusal.param, refusal.code) == (
+        "long-0", 400, "max_new_tokens", "context_length_exceeded")  # fmt: skip
+    assert client.ttl(REPLY) > 0  # as every reply the stages write
+    routed = [decode(p, TokenizedRequest).rid for p in _jobs(client, config.tokenized_stream())]
+    assert routed == ["fits-0"]
+    assert client.xlen(config.requests_stream()) == 0
 
 
 # ---- reading: the tokenizer stage --------------------------------------------------------------

@@ -18,8 +18,8 @@ from jobs.request_bounds import request_bounds
 from jobs.sampling_params import wire_sampling
 from jobs.wire import ENTRY_FIELD, encode
 from runtime.config import BusConfig
+from runtime.context_length import model_context_length
 from stages.router.stage import RouterStage
-from stages.tokenizer.context_length import model_context_length
 from stages.tokenizer.stage import TokenizerStage
 from tests.ingress_harness import MODEL, RunningIngress, add_worker
 

@@ -2,7 +2,8 @@
 
 server.py         the app and `run` (what ``streamserve stage ingress`` calls)
 state.py          what the handlers share: Redis client, reply reader, admission, aborts
-request_writes.py the requests' starts (MULTI) and ends (DEL, aborts), gathered per turn
+request_writes.py the requests' starts (MULTI; token-id prompts straight to the router)
+                  and ends (DEL, aborts), gathered per turn
 shards.py         a Redis Cluster's shards: its own, the home shard, requests found on any
 body.py           JSON reading and typed field access (a wrong JSON type is a 422)
 errors.py         OpenAI-style error bodies and the middleware that makes every failure one

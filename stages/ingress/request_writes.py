@@ -3,11 +3,20 @@ command where Redis takes many keys, for every handler that asks in the same tur
 
 A request costs the bus, besides its tokens, a MULTI at its start (the SET of its request
 key, the XADD of its jobs, EXEC) and a DEL at its end. Under load many handlers ask in one
-turn: their starts go in one MULTI (the SETs, and one XADD of a bundle entry holding every
-job of the turn: jobs/wire.py; one MULTI and EXEC for all) and their ends in one DEL of all
-their keys (and one pipeline of their aborts). Each request is still all or none: a MULTI
-that Redis refuses (OOM) fails every request in it, each answering its own 503, and none of
-them is queued.
+turn: their starts go in one MULTI (the SETs, and one XADD of a bundle entry per job stream
+holding every job of the turn bound there: jobs/wire.py; one MULTI and EXEC for all) and
+their ends in one DEL of all their keys (and one pipeline of their aborts). Each request is
+still all or none: a MULTI that Redis refuses (OOM) fails every request in it, each
+answering its own 503, and none of them is queued.
+
+A job whose prompt is token ids needs no tokenizer: it is checked here as the tokenizer
+stage checks it (`tokenized_job`: ids, and their fit in the context where this ingress
+knows the context length, runtime/context_length.py) and goes in the MULTI straight to the
+router's stream as the TokenizedRequest that stage would have written, or, refused, as the
+ErrorReply it would have written to the job's reply stream; so the client gets the same
+answer, and the prompt crosses the bus once less (issue 27). A text or chat job goes to the
+tokenizer's stream. Where the context length is not known here, the worker refuses a prompt
+past its context with that same reply (it checks everything again).
 """
 
 from __future__ import annotations
@@ -19,9 +28,10 @@ from collections.abc import Sequence
 import redis.asyncio as aredis
 
 from bus.aborts import publish_aborts_async
-from bus.client import add_requests
+from bus.effects import add_jobs, reply
 from bus.reconnect import REDIS_TRANSIENT
-from jobs.protocol import GenerateRequest
+from jobs.protocol import ErrorReply, GenerateRequest, encode
+from jobs.request_normaliser import ModelLimits, tokenized_job
 from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
@@ -30,11 +40,13 @@ Start = tuple[str, bytes, Sequence[GenerateRequest], "asyncio.Future[None]"]
 
 
 class RequestWrites:
-    """The starts and ends of the requests on one shard (its client and names)."""
+    """The starts and ends of the requests on one shard (its client and names); `limits`
+    are what this ingress knows of the model (its context length, or nothing)."""
 
-    def __init__(self, client: aredis.Redis, config: BusConfig) -> None:
+    def __init__(self, client: aredis.Redis, config: BusConfig, limits: ModelLimits) -> None:
         self.client = client
         self.config = config
+        self.limits = limits
         self._starts: list[Start] = []
         self._ends: list[tuple[str, list[str], dict[str, str]]] = []
         self._writing: set[asyncio.Task[None]] = set()
@@ -72,7 +84,8 @@ class RequestWrites:
         pipe = self.client.pipeline(transaction=True)
         for request_id, record, _, _ in starts:
             pipe.set(self.config.request_key(request_id), record, ex=self.config.reply_ttl_s)
-        add_requests(pipe, self.config, [job for _, _, jobs, _ in starts for job in jobs])
+        jobs = [job for _, _, requests, _ in starts for job in requests]
+        queue_jobs(pipe, self.config, self.limits, jobs)
         try:
             await pipe.execute()
         except BaseException as exc:  # every request of the MULTI failed, each says so
@@ -102,3 +115,25 @@ class RequestWrites:
         except REDIS_TRANSIENT as exc:
             logger.warning("could not end %d requests (%d aborts): %s",
                            len(ends), len(aborted), exc)  # fmt: skip
+
+
+def queue_jobs(
+    pipe: aredis.client.Pipeline, config: BusConfig, limits: ModelLimits,
+    jobs: Sequence[GenerateRequest],
+) -> None:  # fmt: skip
+    """Queue `jobs` on `pipe`: a prompt of token ids checked and bound for the router (or
+    its refusal for its reply stream), the others for the tokenizer; one bundle entry per
+    job stream (the module docstring says why)."""
+    to_tokenize: list[bytes] = []
+    to_route: list[bytes] = []
+    for job in jobs:
+        if job.input_ids is None:
+            to_tokenize.append(encode(job))
+            continue
+        checked = tokenized_job(job, job.input_ids, "input_ids", limits)
+        if isinstance(checked, ErrorReply):
+            reply(config, job.reply_to, checked).apply(pipe, config)
+        else:
+            to_route.append(encode(checked))
+    add_jobs(pipe, config.requests_stream(), to_tokenize)
+    add_jobs(pipe, config.tokenized_stream(), to_route)

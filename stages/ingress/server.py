@@ -26,8 +26,10 @@ from bus.actor import unique_consumer_name
 from bus.async_pool import async_redis
 from bus.reconnect import REDIS_TRANSIENT
 from bus.replies import AsyncReplyReader
+from jobs.request_normaliser import ModelLimits
 from observability.metrics import start_publisher
 from runtime.config import BusConfig
+from runtime.context_length import context_length_if_known
 from stages.ingress.api import admin_weights, handlers, service_endpoints
 from stages.ingress.api.embeddings import embeddings
 from stages.ingress.api.openapi import openapi_document
@@ -67,8 +69,13 @@ def create_app(
     api_keys: Sequence[str] = (),
     admin_keys: Sequence[str] = (),
     tenants: Tenants | None = None,
+    context_length: int | None = None,
 ) -> web.Application:
-    """The app; serve it with ``web.AppRunner(app, handler_cancellation=True)``."""
+    """The app; serve it with ``web.AppRunner(app, handler_cancellation=True)``.
+
+    `context_length`: the model's, that prompts of token ids are checked against before
+    they go to the router (None: read from the model's files where `model` names files on
+    this host, else left to the worker)."""
     if config.redis_url is None:
         raise ValueError("the ingress needs a Redis URL: give --redis-url or set REDIS_URL")
     frontend_id = frontend_id or unique_consumer_name("ingress")
@@ -91,6 +98,7 @@ def create_app(
         tenants=tenants,
         tenant_limits=TenantLimits(shards.home.redis, shards.home.config),
         shards=shards,
+        limits=ModelLimits(context_length=context_length or context_length_if_known(model)),
     )
     middlewares = [metrics_middleware, error_middleware, body_deadline]  # the 408 inside
     if api_keys:

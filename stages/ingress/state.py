@@ -21,6 +21,7 @@ from aiohttp import web
 from bus.reconnect import REDIS_TRANSIENT
 from bus.replies import AsyncReplyReader
 from jobs.protocol import GenerateRequest
+from jobs.request_normaliser import ModelLimits
 from runtime.config import BusConfig
 from stages.ingress.errors import ApiError
 from stages.ingress.health import QueueDepth, WorkerHealth
@@ -72,6 +73,9 @@ class IngressState:
     live_requests: set[str] = field(default_factory=set)
     # Their starts and ends, per shard (request_writes.py).
     request_writes: dict[str | None, RequestWrites] = field(default_factory=dict)
+    # What this replica knows of the model: its context length where the model's files are
+    # on this host (runtime/context_length.py), to check prompts of token ids against.
+    limits: ModelLimits = field(default_factory=ModelLimits)
 
     @property
     def reply_stream(self) -> str:
@@ -117,7 +121,8 @@ class IngressState:
     async def submit(
         self, request_id: str, requests: Sequence[GenerateRequest], owner: str | None = None
     ) -> None:
-        """Queue the request's jobs, recorded with their `owner` (tenancy/ownership.py),
+        """Queue the request's jobs (a prompt of token ids for the router, the others for the
+        tokenizer: request_writes.py), recorded with their `owner` (tenancy/ownership.py),
         all or none: in a MULTI (with the other requests of this turn: request_writes.py),
         so a Redis that fills up midway (OOM) leaves no choice running that its 503 said
         was refused."""
@@ -130,7 +135,7 @@ class IngressState:
         writes = self.request_writes.get(shard.config.shard)
         if writes is None:
             writes = self.request_writes[shard.config.shard] = RequestWrites(
-                shard.redis, shard.config
+                shard.redis, shard.config, self.limits
             )
         return writes
 

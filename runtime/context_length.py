@@ -1,11 +1,14 @@
-"""The model's context length, read from its files without loading it, so the tokenizer
-stage can refuse a prompt that cannot fit before the job reaches a worker stream.
+"""The model's context length, read from its files without loading it, so a prompt that
+cannot fit is refused before the job reaches a worker stream: by the tokenizer stage, and by
+the ingress for a prompt of token ids, which it sends past the tokenizer.
 
 A Hugging Face folder states it in config.json (``max_position_embeddings``); a GGUF file in
 its header's metadata (``<architecture>.context_length``), which comes before the tensors:
 only the header is read, key by key, until the value is found (runtime/gguf_header.py). A
-``random:`` model has neither (None: the worker alone checks). A worker started with a smaller
-``--context-length`` still refuses, later, what its own length cannot hold.
+``random:`` model has neither (None: the worker alone checks), nor has a model whose files
+are not on this host (`context_length_if_known`, the ingress's: it may run apart from them).
+A worker started with a smaller ``--context-length`` still refuses, later, what its own
+length cannot hold.
 """
 
 from __future__ import annotations
@@ -45,6 +48,17 @@ def model_context_length(model: str) -> int | None:
     values = {**values.get("text_config", {}), **values}  # multimodal configs nest it
     return next((int(values[key]) for key in CONFIG_KEYS if isinstance(values.get(key), int)),
                 None)  # fmt: skip
+
+
+def context_length_if_known(model: str) -> int | None:
+    """`model_context_length`, or None where `model` names no files on this host (an
+    ingress started with only the served name): the worker then checks the fit alone."""
+    try:
+        return model_context_length(model)
+    except ValueError as exc:
+        logger.info("the context length of %s is not known here (%s): workers check it",
+                    model, exc)  # fmt: skip
+        return None
 
 
 def gguf_context_length(file: BinaryIO) -> int | None:
