@@ -148,16 +148,31 @@ def test_the_ingress_writes_one_turns_jobs_as_one_entry_per_stream_with_each_req
     ids = {f"q{i}": [GenerateRequest(f"q{i}-{n}", REPLY, input_ids=[1]) for n in range(i + 1)]
            for i in range(3)}  # fmt: skip
     texts = {"t": [GenerateRequest(f"t-{n}", REPLY, prompt="hi") for n in range(2)]}
-    _start_all(redis_url, config, {**ids, **texts})
+    embedding = GenerateRequest(
+        "e-0",
+        REPLY,
+        input_ids=[1],
+        sampling={"max_new_tokens": 0},
+        pooling="mean",
+        tenant="acme",
+        weight=2.0,
+        priority=3,
+        tag=7,
+    )
+    _start_all(redis_url, config, {**ids, **texts, "e": [embedding]})
     client = redis.Redis.from_url(redis_url)
     assert client.xlen(config.tokenized_stream()) == 1
     routed = [decode(p, TokenizedRequest) for p in _jobs(client, config.tokenized_stream())]
-    assert [job.rid for job in routed] == ["q0-0", "q1-0", "q1-1", "q2-0", "q2-1", "q2-2"]
+    assert [job.rid for job in routed] == ["q0-0", "q1-0", "q1-1", "q2-0", "q2-1", "q2-2", "e-0"]
     assert all(job.input_ids == [1] for job in routed)
+    # Every field the tokenizer stage would have carried over.
+    assert (
+        routed[-1] == TokenizerStage(config, None).handle([Inbound(b"1-0", embedding)])[0].message
+    )
     assert client.xlen(config.requests_stream()) == 1
     rids = [decode(p, GenerateRequest).rid for p in _jobs(client, config.requests_stream())]
     assert rids == ["t-0", "t-1"]
-    assert all(client.get(config.request_key(r)) == b"1" for r in [*ids, *texts])
+    assert all(client.get(config.request_key(r)) == b"1" for r in [*ids, *texts, "e"])
 
 
 def test_the_ingress_refuses_an_id_prompt_past_the_context_as_the_tokenizer_stage_does(

@@ -64,6 +64,17 @@ def test_an_abort_reaches_a_request_submitted_on_another_shard(shards, replicas)
     assert (status, answer["error"]["code"]) == (404, "request_not_found")
 
 
+def test_a_prompt_of_token_ids_goes_to_the_router_stream_of_its_replicas_shard(shards, replicas):
+    (_, _), _, (client, s2) = shards
+    before = client.xlen(s2.tokenized_stream())
+    with Upstream(s2.redis_url, s2, lambda request: deltas(request.rid, PIECES)) as upstream:
+        status, answer = replicas[1].post("/generate", {"input_ids": [7, 8, 9]})
+    assert status == 200 and answer["text"] == "Once upon a time", answer
+    assert upstream.routed == [answer["meta_info"]["id"]]  # read on s2's tokenized stream
+    assert client.xlen(s2.tokenized_stream()) == before + 1
+    assert f":{{{s2.shard}}}:" in s2.tokenized_stream()  # a name on s2's own slot
+
+
 def test_files_live_on_the_home_shard_for_every_replica(shards, replicas):
     import openai
 

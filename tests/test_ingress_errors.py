@@ -121,7 +121,8 @@ def test_bad_values_are_400_and_wrong_types_422_before_anything_is_queued(
 ):
     code, reply = ingress.post(path, body)
     assert_openai_error(code, reply, status, param=param)
-    assert redis_client.xlen(ingress.config.requests_stream()) == 0
+    for stream in (ingress.config.requests_stream(), ingress.config.tokenized_stream()):
+        assert redis_client.xlen(stream) == 0
 
 
 @pytest.mark.parametrize(
