@@ -16,6 +16,7 @@ from gpu_worker.synthetic_engine import SyntheticEngine
 from gpu_worker.worker import Worker
 from jobs.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, encode
 from runtime.config import BusConfig
+from tests.worker_thread import running, wait_until
 
 MODEL = "smollm2-135m-instruct"
 
@@ -28,15 +29,9 @@ def config(redis_url) -> BusConfig:
 
 @pytest.fixture
 def worker(redis_client, config):
-    worker = Worker(SyntheticEngine(MODEL, step_ms=5.0, batch=8), redis_client, config, "w",
-                    MODEL)  # fmt: skip
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    _wait(lambda: redis_client.exists(config.heartbeat_key("w")))
-    yield worker
-    worker.stop.set()
-    thread.join(timeout=30)
-    assert not thread.is_alive()
+    engine = SyntheticEngine(MODEL, step_ms=5.0, batch=8)
+    with running(Worker(engine, redis_client, config, "w", MODEL), redis_client, config) as w:
+        yield w
 
 
 def _route(client: redis.Redis, config: BusConfig, rid: str, max_new: int) -> None:
@@ -54,14 +49,6 @@ def _published(client: redis.Redis, config: BusConfig) -> dict[str, tuple[int, b
     return out
 
 
-def _wait(condition, timeout_s: float = 20.0) -> float:
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout_s, "timed out"
-        time.sleep(0.01)
-    return time.monotonic() - started
-
-
 def _calls(client: redis.Redis) -> dict[str, int]:
     stats = client.info("commandstats")
     return {name.removeprefix("cmdstat_"): value["calls"] for name, value in stats.items()}
@@ -71,11 +58,11 @@ def test_a_busy_worker_reads_per_arrival_not_per_publish(redis_client, config, w
     redis_client.config_resetstat()
     started = time.monotonic()
     _route(redis_client, config, "long", 300)  # ~1.5 s of 5 ms steps
-    _wait(lambda: _published(redis_client, config).get("long", (0, False))[0] > 20)
+    wait_until(lambda: _published(redis_client, config).get("long", (0, False))[0] > 20)
     _route(redis_client, config, "late", 10)  # arrives while the worker is busy
-    waited = _wait(lambda: _published(redis_client, config).get("late", (0, False))[1])
+    waited = wait_until(lambda: _published(redis_client, config).get("late", (0, False))[1])
     assert waited < 1.0  # read at once, not after the long job
-    _wait(lambda: _published(redis_client, config).get("long", (0, False))[1])
+    wait_until(lambda: _published(redis_client, config).get("long", (0, False))[1])
     seconds = time.monotonic() - started
     calls = _calls(redis_client)
     assert _published(redis_client, config) == {"long": (300, True), "late": (10, True)}
@@ -88,13 +75,11 @@ def test_a_busy_worker_reads_per_arrival_not_per_publish(redis_client, config, w
 def test_the_intake_makes_the_group_again_when_redis_lost_it(redis_client, config, worker):
     redis_client.xgroup_destroy(config.worker_stream("w"), WORKER_GROUP)
     _route(redis_client, config, "after", 5)  # onto a stream with no group: read from id 0
-    _wait(lambda: _published(redis_client, config).get("after", (0, False))[1])
+    wait_until(lambda: _published(redis_client, config).get("after", (0, False))[1])
     assert _published(redis_client, config)["after"] == (5, True)
 
 
-def test_what_the_thread_read_is_dropped_when_the_pending_list_is_read_whole(
-    redis_client, config
-):
+def test_what_the_thread_read_is_dropped_when_the_pending_list_is_read_whole(redis_client, config):
     bus = FencedStream(redis_client, config, "i")
     bus.ensure_group()
     stop = threading.Event()
@@ -103,7 +88,7 @@ def test_what_the_thread_read_is_dropped_when_the_pending_list_is_read_whole(
     try:
         for rid in ("a", "b"):
             _route_to(redis_client, bus.stream, rid)
-        _wait(lambda: redis_client.xpending(bus.stream, WORKER_GROUP)["pending"] == 2)
+        wait_until(lambda: redis_client.xpending(bus.stream, WORKER_GROUP)["pending"] == 2)
         with intake.paused():  # as after a fence: the pending list, read whole
             pending = bus.pending_entries()
         assert len(pending) == 2
