@@ -4,9 +4,10 @@ A worker reads jobs from its stream ``<p>:worker:<id>`` in the consumer group ``
 (`WORKER_GROUP`), where the router stage routes them. What a worker writes (its outputs, the
 acknowledgements of its jobs, dead letters, an entry of its progress log) waits in the
 buffers of its `FencedStream` until the next `commit`, one atomic script call
-(bus/scripted_multi.py) that may also carry a non-blocking read of new jobs: while there is
-work the bus costs one round trip per publish (gpu_worker/worker.py publishes at most every
-``publish_interval_ms``); idle, the worker blocks on its stream (`read_blocking`).
+(bus/scripted_multi.py): while there is work the bus costs one round trip per publish
+(gpu_worker/worker.py publishes at most every ``publish_interval_ms``). New jobs are read
+blocking (`read_blocking`), by a thread of the worker's own (gpu_worker/job_intake.py); a
+commit can carry a non-blocking read instead, for a worker driven turn by turn.
 
 Nothing is lost when a worker dies. A job stays pending on the worker's stream until it
 finishes (its acknowledgement goes in the commit with its last tokens), and the commit that

@@ -3,6 +3,7 @@ package that imports torch.
 
 worker.py          the worker stage: jobs in, the engine loop, tokens out
 token_item.py      what the worker publishes of a running job
+job_intake.py      the thread that reads new jobs off the worker's stream
 publishing.py      when a busy worker publishes (per interval), and its items and log entry
 progress_log.py    the worker's side of its progress log: the next entry, the trim point
 cached_blocks.py   the blocks the prefix cache holds, and the next KvEvents entry

@@ -4,15 +4,15 @@
 
 The loop is the engine's (receive, schedule, forward, sample, process results) with Redis
 at its two ends. Jobs arrive on this worker's own stream ``<p>:worker:<id>``, where the
-router stage routes them. While there is work the worker publishes at most every
-``publish_interval_ms`` (gpu_worker/publishing.py): one TokenBatch to ``<p>:tokens`` with
-every request's tokens since the last publish, and an entry of its progress log, in one commit
-that also carries the acknowledgements of finished jobs, a non-blocking read of new jobs and,
-at most every ``abort_check_interval_ms``, a read of its jobs' abort flags (bus/aborts.py).
-So the bus costs one round trip per publish, whatever the batch size and however many steps
-it covers; idle, the worker blocks on its stream. The heartbeat has a thread of its own
-(gpu_worker/heartbeat.py), so a long step never makes a live worker look dead. Forming
-batches stays here: a round trip to Redis per decode step would cost more than the step.
+router stage routes them, and a thread of their own reads them (gpu_worker/job_intake.py:
+a command per arrival, not per publish). While there is work the worker publishes at most
+every ``publish_interval_ms`` (gpu_worker/publishing.py): one TokenBatch to ``<p>:tokens``
+with every request's tokens since the last publish, and an entry of its progress log, in one
+commit that also carries the acknowledgements of finished jobs and, at most every
+``abort_check_interval_ms``, a read of its jobs' abort flags (bus/aborts.py). So the bus
+costs one round trip per publish, whatever the batch size and however many steps it covers.
+The heartbeat has a thread of its own (gpu_worker/heartbeat.py), so a long step never makes
+a live worker look dead. Forming batches stays here: a round trip per step would cost more.
 
 The worker does not detokenize: requests with stop strings keep a TextStream to find them,
 the rest leave text to the detokenizer stage. Each item carries the token window the
@@ -49,6 +49,7 @@ from bus.fenced_stream import Entry, Fenced, FencedStream
 from bus.reconnect import ReconnectingLoop
 from gpu_worker.grammar_waits import GrammarWaits, Waiting
 from gpu_worker.heartbeat import HeartbeatThread, Load
+from gpu_worker.job_intake import JobIntake
 from gpu_worker.probation import Probation
 from gpu_worker.publishing import Publisher
 from gpu_worker.scheduling.req import Req
@@ -81,6 +82,7 @@ class Worker:
         self.model = model
         self.bus = FencedStream(client, config, worker_id)
         self.stop = threading.Event()
+        self.intake = JobIntake(self.bus, self.stop)  # started by `run`; else commits read
         self.jobs: dict[str, RunningJob] = {}
         self.admitted = 0
         self.steps = 0
@@ -95,9 +97,8 @@ class Worker:
             attention=engine.runner.serving_path(), weights=self.weights,
         )  # fmt: skip
         runner = engine.runner
-        self.metrics = WorkerMetrics(
-            ProcessMetrics("worker", worker_id, config.metrics), runner.max_total_tokens
-        )
+        self.metrics = WorkerMetrics(ProcessMetrics("worker", worker_id, config.metrics),
+                                     runner.max_total_tokens)  # fmt: skip
         self.metrics.describe(model, runner.attention_path, runner.graph_runner is not None,
                               runner.cpu_kernels is not None)  # fmt: skip
         self.publisher = Publisher(client, config, worker_id, self.bus, self.metrics,
@@ -115,6 +116,7 @@ class Worker:
         self._report_load()
         self.heartbeat.beat()  # the routers can route to us now
         self.heartbeat.start()
+        self.intake.start()
         self._publisher = start_publisher(self.client, self.config, self.metrics.process)
         logger.info("worker %s: consumer %s on %s, %s in %s on %s", self.worker_id,
                     self.bus.consumer, self.bus.stream, self.engine.config.model,
@@ -128,8 +130,8 @@ class Worker:
             self._shutdown()
 
     def _turn(self) -> None:
-        """Admit what arrived, then step and commit with a read of new jobs, or, idle, commit
-        and wait for jobs. New weights due: admit only aborts, step until nothing runs, swap."""
+        """Admit what arrived, then step and commit, or, idle, commit and wait for jobs. New
+        weights due: admit only aborts, step until nothing runs, swap."""
         update = self.weights.due()
         for waiting, too_late in self.grammar_waits.due() if update is None else ():
             if too_late is not None:
@@ -150,12 +152,13 @@ class Worker:
             again = self._step_or_recover()
             if again or self.publisher.due(self.scheduler.has_work()):
                 started = time.perf_counter()
-                self._inbox += again + self._commit(read=True)  # fenced: all still ours
+                self._inbox += again + self._commit(read=not self.intake.running)
                 self.bus_seconds += time.perf_counter() - started
+            self._inbox += self.intake.take()
         else:
             self._inbox += self._commit(read=False)  # fenced: all still ours
             if update is None:
-                self._inbox += self.bus.read_blocking()
+                self._inbox += self.intake.wait()
             elif not self.jobs:  # drained (a job on probation is not: it is released next)
                 self.weights.apply(self.engine, update)  # on failure, serves on: never raises
         self._report_load()
@@ -189,7 +192,8 @@ class Worker:
         self.probation.clear()
         self.grammar_waits.clear()
         self._inbox.clear()  # in place: read again with all still ours (`_turn` extends it)
-        return self.publisher.handed_back(self.bus.restart_fenced())
+        with self.intake.paused():
+            return self.publisher.handed_back(self.bus.restart_fenced())
 
     def _report_load(self) -> Load:
         load = Load(**self.scheduler.load(), admitted=self.admitted)
@@ -375,6 +379,7 @@ class Worker:
     def _shutdown(self) -> None:
         """Publish what was generated and stop beating: the jobs still pending on our stream
         are the reaper's to move to live workers, which continue them after their progress."""
+        self.stop.set()  # the intake's thread too, when the loop ended on an error
         try:
             self._commit(read=False)  # the tokens generated since the last publish
             for rid in list(self.jobs):
@@ -392,6 +397,4 @@ class Worker:
 
 
 if __name__ == "__main__":  # this module was the worker's command once: say where it went
-    raise SystemExit(
-        "python -m gpu_worker.worker is now python -m gpu_worker (or streamserve worker)"
-    )
+    raise SystemExit("python -m gpu_worker.worker is now python -m gpu_worker (streamserve worker)")

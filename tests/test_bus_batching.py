@@ -6,7 +6,6 @@ server; the guarantees (no token repeated or missing, resume after a restart) ho
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import redis
@@ -32,6 +31,7 @@ from jobs.protocol import (
 )
 from runtime.config import BusConfig
 from stages.detokenizer.stage import DetokenizerStage
+from tests.worker_thread import wait_until
 
 MODEL = "random:tiny-llama"
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 12]
@@ -114,13 +114,6 @@ def _output(batches: list[TokenBatch], rid: str) -> list[int]:
     return ids
 
 
-def _wait(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def test_a_busy_worker_publishes_per_interval_and_logs_progress_without_a_command_per_token(
     redis_client, config
 ):
@@ -128,12 +121,12 @@ def test_a_busy_worker_publishes_per_interval_and_logs_progress_without_a_comman
                              bundle_replies=True) for i in range(3)]  # fmt: skip
     worker, thread = _start(redis_client, config, "w")
     try:
-        _wait(lambda: redis_client.exists(config.heartbeat_key("w")))
+        wait_until(lambda: redis_client.exists(config.heartbeat_key("w")))
         redis_client.config_resetstat()
         for job in jobs:
             redis_client.xadd(config.worker_stream("w"), {ENTRY_FIELD: encode(job)})
-        _wait(lambda: sum(1 for b in _batches(redis_client, config) for i in b.items if i.finish)
-              == 3)  # fmt: skip
+        wait_until(lambda: sum(1 for b in _batches(redis_client, config)
+                               for i in b.items if i.finish) == 3)  # fmt: skip
         stats = {k.removeprefix("cmdstat_"): v["calls"]
                  for k, v in redis_client.info("commandstats").items()}  # fmt: skip
     finally:
@@ -169,7 +162,7 @@ def test_a_worker_restarted_under_its_id_resumes_its_jobs_from_its_own_log(redis
     first, thread = _start(redis_client, config, "w")
     try:
         redis_client.xadd(config.worker_stream("w"), {ENTRY_FIELD: encode(job)})
-        _wait(lambda: len(logged()) >= 10)
+        wait_until(lambda: len(logged()) >= 10)
     finally:
         first.stop.set()  # as SIGTERM: publishes what it generated, leaves the job pending
         thread.join(timeout=30)
@@ -179,7 +172,7 @@ def test_a_worker_restarted_under_its_id_resumes_its_jobs_from_its_own_log(redis
 
     second, thread = _start(redis_client, config, "w")  # the same id: takes the job back
     try:
-        _wait(lambda: any(i.finish for b in _batches(redis_client, config) for i in b.items))
+        wait_until(lambda: any(i.finish for b in _batches(redis_client, config) for i in b.items))
     finally:
         second.stop.set()
         thread.join(timeout=30)
@@ -237,7 +230,7 @@ def test_a_job_carrying_progress_continues_after_it_and_one_carrying_too_much_is
     try:
         for job in jobs:
             redis_client.xadd(config.worker_stream("w"), {ENTRY_FIELD: encode(job)})
-        _wait(lambda: any(i.finish for b in _batches(redis_client, config) for i in b.items)
+        wait_until(lambda: any(i.finish for b in _batches(redis_client, config) for i in b.items)
               and redis_client.xlen("t:replies") > 0)  # fmt: skip
     finally:
         worker.stop.set()

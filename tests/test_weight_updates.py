@@ -6,9 +6,6 @@ serving what it served, with the reason in its heartbeat."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 import redis
 
@@ -33,6 +30,7 @@ from tests.weights_checkpoints import (
     save_checkpoint,
     save_wrong_shape,
 )
+from tests.worker_thread import running, wait_until
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 12] * 5, [9, 8, 7, 6, 5, 4, 3, 2, 1] * 4]
 MAX_NEW = 12
@@ -65,20 +63,8 @@ def worker_on_a(redis_client, config, checkpoints):
     redis_client.flushall()
     model = str(checkpoints["a"])
     worker = Worker(Engine(model, dtype="float32"), redis_client, config, "w1", model)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    _wait(lambda: redis_client.exists(config.heartbeat_key("w1")))
-    yield worker
-    worker.stop.set()
-    thread.join(timeout=30)
-    assert not thread.is_alive()
-
-
-def _wait(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+    with running(worker, redis_client, config):
+        yield worker
 
 
 def _send(client: redis.Redis, config: BusConfig, rid: str, prompt: list[int], new: int) -> None:
@@ -100,7 +86,7 @@ def _answers(client: redis.Redis, config: BusConfig) -> dict[str, tuple[list[int
 
 def _run(client, config, rid, prompt, new=MAX_NEW) -> tuple[list[int], str | None]:
     _send(client, config, rid, prompt, new)
-    _wait(lambda: rid in _answers(client, config))
+    wait_until(lambda: rid in _answers(client, config))
     return _answers(client, config)[rid]
 
 
@@ -118,7 +104,7 @@ def test_an_update_serves_the_new_weights_and_keeps_nothing_of_the_old(
     assert cache.total_size() > 0  # A's KV of the prompt is cached
 
     record = set_weights([(redis_client, config)], str(checkpoints["b"]))
-    _wait(lambda: _beat(redis_client, config).weights_version == record.version)
+    wait_until(lambda: _beat(redis_client, config).weights_version == record.version)
     assert cache.total_size() == 0  # nothing computed with A's weights is left
     # The same prompt again: B's answer, computed afresh (a hit on A's KV would differ).
     for i, prompt in enumerate(PROMPTS):
@@ -138,13 +124,13 @@ def test_a_running_request_finishes_on_the_old_weights_and_a_later_one_runs_on_t
 ):
     version_a = initial_version(str(checkpoints["a"]))
     _send(redis_client, config, "long", PROMPTS[0], LONG)
-    _wait(lambda: worker_on_a.jobs)  # running
+    wait_until(lambda: worker_on_a.jobs)  # running
     record = set_weights([(redis_client, config)], str(checkpoints["b"]))
     # Noticed, and draining: the job sent now waits for the new weights.
-    _wait(lambda: _beat(redis_client, config).weights_target == record.version)
+    wait_until(lambda: _beat(redis_client, config).weights_target == record.version)
     assert "long" not in _answers(redis_client, config)  # the drain has something to wait for
     _send(redis_client, config, "after", PROMPTS[1], MAX_NEW)
-    _wait(lambda: {"long", "after"} <= set(_answers(redis_client, config)))
+    wait_until(lambda: {"long", "after"} <= set(_answers(redis_client, config)))
     answers = _answers(redis_client, config)
     assert answers["long"] == (checkpoints["long_a"], version_a)
     assert answers["after"] == (checkpoints["expected"]["b"][1], record.version)
@@ -155,12 +141,12 @@ def test_an_abort_during_the_drain_stops_the_running_request_and_the_update_goes
     redis_client, config, checkpoints, worker_on_a
 ):
     _send(redis_client, config, "long", PROMPTS[0], LONG)
-    _wait(lambda: worker_on_a.jobs)
+    wait_until(lambda: worker_on_a.jobs)
     record = set_weights([(redis_client, config)], str(checkpoints["b"]))
-    _wait(lambda: _beat(redis_client, config).weights_target == record.version)
+    wait_until(lambda: _beat(redis_client, config).weights_target == record.version)
     _send(redis_client, config, "after", PROMPTS[1], MAX_NEW)  # waits for B, pending
     redis_client.xadd(config.worker_stream("w1"), {ENTRY_FIELD: encode(Abort("long"))})
-    _wait(lambda: {"long", "after"} <= set(_answers(redis_client, config)))
+    wait_until(lambda: {"long", "after"} <= set(_answers(redis_client, config)))
     ids, version = _answers(redis_client, config)["long"]
     assert len(ids) < LONG and ids == checkpoints["long_a"][: len(ids)]  # stopped, on A
     assert version == initial_version(str(checkpoints["a"]))
@@ -176,7 +162,7 @@ def test_weights_that_do_not_fit_leave_the_worker_serving_the_old_with_the_reaso
     source = str(checkpoints["a"].parent / "no-such-checkpoint") if bad == "missing" else str(
         checkpoints[bad])  # fmt: skip
     record = set_weights([(redis_client, config)], source)
-    _wait(lambda: (_beat(redis_client, config).weights_error or "").startswith(record.version))
+    wait_until(lambda: (_beat(redis_client, config).weights_error or "").startswith(record.version))
     beat = _beat(redis_client, config)
     assert beat.weights_version == initial_version(str(checkpoints["a"]))
     reason = {"wrong_shape": "shape (127, 64), expected (128, 64)",
@@ -197,7 +183,7 @@ def test_a_record_written_badly_by_hand_is_reported_and_ends_nothing(
     redis_client, config, checkpoints, worker_on_a
 ):
     redis_client.hset(weights_key(config), mapping={"source": str(checkpoints["b"])})  # no version
-    _wait(lambda: "no source or version" in (_beat(redis_client, config).weights_error or ""))
+    wait_until(lambda: "no source or version" in (_beat(redis_client, config).weights_error or ""))
     assert _run(redis_client, config, "a2", PROMPTS[0])[0] == checkpoints["expected"]["a"][0]
 
 

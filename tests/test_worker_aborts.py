@@ -5,7 +5,6 @@ one MGET per interval for all the worker's jobs, not a command per job or per pu
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from gpu_worker.synthetic_engine import SyntheticEngine
 from gpu_worker.worker import Worker
 from jobs.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, encode
 from runtime.config import BusConfig
+from tests.worker_thread import running, wait_until
 
 MODEL = "smollm2-135m-instruct"
 STEP_MS = 10.0
@@ -31,12 +31,8 @@ def config(request, redis_url) -> BusConfig:
 @pytest.fixture
 def worker(redis_client, config):
     engine = SyntheticEngine(MODEL, step_ms=STEP_MS, batch=8)
-    worker = Worker(engine, redis_client, config, "w", MODEL)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    yield worker
-    worker.stop.set()
-    thread.join(timeout=30)
+    with running(Worker(engine, redis_client, config, "w", MODEL), redis_client, config) as w:
+        yield w
 
 
 def _route(client: redis.Redis, config: BusConfig, *rids: str) -> None:
@@ -59,24 +55,16 @@ def _finishes(client: redis.Redis, config: BusConfig) -> dict[str, tuple[str, in
     return ended
 
 
-def _wait(condition, timeout_s: float = 10.0) -> float:
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout_s, "timed out"
-        time.sleep(0.01)
-    return time.monotonic() - started
-
-
 def _calls(client: redis.Redis, name: str) -> int:
     return client.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0)
 
 
 def test_a_flag_ends_a_running_job_within_the_check_interval(redis_client, config, worker):
     _route(redis_client, config, "r1", "r2")
-    _wait(lambda: {"r1", "r2"} <= set(worker.jobs))
-    _wait(lambda: worker.jobs["r1"].reported > 0)
+    wait_until(lambda: {"r1", "r2"} <= set(worker.jobs))
+    wait_until(lambda: worker.jobs["r1"].reported > 0)
     publish_aborts(redis_client, config, ["r1"])  # as the ingress or any client does
-    took = _wait(lambda: "r1" in _finishes(redis_client, config))
+    took = wait_until(lambda: "r1" in _finishes(redis_client, config))
     assert took < config.abort_check_interval_ms / 1000 + 0.5
     reason, published = _finishes(redis_client, config)["r1"]
     assert reason == "abort" and published < MAX_NEW
@@ -87,14 +75,14 @@ def test_a_flag_ends_a_running_job_within_the_check_interval(redis_client, confi
 def test_a_job_flagged_on_its_way_is_dropped_on_arrival(redis_client, config, worker):
     publish_aborts(redis_client, config, ["early"])
     _route(redis_client, config, "early")
-    _wait(lambda: "early" in _finishes(redis_client, config))
+    wait_until(lambda: "early" in _finishes(redis_client, config))
     assert _finishes(redis_client, config)["early"] == ("abort", 0)
     assert redis_client.xpending(config.worker_stream("w"), "worker")["pending"] == 0
 
 
 def test_the_checks_cost_one_mget_per_interval_for_all_the_jobs(redis_client, config, worker):
     _route(redis_client, config, *(f"r{i}" for i in range(8)))
-    _wait(lambda: len(worker.jobs) == 8)
+    wait_until(lambda: len(worker.jobs) == 8)
     redis_client.config_resetstat()
     time.sleep(1.0)
     mgets, commits = _calls(redis_client, "mget"), _calls(redis_client, "evalsha")
@@ -109,9 +97,9 @@ def test_a_worker_told_on_its_stream_ends_the_job_within_a_step(redis_client, co
     worker's stream, the job ends with the worker's next read, not its next flag check
     (a minute here)."""
     _route(redis_client, config, "r1", "r2")
-    _wait(lambda: worker.jobs.get("r1") is not None and worker.jobs["r1"].reported > 0)
+    wait_until(lambda: worker.jobs.get("r1") is not None and worker.jobs["r1"].reported > 0)
     publish_aborts(redis_client, config, ["r1"], workers={"r1": "w"})
-    took = _wait(lambda: "r1" in _finishes(redis_client, config))
+    took = wait_until(lambda: "r1" in _finishes(redis_client, config))
     assert took < 1.0
     assert _finishes(redis_client, config)["r1"][0] == "abort"
     assert "r2" in worker.jobs  # untouched
