@@ -11,7 +11,9 @@ from jobs.protocol import WIRE_VERSION, Finish, TokenItem, TokenizedRequest, tok
 from jobs.stop_strings import stop_window_tokens
 
 # Output tokens of context per item beyond the longest stop string: covers a character
-# split over up to 4 byte tokens, and a window start that decodes differently.
+# split over up to 4 byte tokens, and a window start that decodes differently. Text needs
+# 5; output of random byte tokens needs 8 (tests/test_detokenize.py), so 8, though each
+# token less would save 2 bytes an item a publish (issue 27).
 CONTEXT_TOKENS = 8
 
 

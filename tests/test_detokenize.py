@@ -150,3 +150,23 @@ def test_abort_releases_nothing_held_back(tokenizer, default_tokenizer):
     output = default_tokenizer.encode("Hello wor", add_special_tokens=False)
     items = items_for([1], output, [1] * len(output), ["world"], finish_reason="abort")
     assert "".join(text_deltas(tokenizer, items)) == "Hello "
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_ids_split_anywhere_join_to_what_text_stream_emits(
+    tokenizer, default_tokenizer, seed
+):
+    # Random ids (byte tokens among them) cut characters and start windows mid-character
+    # far more often than text does: the context each item carries must still span it all.
+    # Text passes with 5 tokens of context; these fail below 8 (3 of 60 seeds at 6).
+    rng = random.Random(seed)
+    vocab = len(default_tokenizer)
+    bytes_first = [i for i in range(vocab) if default_tokenizer.convert_ids_to_tokens(i)
+                   in ("Ã", "â", "ð", "Ł", "ĵ", "¤")][:40] or list(range(vocab))  # fmt: skip
+    output = [rng.choice(bytes_first) if rng.random() < 0.4 else rng.randrange(vocab)
+              for _ in range(120)]  # fmt: skip
+    prompt = [rng.randrange(vocab) for _ in range(8)]
+    items = items_for(prompt, output, random_chunks(rng, len(output)), [])
+    assert "".join(text_deltas(tokenizer, items)) == text_stream_text(
+        default_tokenizer, prompt, output, []
+    )
