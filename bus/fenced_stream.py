@@ -52,6 +52,7 @@ from typing import Any
 
 import redis
 
+from bus.aborts import aborted_rids, aborts_stream
 from bus.actor import unique_consumer_name
 from bus.effects import Output, execute_logging_errors, write_dead_letters, write_outputs
 from bus.reconnect import ensure_group, is_missing_group
@@ -66,6 +67,8 @@ logger = logging.getLogger(__name__)
 WORKER_GROUP = "worker"  # the workers' consumer group, one per worker stream
 
 Entry = tuple[bytes, dict[bytes, bytes] | None]  # (entry id, fields; None once trimmed)
+
+ABORTS_READ = 1_000  # aborts entries one commit reads at most: a worker behind catches up
 
 # A log whose last id is this takes no more entries (XADD fails): the reaper's fence.
 CLOSED_LOG_ID = "18446744073709551615-18446744073709551615"
@@ -114,8 +117,10 @@ class FencedStream:
         self.progress_trim: bytes | None = None  # trim the log below this id (MINID)
         self.progress_written: bytes | None = None  # where the last commit logged `progress`
         self.kv_events: bytes | None = None  # an encoded KvEvents, for the kv-events stream
-        self.abort_checks: list[str] = []  # rids whose abort flags the commit reads
+        self.abort_checks: list[str] = []  # rids the commit looks for on the aborts stream
         self.flagged: list[str] = []  # of those, the ones the last commit found aborted
+        self.aborts_stream = aborts_stream(config)
+        self.aborts_seen: bytes | str = "0-0"  # the last aborts entry read (`open` moves it)
         # Entry id -> deliveries to a previous life under this id, for the entries `open`
         # took back (read once, when the job is admitted).
         self.previous_deliveries: dict[bytes, int] = {}
@@ -130,6 +135,9 @@ class FencedStream:
         progress."""
         self.ensure_group()
         self.open_log()
+        # Aborts from now on (those of jobs not yet here are their flags, read on arrival).
+        newest = self.client.xrevrange(self.aborts_stream, count=1)
+        self.aborts_seen = newest[0][0] if newest else "0-0"
         entries: list[Entry] = []
         cursor: bytes | str = "0-0"
         while True:
@@ -165,7 +173,7 @@ class FencedStream:
 
     def commit(self, read: bool) -> list[Entry]:
         """One script call, valid only under our fence: outputs, dead letters, acks, the
-        `abort_checks` flags read (the aborted ones then in `flagged`), and (optionally) a
+        aborts stream read for `abort_checks` (those aborted then in `flagged`), and (optionally) a
         non-blocking read of new jobs. Returns the jobs read; raises `Fenced`
         (having written nothing) when a reaper closed or deleted our log since we opened it."""
         self.trimmer.maybe_trim()
@@ -191,7 +199,7 @@ class FencedStream:
             pipe.xack(self.stream, WORKER_GROUP, *self.acks)
         checks = self.abort_checks
         if checks:  # bus/aborts.py
-            pipe.mget([self.config.abort_key(rid) for rid in checks])
+            pipe.xread({self.aborts_stream: self.aborts_seen}, count=ABORTS_READ)
         if read:
             pipe.xreadgroup(WORKER_GROUP, self.consumer, {self.stream: ">"},
                             count=self.config.read_count)  # fmt: skip
@@ -202,9 +210,12 @@ class FencedStream:
         if self.progress is not None and isinstance(results[0], bytes):
             self.progress_written = results[0]
         if checks:
-            flags = results[-2 if read else -1]
-            if isinstance(flags, list):  # else an error, logged: checked again next time
-                self.flagged = [rid for rid, flag in zip(checks, flags, strict=True) if flag]
+            found = results[-2 if read else -1]
+            if isinstance(found, list) and found:  # else none new, or an error (logged)
+                entries = found[0][1]
+                self.aborts_seen = entries[-1][0]
+                aborted = aborted_rids(entries)
+                self.flagged = [rid for rid in checks if rid in aborted]
         self._clear()
         if read and results[-1] and not isinstance(results[-1], redis.ResponseError):
             return results[-1][0][1]

@@ -57,7 +57,7 @@ class Publisher:
         self.log = ProgressLog(worker_id, config.trim_interval_s)
         self._gained: dict[str, None] = {}  # rids with tokens not yet published, in order
         self._last = 0.0  # monotonic time of the last publish
-        self._aborts_checked = time.monotonic()  # and of the last read of abort flags
+        self._aborts_checked = time.monotonic()  # and of the last read of aborts
         self._finished_since = False  # a job finished since the last publish: the load fell
         self._taken_back: set[bytes] = set()  # entries whose progress is in our own log
         # rid -> why the router sent the job here and what it expected cached, for its Finish.
@@ -87,7 +87,7 @@ class Publisher:
         """Queue on the bus's next commit one item per request that gained tokens since the
         last publish, the progress log's entry for them, and the prefix cache's changes with
         `load` (already reported to the heartbeat: it is stamped after that); and, when due,
-        a read of the abort flags of `jobs` and of the jobs `waiting` outside the engine."""
+        a read of the aborts of `jobs` and of the jobs `waiting` outside the engine."""
         gained, self._gained = self._gained, {}
         if len(self._routes) > 2 * len(jobs) + 64:
             self._routes = {rid: route for rid, route in self._routes.items() if rid in jobs}

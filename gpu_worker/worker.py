@@ -9,7 +9,7 @@ a command per arrival, not per publish). While there is work the worker publishe
 every ``publish_interval_ms`` (gpu_worker/publishing.py): one TokenBatch to ``<p>:tokens``
 with every request's tokens since the last publish, and an entry of its progress log, in one
 commit that also carries the acknowledgements of finished jobs and, at most every
-``abort_check_interval_ms``, a read of its jobs' abort flags (bus/aborts.py). So the bus
+``abort_check_interval_ms``, a read of its jobs' aborts (bus/aborts.py). So the bus
 costs one round trip per publish, whatever the batch size and however many steps it covers.
 The heartbeat has a thread of its own (gpu_worker/heartbeat.py), so a long step never makes
 a live worker look dead. Forming batches stays here: a round trip per step would cost more.
