@@ -103,3 +103,21 @@ def test_what_the_thread_read_is_dropped_when_the_pending_list_is_read_whole(red
 def _route_to(client: redis.Redis, stream: str, rid: str) -> None:
     job = TokenizedRequest(rid, "t:reply", [1, 2], {"max_new_tokens": 1})
     client.xadd(stream, {ENTRY_FIELD: encode(job)})
+
+
+def test_jobs_arriving_faster_than_the_publishes_are_read_together(redis_client, config, worker):
+    _route(redis_client, config, "long", 300)  # busy for ~1.5 s
+    wait_until(lambda: _published(redis_client, config).get("long", (0, False))[0] > 5)
+    redis_client.config_resetstat()
+    started = time.monotonic()
+    for i in range(40):  # one every ~2 ms, ten times the publishes' pace
+        _route(redis_client, config, f"r{i}", 2)
+        time.sleep(0.002)
+    wait_until(lambda: all(_published(redis_client, config).get(f"r{i}", (0, False))[1]
+                           for i in range(40)))  # fmt: skip
+    seconds = time.monotonic() - started
+    calls = _calls(redis_client)
+    # At most a read per publish interval, and a blocking read's end per block_ms after.
+    bound = seconds / (config.publish_interval_ms / 1000) + seconds / (config.block_ms / 1000) + 2
+    assert calls["xreadgroup"] <= min(bound, 25), (calls["xreadgroup"], bound)  # not per job
+    assert calls.get("mget", 0) <= calls["xreadgroup"]  # the flags of each read's jobs at once
