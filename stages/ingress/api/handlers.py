@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -224,6 +225,11 @@ async def _stream_openai(
     def event_id() -> str | None:
         return resume.event_id(head["id"], frontend_id, choices) if ids else None
 
+    # A delta of text alone (no logprobs, echo, tool calls or finish: most of a stream) is
+    # encoded from its choice's cached chunk (ChunkEncoder.encode_text).
+    plain = not job.logprobs and not job.echo
+    shapes = [_text_shape(fmt, c) for c in choices]
+
     # Each chunk names the weights computing its request, known from its first deltas on.
     for early in sub.early_replies():
         if isinstance(early, TextDelta):
@@ -237,6 +243,13 @@ async def _stream_openai(
                 break
             index = sub.index[reply.rid]
             choice = choices[index]
+            if plain and reply.finish is None and choice.tool_parser is None:
+                choice.add(reply)
+                if reply.text and not (resumed and resumed.already_sent(index, reply)):
+                    fingerprint = system_fingerprint([choice])
+                    text = chunks.encode_text(fingerprint, index, reply.text, shapes[index])
+                    out.add_encoded(text, event_id())
+                continue
             echoed, logprobs = _echoed(job, fmt, choice, reply)
             choice.add(reply)
             delta = fmt.delta(choice, echoed + (reply.text or ""), final=reply.finish is not None)
@@ -270,6 +283,11 @@ async def _stream_openai(
         out.add(error_body(_internal(exc)))
     await out.close()
     return out.response
+
+
+def _text_shape(fmt: OpenAIFormat, choice: Choice) -> Callable[[str], dict[str, Any]]:
+    """The chunk entry of `choice` for a text (no tool parser: `fmt.delta` only wraps it)."""
+    return lambda text: fmt.chunk_choice(choice, fmt.delta(choice, text, False), None, None)
 
 
 def _internal(exc: Exception) -> ApiError:

@@ -10,17 +10,21 @@ up in one. Nothing waits for a reply that has not come: the events are written b
 wait (`Submission.replies(before_wait=stream.flush)`).
 
 `ChunkEncoder` encodes the fields every chunk of a stream repeats (id, object, created,
-model, system fingerprint) once, so each chunk encodes only its choices.
+model, system fingerprint) once, so each chunk encodes only its choices; a chunk of one
+choice's plain text (most of a stream's) encodes only that text (`ChunkEncoder.encode_text`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from json.encoder import encode_basestring
 from typing import Any
 
 from aiohttp import web
 
 DONE = b"data: [DONE]\n\n"
+_MARK = "\x00text\x00"  # stands for a chunk's text in its cached encoding
 
 
 def encode_json(data: Any) -> bytes:
@@ -87,6 +91,7 @@ class ChunkEncoder:
         self._head = encode_json(head)[:-1]  # without its closing brace
         self._tail = (b"," + encode_json(extra)[1:-1] if extra else b"") + b"}"
         self._prefixes: dict[str | None, bytes] = {}
+        self._text_parts: dict[tuple[str | None, int], tuple[bytes, bytes]] = {}
 
     def encode(self, fingerprint: str | None, choices: list[dict[str, Any]]) -> bytes:
         prefix = self._prefixes.get(fingerprint)
@@ -94,3 +99,17 @@ class ChunkEncoder:
             prefix = self._head + b',"system_fingerprint":' + encode_json(fingerprint)
             prefix = self._prefixes[fingerprint] = prefix + b',"choices":'
         return prefix + encode_json(choices) + self._tail
+
+    def encode_text(
+        self, fingerprint: str | None, index: int, text: str, shape: Callable[[str], Any]
+    ) -> bytes:
+        """``encode(fingerprint, [shape(text)])`` for `shape`, the choice `index`'s entry
+        of a text, without encoding all of it per chunk: that entry is encoded once with a
+        marker for its text, and split there (json.dumps puts a string in as
+        `encode_basestring` writes it, so the bytes are the same)."""
+        parts = self._text_parts.get((fingerprint, index))
+        if parts is None:
+            whole = self.encode(fingerprint, [shape(_MARK)])
+            before, _, after = whole.rpartition(encode_json(_MARK))
+            parts = self._text_parts[(fingerprint, index)] = (before, after)
+        return parts[0] + encode_basestring(text).encode() + parts[1]
