@@ -7,7 +7,9 @@ together whenever no further reply is waiting: the headers, the first chunk and 
 delta go out in one send, the last delta, the usage chunk, ``[DONE]`` and the chunked
 terminator in another, and a stream whose replies piled up while the loop was busy catches
 up in one. Nothing waits for a reply that has not come: the events are written before each
-wait (`Submission.replies(before_wait=stream.flush)`).
+wait (`Submission.replies(before_wait=stream.flush)`), and the events of replies relayed
+while the handler waits (`Submission.relay`) by `write_soon`, once the replies read with
+them are handled too.
 
 `ChunkEncoder` encodes the fields every chunk of a stream repeats (id, object, created,
 model, system fingerprint) once, so each chunk encodes only its choices; a chunk of one
@@ -16,6 +18,7 @@ choice's plain text (most of a stream's) encodes only that text (`ChunkEncoder.e
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from json.encoder import encode_basestring
@@ -25,6 +28,9 @@ from aiohttp import web
 
 DONE = b"data: [DONE]\n\n"
 _MARK = "\x00text\x00"  # stands for a chunk's text in its cached encoding
+# `write_soon` writes only to a connection whose buffer holds at most this (a client keeping
+# up): the write then never waits for the client, which a handler's awaited write does.
+WRITE_SOON_BUFFER = 16 * 1024
 
 
 def encode_json(data: Any) -> bytes:
@@ -41,9 +47,11 @@ class _EventStreamResponse(web.StreamResponse):
 class SSEStream:
     """A streaming response's events, written in batches (see the module's docstring)."""
 
-    def __init__(self, response: web.StreamResponse) -> None:
+    def __init__(self, response: web.StreamResponse, transport: asyncio.Transport | None) -> None:
         self.response = response
+        self._transport = transport
         self._pending: list[bytes] = []
+        self._write_queued = False
 
     @classmethod
     async def start(
@@ -58,7 +66,7 @@ class SSEStream:
             }
         )
         await response.prepare(request)
-        return cls(response)
+        return cls(response, request.transport)
 
     def add(self, data: Any, event_id: str | None = None) -> None:
         """An event of `data` as JSON, written at the next flush."""
@@ -74,6 +82,39 @@ class SSEStream:
             data = b"".join(self._pending)
             self._pending.clear()
             await self.response.write(data)
+
+    def write_soon(self, blocked: Callable[[], None]) -> None:
+        """Write what is pending from a callback of the loop's, after the other callbacks
+        and the task now running (the reply reader, relaying the rest of a read); where it
+        cannot write without waiting (a connection closing, a client behind), `blocked` is
+        called instead, and the handler's awaited `flush` writes it."""
+        if not self._write_queued:
+            self._write_queued = True
+            asyncio.get_running_loop().call_soon(self._write_now, blocked)
+
+    def _write_now(self, blocked: Callable[[], None]) -> None:
+        self._write_queued = False
+        if not self._pending:
+            return  # written by the handler already
+        transport = self._transport
+        if (transport is None or transport.is_closing()
+                or transport.get_write_buffer_size() > WRITE_SOON_BUFFER):  # fmt: skip
+            blocked()
+            return
+        data = b"".join(self._pending)
+        # The awaited write, run to its end here: with the buffer that low it does not wait
+        # (aiohttp waits only for a transport paused past its high-water mark).
+        write = self.response.write(data)
+        try:
+            write.send(None)
+        except StopIteration:
+            self._pending.clear()
+            return
+        except Exception:  # not written: the handler's flush meets it again
+            blocked()
+            return
+        self._pending.clear()  # written; waiting for the client to drain it is left to the
+        write.close()  # handler's next awaited write
 
     async def close(self) -> None:
         """What is pending, ``[DONE]`` and the end of the body, in one send."""
