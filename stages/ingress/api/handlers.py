@@ -250,7 +250,7 @@ async def _stream_openai(
             choices[sub.index[early.rid]].named(early)
     for first in [] if resumed else fmt.first_chunk_choices(choices):
         out.add_encoded(chunks.encode(system_fingerprint(choices), [first]), event_id())
-    sub.relay(take, out.write_soon)
+    sub.relay(take, out.write_now)
     try:
         async for reply in sub.replies(before_wait=out.flush):
             if isinstance(reply, ErrorReply):

@@ -8,7 +8,7 @@ delta go out in one send, the last delta, the usage chunk, ``[DONE]`` and the ch
 terminator in another, and a stream whose replies piled up while the loop was busy catches
 up in one. Nothing waits for a reply that has not come: the events are written before each
 wait (`Submission.replies(before_wait=stream.flush)`), and the events of replies relayed
-while the handler waits (`Submission.relay`) by `write_soon`, once the replies read with
+while the handler waits (`Submission.relay`) by `write_now`, once the replies read with
 them are handled too.
 
 `ChunkEncoder` encodes the fields every chunk of a stream repeats (id, object, created,
@@ -28,9 +28,9 @@ from aiohttp import web
 
 DONE = b"data: [DONE]\n\n"
 _MARK = "\x00text\x00"  # stands for a chunk's text in its cached encoding
-# `write_soon` writes only to a connection whose buffer holds at most this (a client keeping
+# `write_now` writes only to a connection whose buffer holds at most this (a client keeping
 # up): the write then never waits for the client, which a handler's awaited write does.
-WRITE_SOON_BUFFER = 16 * 1024
+WRITE_NOW_BUFFER = 16 * 1024
 
 
 def encode_json(data: Any) -> bytes:
@@ -51,7 +51,6 @@ class SSEStream:
         self.response = response
         self._transport = transport
         self._pending: list[bytes] = []
-        self._write_queued = False
 
     @classmethod
     async def start(
@@ -83,22 +82,15 @@ class SSEStream:
             self._pending.clear()
             await self.response.write(data)
 
-    def write_soon(self, blocked: Callable[[], None]) -> None:
-        """Write what is pending from a callback of the loop's, after the other callbacks
-        and the task now running (the reply reader, relaying the rest of a read); where it
-        cannot write without waiting (a connection closing, a client behind), `blocked` is
-        called instead, and the handler's awaited `flush` writes it."""
-        if not self._write_queued:
-            self._write_queued = True
-            asyncio.get_running_loop().call_soon(self._write_now, blocked)
-
-    def _write_now(self, blocked: Callable[[], None]) -> None:
-        self._write_queued = False
+    def write_now(self, blocked: Callable[[], None]) -> None:
+        """Write what is pending, outside the handler (`flush` is its awaited write); where
+        that cannot be done without waiting (a connection closing, a client behind),
+        `blocked` is called instead, for the handler to write it."""
         if not self._pending:
             return  # written by the handler already
         transport = self._transport
         if (transport is None or transport.is_closing()
-                or transport.get_write_buffer_size() > WRITE_SOON_BUFFER):  # fmt: skip
+                or transport.get_write_buffer_size() > WRITE_NOW_BUFFER):  # fmt: skip
             blocked()
             return
         data = b"".join(self._pending)

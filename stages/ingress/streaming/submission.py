@@ -93,7 +93,8 @@ class Submission:
         self.index = {request.rid: i for i, request in enumerate(requests)}
         self.queue: asyncio.Queue[Reply] = _ReplyQueue(self._relayed)
         self._take: Callable[[Reply], bool] | None = None  # the handler's relay
-        self._write_soon: Callable[[Callable[[], None]], None] | None = None
+        self._write: Callable[[Callable[[], None]], None] | None = None
+        self._write_due = False  # once the reader's read is handed out
         self._waiting = False  # the handler waits for the queue
         self.finished: set[str] = set()
         self.workers: dict[str, str] = {}  # rid -> the worker its first delta named
@@ -138,7 +139,7 @@ class Submission:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
-        self._take = self._write_soon = None  # what is left goes to the queue (_settle)
+        self._take = self._write = None  # what is left goes to the queue (_settle)
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
@@ -258,14 +259,15 @@ class Submission:
             self.workers[reply.rid] = reply.worker
 
     def relay(
-        self, take: Callable[[Reply], bool], write_soon: Callable[[Callable[[], None]], None]
+        self, take: Callable[[Reply], bool], write: Callable[[Callable[[], None]], None]
     ) -> None:
         """From now on, each reply that comes while the handler waits in `replies` goes to
         `take` at once, in the reply reader's task: True when it handled the reply (added
         its event), False to leave it to the handler (without having changed anything).
-        After one taken, `write_soon` is called with a nudge: what it calls when it cannot
-        write, so the handler writes (and meets the error or the slow client itself)."""
-        self._take, self._write_soon = take, write_soon
+        Once the read that brought it is handed out, `write` is called with a nudge: what
+        it calls when it cannot write, so the handler writes (and meets the error or the
+        slow client itself)."""
+        self._take, self._write = take, write
 
     def _relayed(self, reply: Any) -> bool:
         """Whether the relay took `reply` (handled as `replies` would have yielded it)."""
@@ -280,11 +282,17 @@ class Submission:
         except Exception as exc:  # the handler's to answer, as if it had raised there
             asyncio.Queue.put_nowait(self.queue, _Failed(exc))
         else:
-            assert self._write_soon is not None
-            self._write_soon(self._nudge)
+            if not self._write_due:
+                self._write_due = True
+                self.reader.after_read(self._written)
         self._received(reply)
         self._note(reply)
         return True
+
+    def _written(self) -> None:
+        self._write_due = False
+        if self._write is not None:
+            self._write(self._nudge)
 
     def _nudge(self) -> None:
         asyncio.Queue.put_nowait(self.queue, _NUDGE)
