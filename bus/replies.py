@@ -159,7 +159,7 @@ class ReplyRouter:
         if orderer is None:
             return  # a late reply to a request nobody waits for any more
         self._first_entry.setdefault(message.rid, entry_id)
-        out.extend((message.rid, released) for released in orderer.push(message))
+        out.extend([(message.rid, released) for released in orderer.push(message)])
         if orderer.done:
             self.unregister(message.rid)
 
