@@ -10,6 +10,7 @@ import time
 import pytest
 
 from jobs.protocol import ENTRY_FIELD, encode
+from stages.ingress.api import sse
 from stages.ingress.api.sse import SSEStream
 from tests.ingress_harness import (
     MODEL,
@@ -64,18 +65,22 @@ def _stream(ingress, path: str, gap_s: float) -> bytes:
     return re.sub(rb'"id":"[^"]*","object":"([^"]*)","created":\d+', rb"\1", data)
 
 
+@pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("path", list(PATHS))
-def test_a_trickled_stream_is_relayed_and_the_same_bytes(ingress, monkeypatch, path):
-    writes = []
+def test_a_trickled_stream_is_relayed_and_the_same_bytes(ingress, monkeypatch, path, blocked):
+    """`blocked`: the relay may not write (as for a client behind): the handler writes."""
+    if blocked:
+        monkeypatch.setattr(sse, "WRITE_NOW_BUFFER", -1)
+    relayed = []
     write_now = SSEStream.write_now
 
-    def counted(self, blocked):
-        writes.append(bool(self._pending))
-        write_now(self, blocked)
+    def counted(self, nudge):
+        relayed.append(bool(self._pending))
+        write_now(self, nudge)
 
     monkeypatch.setattr(SSEStream, "write_now", counted)
     at_once = _stream(ingress, path, 0.0)
     trickled = _stream(ingress, path, 0.05)
     assert trickled == at_once
     assert trickled.count(b"\n\ndata: ") >= len(PIECES)  # one event a piece with text, usage
-    assert sum(writes) >= 2  # the relay wrote deltas that came while the handler waited
+    assert sum(relayed) >= 2  # the relay took deltas that came while the handler waited

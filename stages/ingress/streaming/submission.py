@@ -279,14 +279,14 @@ class Submission:
         try:
             if not take(reply):
                 return False
-        except Exception as exc:  # the handler's to answer, as if it had raised there
+            self._received(reply)
+            self._note(reply)
+        except Exception as exc:  # the handler's to answer (not the reader's, all streams')
             asyncio.Queue.put_nowait(self.queue, _Failed(exc))
-        else:
-            if not self._write_due:
-                self._write_due = True
-                self.reader.after_read(self._written)
-        self._received(reply)
-        self._note(reply)
+            return True
+        if not self._write_due:
+            self._write_due = True
+            self.reader.after_read(self._written)
         return True
 
     def _written(self) -> None:
