@@ -30,6 +30,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -158,7 +159,7 @@ class ReplyRouter:
         if orderer is None:
             return  # a late reply to a request nobody waits for any more
         self._first_entry.setdefault(message.rid, entry_id)
-        out.extend((message.rid, released) for released in orderer.push(message))
+        out.extend([(message.rid, released) for released in orderer.push(message)])
         if orderer.done:
             self.unregister(message.rid)
 
@@ -208,6 +209,7 @@ class AsyncReplyReader(_StreamReader):
         self._queues: dict[str, asyncio.Queue[Reply]] = {}
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        self._after_read: list[Callable[[], None]] | None = None  # a list while handing out
 
     def register(self, rid: str, queue: asyncio.Queue[Reply] | None = None) -> asyncio.Queue[Reply]:
         queue = queue if queue is not None else asyncio.Queue()
@@ -222,6 +224,14 @@ class AsyncReplyReader(_StreamReader):
     def tag(self, rid: str) -> int:
         """A tag for registered `rid`, for its job (bus/reply_tags.py)."""
         return self._router.tag(rid)
+
+    def after_read(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the read being handed out is (a queue that handles messages
+        as they come writes then, once per read); soon, if no read is being handed out."""
+        if self._after_read is None:
+            asyncio.get_running_loop().call_soon(callback)
+        else:
+            self._after_read.append(callback)
 
     def start(self) -> None:
         if self._task is None:
@@ -262,14 +272,26 @@ class AsyncReplyReader(_StreamReader):
                 self._fail_all(exc)
                 await asyncio.sleep(RECONNECT_BACKOFF_S[-1])
                 continue
-            for rid, message in self._router.route(stream_entries(response)):
+            self._hand_out(self._router.route(stream_entries(response)))
+            if self.trim:
+                await self._trim()
+
+    def _hand_out(self, routed: list[tuple[str, Reply]]) -> None:
+        self._after_read = after = []
+        try:
+            for rid, message in routed:
                 queue = self._queues.get(rid)
                 if queue is not None:
                     queue.put_nowait(message)
                 if is_terminal(message):
                     self._queues.pop(rid, None)
-            if self.trim:
-                await self._trim()
+        finally:
+            self._after_read = None
+            for callback in after:
+                try:
+                    callback()
+                except Exception:  # one's failure must not stop the others' replies
+                    logger.exception("%s: a callback after a read failed", self.stream)
 
     def _fail_all(self, exc: Exception) -> None:
         for rid in self._router.rids():

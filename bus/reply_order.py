@@ -32,6 +32,9 @@ class ReplyOrderer:
             return [message]
         if message.seq < self.next_seq or (not message.ids and message.finish is None):
             return []  # a copy, or a delta that carries nothing
+        if message.seq == self.next_seq and not self._held and message.finish is None:
+            self.next_seq += len(message.ids)  # the next one, nothing held: most deltas
+            return [message]
         self._held.setdefault(message.seq, message)
         released: list[Reply] = []
         while self.next_seq in self._held:

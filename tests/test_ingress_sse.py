@@ -21,3 +21,18 @@ def test_a_chunk_from_its_encoded_head_is_the_chunk(extra, fingerprint):
         encoded = chunks.encode(fingerprint, choices)
         assert encoded == encode_json(whole)
         assert json.loads(encoded) == whole
+
+
+@pytest.mark.parametrize("extra", [{}, {"usage": None}])
+@pytest.mark.parametrize("fingerprint", [None, "v1"])
+def test_a_text_chunk_from_its_cached_encoding_is_the_chunk(extra, fingerprint):
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m"}
+    chunks = ChunkEncoder(head, extra)
+
+    def shape(text):
+        return {"index": 1, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+
+    for text in ['h\u00e9\n"i', "", "\x00text\x00", "\u2028 \\ \U0001f600", "plain"]:
+        assert chunks.encode_text(fingerprint, 1, text, shape) == chunks.encode(
+            fingerprint, [shape(text)]
+        )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -224,17 +225,39 @@ async def _stream_openai(
     def event_id() -> str | None:
         return resume.event_id(head["id"], frontend_id, choices) if ids else None
 
+    # A delta of text alone (no logprobs, echo, tool calls or finish: most of a stream) is
+    # encoded from its choice's cached chunk (ChunkEncoder.encode_text), and relayed: its
+    # event is added as the reply reader routes it, the handler not woken (Submission.relay).
+    plain = not job.logprobs and not job.echo
+    shapes = [_text_shape(fmt, c) for c in choices]
+
+    def take(reply: TextDelta) -> bool:
+        """Add the event of a delta of text alone; False (nothing done) for any other."""
+        index = sub.index[reply.rid]
+        choice = choices[index]
+        if not plain or reply.finish is not None or choice.tool_parser is not None:
+            return False
+        choice.add(reply)
+        if reply.text and not (resumed and resumed.already_sent(index, reply)):
+            fingerprint = system_fingerprint([choice])
+            out.add_encoded(chunks.encode_text(fingerprint, index, reply.text, shapes[index]),
+                            event_id())  # fmt: skip
+        return True
+
     # Each chunk names the weights computing its request, known from its first deltas on.
     for early in sub.early_replies():
         if isinstance(early, TextDelta):
             choices[sub.index[early.rid]].named(early)
     for first in [] if resumed else fmt.first_chunk_choices(choices):
         out.add_encoded(chunks.encode(system_fingerprint(choices), [first]), event_id())
+    sub.relay(take, out.write_now)
     try:
         async for reply in sub.replies(before_wait=out.flush):
             if isinstance(reply, ErrorReply):
                 out.add(error_body(reply))
                 break
+            if take(reply):
+                continue
             index = sub.index[reply.rid]
             choice = choices[index]
             echoed, logprobs = _echoed(job, fmt, choice, reply)
@@ -270,6 +293,11 @@ async def _stream_openai(
         out.add(error_body(_internal(exc)))
     await out.close()
     return out.response
+
+
+def _text_shape(fmt: OpenAIFormat, choice: Choice) -> Callable[[str], dict[str, Any]]:
+    """The chunk entry of `choice` for a text (no tool parser: `fmt.delta` only wraps it)."""
+    return lambda text: fmt.chunk_choice(choice, fmt.delta(choice, text, False), None, None)
 
 
 def _internal(exc: Exception) -> ApiError:

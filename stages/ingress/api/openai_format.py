@@ -105,6 +105,9 @@ def system_fingerprint(choices: list[Choice]) -> str | None:
     """The weights that answered (jobs/weights.py): the version each choice's Finish names.
     A worker swaps weights only with nothing running, so one version computed each choice;
     choices served by workers on different versions (mid-update) name each, in order."""
+    if len(choices) == 1:  # a stream's chunk, each of its events
+        c = choices[0]
+        return (c.finish.weights_version if c.finish is not None else c.weights_version) or None
     versions = [
         c.finish.weights_version if c.finish is not None else c.weights_version for c in choices
     ]

@@ -7,20 +7,30 @@ together whenever no further reply is waiting: the headers, the first chunk and 
 delta go out in one send, the last delta, the usage chunk, ``[DONE]`` and the chunked
 terminator in another, and a stream whose replies piled up while the loop was busy catches
 up in one. Nothing waits for a reply that has not come: the events are written before each
-wait (`Submission.replies(before_wait=stream.flush)`).
+wait (`Submission.replies(before_wait=stream.flush)`), and the events of replies relayed
+while the handler waits (`Submission.relay`) by `write_now`, once the replies read with
+them are handled too.
 
 `ChunkEncoder` encodes the fields every chunk of a stream repeats (id, object, created,
-model, system fingerprint) once, so each chunk encodes only its choices.
+model, system fingerprint) once, so each chunk encodes only its choices; a chunk of one
+choice's plain text (most of a stream's) encodes only that text (`ChunkEncoder.encode_text`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable
+from json.encoder import encode_basestring
 from typing import Any
 
 from aiohttp import web
 
 DONE = b"data: [DONE]\n\n"
+_MARK = "\x00text\x00"  # stands for a chunk's text in its cached encoding
+# `write_now` writes only to a connection whose buffer holds at most this (a client keeping
+# up): the write then never waits for the client, which a handler's awaited write does.
+WRITE_NOW_BUFFER = 16 * 1024
 
 
 def encode_json(data: Any) -> bytes:
@@ -37,8 +47,9 @@ class _EventStreamResponse(web.StreamResponse):
 class SSEStream:
     """A streaming response's events, written in batches (see the module's docstring)."""
 
-    def __init__(self, response: web.StreamResponse) -> None:
+    def __init__(self, response: web.StreamResponse, transport: asyncio.Transport | None) -> None:
         self.response = response
+        self._transport = transport
         self._pending: list[bytes] = []
 
     @classmethod
@@ -54,7 +65,7 @@ class SSEStream:
             }
         )
         await response.prepare(request)
-        return cls(response)
+        return cls(response, request.transport)
 
     def add(self, data: Any, event_id: str | None = None) -> None:
         """An event of `data` as JSON, written at the next flush."""
@@ -70,6 +81,32 @@ class SSEStream:
             data = b"".join(self._pending)
             self._pending.clear()
             await self.response.write(data)
+
+    def write_now(self, blocked: Callable[[], None]) -> None:
+        """Write what is pending, outside the handler (`flush` is its awaited write); where
+        that cannot be done without waiting (a connection closing, a client behind),
+        `blocked` is called instead, for the handler to write it."""
+        if not self._pending:
+            return  # written by the handler already
+        transport = self._transport
+        if (transport is None or transport.is_closing()
+                or transport.get_write_buffer_size() > WRITE_NOW_BUFFER):  # fmt: skip
+            blocked()
+            return
+        data = b"".join(self._pending)
+        # The awaited write, run to its end here: with the buffer that low it does not wait
+        # (aiohttp waits only for a transport paused past its high-water mark).
+        write = self.response.write(data)
+        try:
+            write.send(None)
+        except StopIteration:
+            self._pending.clear()
+            return
+        except Exception:  # not written: the handler's flush meets it again
+            blocked()
+            return
+        self._pending.clear()  # written; waiting for the client to drain it is left to the
+        write.close()  # handler's next awaited write
 
     async def close(self) -> None:
         """What is pending, ``[DONE]`` and the end of the body, in one send."""
@@ -87,6 +124,7 @@ class ChunkEncoder:
         self._head = encode_json(head)[:-1]  # without its closing brace
         self._tail = (b"," + encode_json(extra)[1:-1] if extra else b"") + b"}"
         self._prefixes: dict[str | None, bytes] = {}
+        self._text_parts: dict[tuple[str | None, int], tuple[bytes, bytes]] = {}
 
     def encode(self, fingerprint: str | None, choices: list[dict[str, Any]]) -> bytes:
         prefix = self._prefixes.get(fingerprint)
@@ -94,3 +132,17 @@ class ChunkEncoder:
             prefix = self._head + b',"system_fingerprint":' + encode_json(fingerprint)
             prefix = self._prefixes[fingerprint] = prefix + b',"choices":'
         return prefix + encode_json(choices) + self._tail
+
+    def encode_text(
+        self, fingerprint: str | None, index: int, text: str, shape: Callable[[str], Any]
+    ) -> bytes:
+        """``encode(fingerprint, [shape(text)])`` for `shape`, the choice `index`'s entry
+        of a text, without encoding all of it per chunk: that entry is encoded once with a
+        marker for its text, and split there (json.dumps puts a string in as
+        `encode_basestring` writes it, so the bytes are the same)."""
+        parts = self._text_parts.get((fingerprint, index))
+        if parts is None:
+            whole = self.encode(fingerprint, [shape(_MARK)])
+            before, _, after = whole.rpartition(encode_json(_MARK))
+            parts = self._text_parts[(fingerprint, index)] = (before, after)
+        return parts[0] + encode_basestring(text).encode() + parts[1]

@@ -1,0 +1,86 @@
+"""Deltas relayed to a stream as the reply reader routes them (Submission.relay): a stream
+whose deltas come one at a time, each while its handler waits, is byte for byte the stream
+of the same deltas come all at once, and the relay did write it."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from jobs.protocol import ENTRY_FIELD, encode
+from stages.ingress.api import sse
+from stages.ingress.api.sse import SSEStream
+from tests.ingress_harness import (
+    MODEL,
+    RunningIngress,
+    Upstream,
+    _requests_in,
+    add_worker,
+    deltas,
+)
+
+PIECES = [("Once", [1]), (" up", [2, 3]), ('on \u00e9"\n', [4]), ("", [5]), (" a", [6, 7])]
+PATHS = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}]},
+    "/v1/completions": {"prompt": "Hi"},
+}
+
+
+class Trickle(Upstream):
+    """Writes each job's deltas one at a time, `gap_s` apart (0: all in one go)."""
+
+    def __init__(self, redis_url, config, gap_s: float) -> None:
+        super().__init__(redis_url, config, lambda request: deltas(request.rid, PIECES))
+        self.gap_s = gap_s
+
+    def _run(self) -> None:
+        last = "0-0"
+        while not self._stop.is_set():
+            response = self.client.xread({self.config.requests_stream(): last}, block=50)
+            for entry_id, fields in response[0][1] if response else []:
+                last = entry_id
+                for request in _requests_in(fields):
+                    self.requests.append(request)
+                    for message in self.script(request):
+                        time.sleep(self.gap_s)
+                        self.client.xadd(request.reply_to, {ENTRY_FIELD: encode(message)})
+
+
+@pytest.fixture
+def ingress(redis_client, redis_url):
+    with RunningIngress(redis_url) as server:
+        add_worker(redis_client, server.config)
+        yield server
+
+
+def _stream(ingress, path: str, gap_s: float) -> bytes:
+    body = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
+            **PATHS[path]}  # fmt: skip
+    with Trickle(ingress.config.redis_url, ingress.config, gap_s):
+        status, _, data = ingress.request("POST", path, body)
+    assert status == 200
+    # Each request's own id and creation time aside.
+    return re.sub(rb'"id":"[^"]*","object":"([^"]*)","created":\d+', rb"\1", data)
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_trickled_stream_is_relayed_and_the_same_bytes(ingress, monkeypatch, path, blocked):
+    """`blocked`: the relay may not write (as for a client behind): the handler writes."""
+    if blocked:
+        monkeypatch.setattr(sse, "WRITE_NOW_BUFFER", -1)
+    relayed = []
+    write_now = SSEStream.write_now
+
+    def counted(self, nudge):
+        relayed.append(bool(self._pending))
+        write_now(self, nudge)
+
+    monkeypatch.setattr(SSEStream, "write_now", counted)
+    at_once = _stream(ingress, path, 0.0)
+    trickled = _stream(ingress, path, 0.05)
+    assert trickled == at_once
+    assert trickled.count(b"\n\ndata: ") >= len(PIECES)  # one event a piece with text, usage
+    assert sum(relayed) >= 2  # the relay took deltas that came while the handler waited
