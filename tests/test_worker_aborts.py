@@ -15,6 +15,7 @@ from bus.aborts import aborts_stream, publish_aborts
 from gpu_worker.synthetic_engine import SyntheticEngine
 from gpu_worker.worker import Worker
 from jobs.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, encode
+from runtime.cluster import shard_configs
 from runtime.config import BusConfig
 from tests.worker_thread import running, wait_until
 
@@ -130,3 +131,20 @@ def test_an_abort_names_no_stream_it_would_create_or_break(redis_client, config)
     publish_aborts(redis_client, config, ["a", "b", "c"], workers=workers)
     assert not redis_client.exists(config.worker_stream("gone"))
     assert all(redis_client.exists(config.abort_key(rid)) for rid in "abc")
+
+
+def test_on_a_cluster_shard_its_aborts_stream_ends_a_running_job(nodes):
+    """The worker's commit script reads its shard's aborts stream: one slot with its other
+    names (the shard's hash tag), on the primary that owns it."""
+    base = BusConfig(redis_url=nodes[0], block_ms=20, publish_interval_ms=20,
+                     abort_check_interval_ms=200)  # fmt: skip
+    shard = shard_configs(base)[1]
+    client = redis.Redis.from_url(shard.redis_url)
+    engine = SyntheticEngine(MODEL, step_ms=STEP_MS, batch=8)
+    with running(Worker(engine, client, shard, "w", MODEL), client, shard) as worker:
+        _route(client, shard, "r1", "r2")
+        wait_until(lambda: worker.jobs.get("r1") is not None and worker.jobs["r1"].reported > 0)
+        publish_aborts(client, shard, ["r1"])
+        wait_until(lambda: "r1" in _finishes(client, shard))
+        assert _finishes(client, shard)["r1"][0] == "abort" and "r2" in worker.jobs
+    client.close()
