@@ -206,9 +206,29 @@ class RunningIngress:
             frame = sys._current_frames().get(self._thread.ident)
             where = "".join(traceback.format_stack(frame)[-8:]) if frame else "?"
             warnings.warn(f"the ingress on port {self.port} did not stop in {STOP_TIMEOUT_S} "
-                          f"s; stopping its loop. It hung at:\n{where}", stacklevel=2)  # fmt: skip
+                          f"s; stopping its loop. It hung at:\n{where}\nits tasks, awaiting:\n"
+                          f"{self._awaiting()}", stacklevel=2)  # fmt: skip
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=STOP_TIMEOUT_S)
+
+    def _awaiting(self) -> str:
+        """Where each task of the ingress's loop waits (the thread's own stack shows only
+        the loop's select): what a stop that never ends is waiting for."""
+
+        async def stacks() -> str:
+            lines = []
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    frames = task.get_stack(limit=4)
+                    at = " <- ".join(f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno} "
+                                     f"{f.f_code.co_name}" for f in frames)  # fmt: skip
+                    lines.append(f"  {task.get_name()}: {at}")
+            return "\n".join(lines)
+
+        try:
+            return asyncio.run_coroutine_threadsafe(stacks(), self._loop).result(timeout=2)
+        except Exception as exc:  # a diagnosis only: never the test's failure
+            return f"  ? ({exc!r})"
 
     @property
     def state(self):
