@@ -8,4 +8,5 @@ child_process.py    children that stop in their parent's order
 model_files.py      a `--model` argument resolved to its files (worker and tokenizer alike)
 gguf_header.py      a GGUF file's header metadata, read key by key without loading it
 context_length.py   the model's context length, from config.json or the GGUF header
+task_cancel.py      asyncio tasks cancelled until they end (a lost cancellation stops no shutdown)
 """

@@ -165,6 +165,20 @@ class Upstream:
         self.client.close()
 
 
+def _await_chain(coro: Any) -> str:
+    """Where a suspended coroutine waits, outermost first (a task's own stack stops at its
+    first frame)."""
+    at = []
+    while coro is not None and len(at) < 12:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        at.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} "
+                  f"{frame.f_code.co_name}")  # fmt: skip
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return " -> ".join(at)
+
+
 class RunningIngress:
     def __init__(self, redis_url: str, config: BusConfig | None = None, **options: Any) -> None:
         self.config = config or BusConfig(redis_url=redis_url)  # a config: a Cluster's shard
@@ -219,10 +233,7 @@ class RunningIngress:
             lines = []
             for task in asyncio.all_tasks():
                 if task is not asyncio.current_task():
-                    frames = task.get_stack(limit=4)
-                    at = " <- ".join(f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno} "
-                                     f"{f.f_code.co_name}" for f in frames)  # fmt: skip
-                    lines.append(f"  {task.get_name()}: {at}")
+                    lines.append(f"  {task.get_name()}: {_await_chain(task.get_coro())}")
             return "\n".join(lines)
 
         try:

@@ -30,6 +30,7 @@ from jobs.request_normaliser import ModelLimits
 from observability.metrics import start_publisher
 from runtime.config import BusConfig
 from runtime.context_length import context_length_if_known
+from runtime.task_cancel import cancel_and_wait
 from stages.ingress.api import admin_weights, handlers, service_endpoints
 from stages.ingress.api.embeddings import embeddings
 from stages.ingress.api.openapi import openapi_document
@@ -151,8 +152,7 @@ async def _bus_lifetime(app: web.Application) -> AsyncIterator[None]:
     key_renewals.cancel()
     # Its lines' submissions abort their requests as they unwind; its leases are let go
     # so another replica takes its batches at once.
-    runner.cancel()
-    await asyncio.gather(runner, return_exceptions=True)
+    await cancel_and_wait([runner])
     # Handlers cancelled at shutdown have queued their aborts: let them reach Redis.
     for writes in state.request_writes.values():
         await writes.drain(CONNECT_TIMEOUT_S)

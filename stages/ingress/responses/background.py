@@ -27,6 +27,7 @@ from aiohttp import web
 
 from bus.reconnect import REDIS_TRANSIENT
 from jobs.errors import RequestError
+from runtime.task_cancel import cancel_and_wait
 from stages.ingress.batches.runner import RETRY_S
 from stages.ingress.errors import ApiError
 from stages.ingress.responses import resume
@@ -199,10 +200,7 @@ async def _start(app: web.Application) -> None:
 
 async def _stop_all(app: web.Application) -> None:
     """On shutdown, while Redis is still there: stop the keeper and this replica's tasks."""
-    tasks = [app[KEEPER], *app[TASKS].values()]
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await cancel_and_wait([app[KEEPER], *app[TASKS].values()])
 
 
 def add_to(app: web.Application) -> None:
