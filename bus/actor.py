@@ -3,16 +3,21 @@
 One turn of the loop: ``XREADGROUP`` (COUNT > 1, bounded BLOCK) a batch of entries, decode
 them, let the stage turn the good ones into output messages, then ``XADD`` the outputs and
 ``XACK`` the inputs in one MULTI: a crash before the EXEC leaves the inputs pending (another
-consumer claims them), a crash after it has handed them on. Entries that are not messages
-the stage accepts, or that make the stage raise, go to the dead-letter stream with the
-reason, and the stage keeps running. Entries left pending by a dead consumer are taken over
-with ``XAUTOCLAIM`` once idle for ``claim_idle_ms``; one delivered more than
-``max_deliveries`` times is dead-lettered (it may be what killed its consumers). An entry of
-the job streams may bundle several jobs (jobs/wire.py): each is handled (or dead-lettered) on
-its own and the entry acknowledged once; a bundle claimed after a delivery is split into
-single-job entries first, so one poison job cannot take its bundle-mates down. A stage
-that cannot handle a batch yet raises `HoldBatch`: nothing is written or acknowledged. A
-MULTI refused because Redis is full (OOM) is retried like an outage: nothing acknowledged.
+consumer claims them), a crash after it has handed them on. A ``replayable`` stage (the
+detokenizer: its readers drop a delta they already have by its ``seq``) pipelines its
+outputs without the MULTI and acknowledges its inputs with its next read, in that read's
+round trip, once the writes have answered (a full Redis refuses an XADD, not an XACK): a
+crash in between writes them again, and a publish costs two commands less (issue 27).
+Entries that are not messages the stage accepts, or that make the stage raise, go to the
+dead-letter stream with the reason, and the stage keeps running. Entries left pending by a
+dead consumer are taken over with ``XAUTOCLAIM`` once idle for ``claim_idle_ms``; one
+delivered more than ``max_deliveries`` times is dead-lettered (it may be what killed its
+consumers). An entry of the job streams may bundle several jobs (jobs/wire.py): each is
+handled (or dead-lettered) on its own and the entry acknowledged once; a bundle claimed
+after a delivery is split into single-job entries first, so one poison job cannot take its
+bundle-mates down. A stage that cannot handle a batch yet raises `HoldBatch`: nothing is
+written or acknowledged. A MULTI refused because Redis is full (OOM) is retried like an
+outage: nothing acknowledged.
 Every few seconds a replica trims its input stream below what every group acknowledged
 (bus/stream_trim.py).
 """
@@ -85,7 +90,8 @@ class Stage(Protocol):
 
     # Optional: `committed()`, called once the outputs of its last `handle` are in Redis (the
     # detokenizer counts a reply stream's expiry renewed only then); `reconnected()`, called
-    # at the start and after each outage, when Redis may have come back empty.
+    # at the start and after each outage, when Redis may have come back empty; `replayable`,
+    # True where writing a batch's outputs twice is harmless (the module docstring says why).
 
 
 def unique_consumer_name(kind: str) -> str:
@@ -123,6 +129,8 @@ class Actor:
         self._next_claim = 0.0
         self._claim_cursor: bytes | str = "0-0"  # XAUTOCLAIM resumes where it left off
         self._unfinished: list[Entry] = []  # a turn Redis refused (an outage, OOM): retried
+        self._replayable = bool(getattr(stage, "replayable", False))
+        self._acks: list[bytes] = []  # a replayable stage's written inputs, acked with a read
         self.processed = 0
         self.dead_lettered = 0
         self.metrics = StageMetrics(ProcessMetrics(stage.group, self.consumer, config.metrics))
@@ -131,7 +139,10 @@ class Actor:
     def run(self) -> None:
         logger.info("%s: consumer %s on %s", self.stage.group, self.consumer, self.stream)
         loop = ReconnectingLoop(self.stage.group, self.stop, self._ensure_group)
-        loop.run(self.run_once)
+        try:
+            loop.run(self.run_once)
+        finally:
+            self._flush_acks_on_exit()
 
     def _ensure_group(self) -> None:
         """At the start and after every outage: Redis may be back empty, without our group and
@@ -146,16 +157,10 @@ class Actor:
         entries = self._still_ours(self._unfinished)
         self._unfinished = []
         if not entries and time.monotonic() >= self._next_claim:
+            self.flush_acks()  # before a claim, which must not take back what we handled
             entries = self._claim_stale()
         if not entries:
-            response = self.client.xreadgroup(
-                self.stage.group,
-                self.consumer,
-                {self.stream: ">"},
-                count=self.config.read_count,
-                block=self.config.block_ms,
-            )
-            entries = response[0][1] if response else []
+            entries = self._read_new()
         if entries:
             try:
                 self.process(entries)
@@ -167,6 +172,34 @@ class Actor:
                 self._unfinished = list(entries)
                 raise
         return len(entries)
+
+    def _read_new(self) -> list[Entry]:
+        """XREADGROUP a batch, with the last turn's acknowledgements (a replayable stage's)
+        in the same round trip."""
+        read_args = (self.stage.group, self.consumer, {self.stream: ">"})
+        read_options = {"count": self.config.read_count, "block": self.config.block_ms}
+        if not self._acks:
+            response = self.client.xreadgroup(*read_args, **read_options)
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.xack(self.stream, self.stage.group, *self._acks)
+            pipe.xreadgroup(*read_args, **read_options)
+            _, response = pipe.execute()
+            self._acks = []
+        return response[0][1] if response else []
+
+    def flush_acks(self) -> None:
+        """Acknowledge at once what a replayable stage has written and not yet acknowledged."""
+        if self._acks:
+            self.client.xack(self.stream, self.stage.group, *self._acks)
+            self._acks = []
+
+    def _flush_acks_on_exit(self) -> None:
+        try:
+            self.flush_acks()
+        except (*REDIS_TRANSIENT, redis.ResponseError) as exc:  # left pending: claimed later
+            logger.warning("%s: could not acknowledge %d handled entries on exit: %s",
+                           self.stage.group, len(self._acks), exc)  # fmt: skip
 
     def _still_ours(self, entries: list[Entry]) -> list[Entry]:
         """Of entries a failed turn left pending, those no peer has claimed since."""
@@ -246,12 +279,15 @@ class Actor:
     def _commit(
         self, entry_ids: list[bytes], outputs: list[Output], dead: list[dict[str, Any]]
     ) -> None:
-        pipe = self.client.pipeline(transaction=True)
+        deferred = self._replayable and not dead  # dead letters are not replayable
+        pipe = self.client.pipeline(transaction=not deferred)
         write_outputs(pipe, self.config, outputs)
         write_dead_letters(pipe, self.config, dead)
-        if entry_ids:
+        if entry_ids and not deferred:
             pipe.xack(self.stream, self.stage.group, *entry_ids)
         execute_logging_errors(pipe, self.stage.group)
+        if deferred:
+            self._acks.extend(entry_ids)
         self.dead_lettered += len(dead)
         if dead:
             self.metrics.dead_letters.inc(len(dead))

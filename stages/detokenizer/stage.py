@@ -4,11 +4,13 @@ Reads TokenBatch from ``<p>:tokens`` and writes each item's TextDelta to the str
 ``reply_to`` names: the deltas of the jobs that asked for bundles (``bundle_replies``: the
 ingress's and `Client`'s) bound to one stream go in one TextDeltas entry per batch read, so
 a reply stream costs one XADD per batch, whatever the requests and tokens in it; the others
-get an entry each. A stream's expiry is renewed in the same MULTI: a bundled stream's once a
-quarter TTL per replica (stages/detokenizer/stream_expiries.py), the others' with every batch
-(a stream its reader deleted, written again by a late delta, still goes). Stateless as to
-requests (stages/detokenizer/incremental.py), so any replica handles any batch; readers order
-a request's deltas by ``seq``.
+get an entry each. A stream's expiry is renewed in the same pipeline: a bundled stream's once
+a quarter TTL per replica (stages/detokenizer/stream_expiries.py), the others' with every
+batch (a stream its reader deleted, written again by a late delta, still goes). Stateless as
+to requests (stages/detokenizer/incremental.py), so any replica handles any batch; readers
+order a request's deltas by ``seq`` and drop one they already have, so the stage is
+``replayable``: its writes need no MULTI, and its inputs are acknowledged with its next
+read (bus/actor.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from stages.detokenizer.stream_expiries import StreamExpiries
 class DetokenizerStage:
     group = "detokenizer"
     accepts = (TokenBatch,)
+    replayable = True  # a batch handled twice writes deltas its readers drop as copies
 
     def __init__(self, config: BusConfig, tokenizer: Any | None) -> None:
         self.config = config
