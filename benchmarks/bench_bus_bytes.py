@@ -33,7 +33,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_pipeline import WARM_UP, started_pipeline  # noqa: E402
+from bench_pipeline import WARM_UP, add_api_argument, client_options, started_pipeline  # noqa: E402
 
 from benchmarks.jsonl import emit  # noqa: E402
 from cli import bench  # noqa: E402
@@ -174,7 +174,7 @@ def measure(args: argparse.Namespace) -> dict:
         args.dtype = None
     out = Path(args.monitor_file)
     with started_pipeline(args, log_level="WARNING", up_args=up_args) as (url, redis_url):
-        options = bench.build_parser().parse_args(["--url", url])
+        options = client_options(url, args)
         asyncio.run(bench.run_source(options, WARM_UP))
         stop = multiprocessing.Event()
         watcher = multiprocessing.Process(target=monitor, args=(redis_url, str(out), stop))
@@ -192,6 +192,7 @@ def measure(args: argparse.Namespace) -> dict:
     tokens = row["output_tokens"]
     return {
         "workload": args.workload,
+        "api": args.api,
         "synthetic_step_ms": args.synthetic_step_ms,
         "output_tokens": tokens,
         "bytes_in_per_token": round(bytes_in / tokens, 1),
@@ -206,6 +207,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--workload", default="mixed-64", choices=WORKLOADS)
+    add_api_argument(parser)
     parser.add_argument("--synthetic-step-ms", type=float, default=10.0,
                         help="a synthetic worker of this step time (default 10)")  # fmt: skip
     parser.add_argument("--fields", type=int, default=40, help="the largest fields to print")

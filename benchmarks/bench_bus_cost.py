@@ -32,7 +32,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_pipeline import WARM_UP, started_pipeline  # noqa: E402
+from bench_pipeline import WARM_UP, add_api_argument, client_options, started_pipeline  # noqa: E402
 
 from benchmarks import jsonl  # noqa: E402
 from benchmarks.jsonl import emit  # noqa: E402
@@ -47,7 +47,7 @@ def measure(args: argparse.Namespace) -> dict:
                    f"{args.synthetic_step_ms}", "--worker-arg=--synthetic-batch=64"]  # fmt: skip
         args.dtype = None  # no weights to load
     with started_pipeline(args, log_level="WARNING", up_args=up_args) as (url, redis_url):
-        options = bench.build_parser().parse_args(["--url", url])
+        options = client_options(url, args)
         asyncio.run(bench.run_source(options, WARM_UP))
         server = redis.Redis.from_url(redis_url)
         server.config_resetstat()
@@ -67,6 +67,7 @@ def measure(args: argparse.Namespace) -> dict:
                   sorted(commands.items(), key=lambda item: -item[1])}  # fmt: skip
     return {
         "workload": args.workload,
+        "api": args.api,
         "system": "pipeline-http",
         "synthetic_step_ms": args.synthetic_step_ms,
         "output_tok_s": row["output_tok_s"],
@@ -95,6 +96,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--workload", default="mixed-64", choices=WORKLOADS)
+    add_api_argument(parser)
     parser.add_argument(
         "--idle-s",
         type=float,

@@ -65,6 +65,22 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = READY_T
     raise RuntimeError("the pipeline was not healthy in time")
 
 
+def add_api_argument(parser: argparse.ArgumentParser) -> None:
+    """--api: the API the bus benchmarks' clients speak (bench_bus_cost.py, bench_bus_bytes.py)."""
+    parser.add_argument(
+        "--api",
+        choices=("openai", "native"),
+        default="openai",
+        help="the clients' API: openai (/v1/completions, the issue's measurement) or "
+        "native (/generate, whose answers carry token ids)",
+    )
+
+
+def client_options(url: str, args: argparse.Namespace) -> argparse.Namespace:
+    """cli/bench.py's options for a workload against `url` in `args.api`."""
+    return bench.build_parser().parse_args(["--url", url, "--api", args.api, "--model", args.model])
+
+
 @contextlib.contextmanager
 def started_pipeline(
     args: argparse.Namespace,

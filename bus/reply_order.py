@@ -30,10 +30,10 @@ class ReplyOrderer:
             self.done = True
             self._held.clear()
             return [message]
-        if message.seq < self.next_seq or (not message.ids and message.finish is None):
+        if message.seq < self.next_seq or (not message.count and message.finish is None):
             return []  # a copy, or a delta that carries nothing
         if message.seq == self.next_seq and not self._held and message.finish is None:
-            self.next_seq += len(message.ids)  # the next one, nothing held: most deltas
+            self.next_seq += message.count  # the next one, nothing held: most deltas
             return [message]
         self._held.setdefault(message.seq, message)
         released: list[Reply] = []
@@ -44,5 +44,5 @@ class ReplyOrderer:
                 self.done = True
                 self._held.clear()
                 break
-            self.next_seq += len(delta.ids)
+            self.next_seq += delta.count
         return released

@@ -131,7 +131,7 @@ class Publisher:
             # Logged in the commit that publishes these tokens, for all our jobs at once.
             self.log.log(req.rid, start, req.output_ids[start:end])
         item = token_item(req, job.reply_to, start, job.window, job.reply_version, job.bundle,
-                          job.tag)  # fmt: skip
+                          job.tag, job.text_only)  # fmt: skip
         if req.finished:
             self._finished_since = True
             self.log.forget(req.rid)

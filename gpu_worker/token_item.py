@@ -29,6 +29,7 @@ class RunningJob:
     reply_version: int = WIRE_VERSION  # its job's: the wire version its requester reads
     bundle: bool = False  # its job's bundle_replies
     tag: int | None = None  # its job's, if it is bundled: its items are named by it
+    text_only: bool = False  # its job's: its bundled deltas count their ids
 
 
 def stop_window(stop: list[str]) -> int:
@@ -38,17 +39,18 @@ def stop_window(stop: list[str]) -> int:
 
 def token_item(
     req: Req, reply_to: str, start: int, window: int, reply_version: int = WIRE_VERSION,
-    bundle: bool = False, tag: int | None = None,
+    bundle: bool = False, tag: int | None = None, text_only: bool = False,
 ) -> TokenItem:  # fmt: skip
     """The item of `req`'s output ids from index `start` on; `window`: output tokens of
     context the detokenizer needs (gpu_worker/worker.py); `reply_version`: the wire version
-    of its requester; `bundle`: whether it reads TextDeltas; `tag`: the job's, if bundled."""
+    of its requester; `bundle`: whether it reads TextDeltas; `tag`: the job's, if bundled;
+    `text_only`: whether its requester reads counts for ids (jobs/requests.py)."""
     end = len(req.output_ids)
     context, prompt_context = token_context(req.origin_input_ids, req.output_ids, start, window)
     item = TokenItem(
         req.rid, reply_to, start, req.output_ids[start:end], context, prompt_context,
         req.params.stop, req.params.skip_special_tokens, reply_version=reply_version,
-        bundle=bundle, tag=tag if bundle else None,
+        bundle=bundle, tag=tag if bundle else None, text_only=text_only and bundle,
     )  # fmt: skip
     item.embedding = req.embedding  # an embedding's vector, once its prefill is done
     if req.params.logprobs:
@@ -68,8 +70,8 @@ def aborted_item(job: TokenizedRequest, generated: int) -> TokenItem:
     finish = Finish("abort", None, len(job.input_ids), generated)
     bundle = bool(job.bundle_replies)
     return TokenItem(job.rid, job.reply_to, generated, [], [], 0, finish=finish,
-                     reply_version=job.v, bundle=bundle,
-                     tag=job.tag if bundle else None)  # fmt: skip
+                     reply_version=job.v, bundle=bundle, tag=job.tag if bundle else None,
+                     text_only=bool(job.text_only) and bundle)  # fmt: skip
 
 
 def finish_of(req: Req, queue_seconds: float | None) -> Finish:

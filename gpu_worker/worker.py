@@ -15,8 +15,7 @@ The heartbeat has a thread of its own (gpu_worker/heartbeat.py), so a long step 
 a live worker look dead. Forming batches stays here: a round trip per step would cost more.
 
 The worker does not detokenize: requests with stop strings keep a TextStream to find them,
-the rest leave text to the detokenizer stage. Each item carries the token window the
-detokenizer needs (stages/detokenizer/incremental.py).
+the rest leave text to the detokenizer (stages/detokenizer/incremental.py), with a window.
 
 Nothing is lost when a worker dies, and a worker taken for dead while alive writes nothing
 more about the jobs claimed off it: the rules, and the stream and fence that keep them, are
@@ -291,7 +290,8 @@ class Worker:
         window = stop_window(params.stop)
         running = RunningJob(req, job.reply_to, entry_id, window, reported=len(generated),
                              created=None if generated else job.created, tag=job.tag,
-                             reply_version=job.v, bundle=bool(job.bundle_replies))  # fmt: skip
+                             reply_version=job.v, bundle=bool(job.bundle_replies),
+                             text_only=bool(job.text_only))  # fmt: skip
         self.jobs[job.rid] = running
         if generated:
             self.metrics.migrated_in.inc()

@@ -82,8 +82,9 @@ __all__ = [
 class TokenBatch(Message):
     """What a worker publishes at once: one item per request that gained tokens.
 
-    The reply stream (and ``bundle`` flag) most of its items share is written once, as the
-    batch's ``reply_to`` and ``bundle``, and left off those items: with one ingress a whole
+    The reply stream (and ``bundle`` and ``text_only`` flags) most of its items share is
+    written once, as the batch's ``reply_to``, ``bundle`` and ``text_only``, and left off
+    those items: with one ingress a whole
     batch shares it, and it was a fifth of an item's bytes. An item with its own keeps it.
     ``weights`` is the version of the weights that computed every item (a worker swaps them
     only with nothing running: gpu_worker/weights_update.py); None from a worker that names
@@ -112,6 +113,7 @@ class TokenBatch(Message):
             shared = {
                 "reply_to": check_field(STR, "reply_to", data["reply_to"], False),
                 "bundle": check_field(BOOL, "bundle", data.get("bundle", False), False),
+                "text_only": check_field(BOOL, "text_only", data.get("text_only", False), False),
             }
         batch.items = [TokenItem.from_wire(item, shared) for item in batch.items]
         return batch
@@ -121,15 +123,17 @@ class TokenBatch(Message):
         wire = {"kind": self.KIND, "worker_id": self.worker_id, "step": self.step,
                 "items": [item.to_wire(shared) for item in self.items], "v": self.v}  # fmt: skip
         if shared is not None:
-            wire["reply_to"], wire["bundle"] = shared
+            wire["reply_to"], wire["bundle"] = shared[:2]
+            if shared[2]:
+                wire["text_only"] = True
         if self.weights is not None:
             wire["weights"] = self.weights
         return wire
 
 
-def _shared_reply(items: list[TokenItem]) -> tuple[str, bool] | None:
-    """The (reply_to, bundle) of most items, when more than one item has it."""
-    counts = Counter((item.reply_to, item.bundle) for item in items)
+def _shared_reply(items: list[TokenItem]) -> tuple[str, bool, bool] | None:
+    """The (reply_to, bundle, text_only) of most items, when more than one item has it."""
+    counts = Counter((item.reply_to, item.bundle, item.text_only) for item in items)
     if not counts:
         return None
     shared, count = counts.most_common(1)[0]
@@ -143,7 +147,9 @@ class TextDelta(Message):
     Deltas of one request may arrive out of order (detokenizer replicas race); a reader
     orders them by ``seq``. In a TextDeltas entry, a delta of a job with a ``tag``
     (jobs/requests.py) is named by it, and by its ``rid`` too only at ``seq`` 0; read back
-    without one, ``rid`` is None until its reader names it (bus/replies.py). ``text`` is None
+    without one, ``rid`` is None until its reader names it (bus/replies.py). In a TextDeltas
+    entry, a delta of a ``text_only`` job (jobs/requests.py) carries ``n``, how many tokens
+    it adds, in place of its ``ids`` (then empty): `count` is either. ``text`` is None
     when the model has no tokenizer. The last delta carries ``finish`` in the wire version of
     the job's requester: a map by name (`Finish.to_wire`) for version 2, the positional list
     of jobs/legacy_records.py for a job written without a version.
@@ -156,7 +162,7 @@ class TextDelta(Message):
         "top_token_texts": LIST, "prompt_ids": IDS, "prompt_text": STR,
         "prompt_logprobs": LIST, "prompt_top_logprobs": LIST, "prompt_token_texts": LIST,
         "prompt_top_token_texts": LIST, "embedding": BYTES, "weights_version": STR,
-        "tag": INT, "worker": STR,
+        "tag": INT, "worker": STR, "n": INT,
     }  # fmt: skip
     OPTIONAL = frozenset(FIELDS) - {"rid", "seq", "ids"}
 
@@ -185,6 +191,12 @@ class TextDelta(Message):
     # The worker computing the request, on its first delta (its TokenBatch's `worker_id`):
     # the ingress serving it sends an abort straight to that worker's stream.
     worker: str | None = None
+    n: int | None = None  # a text_only job's count of the tokens it adds; None: see ids
+
+    @property
+    def count(self) -> int:
+        """How many output tokens it adds: its ids, or the count standing for them."""
+        return len(self.ids) if self.n is None else self.n
 
     def to_wire(self) -> dict[str, Any]:
         return {"kind": self.KIND, **self.fields_wire()}
@@ -196,7 +208,11 @@ class TextDelta(Message):
         TextDeltas, which only this project's readers take); else int32, as a program that
         reads its own reply stream has always had them."""
         pack = pack_ids_narrow if narrow else pack_ids
-        wire: dict[str, Any] = {"seq": self.seq, "ids": pack(self.ids)}
+        wire: dict[str, Any] = {"seq": self.seq}
+        if self.n is not None and narrow:
+            wire["n"] = self.n
+        else:
+            wire["ids"] = pack(self.ids)
         if narrow and self.tag is not None:
             wire["tag"] = self.tag
             if self.seq == 0:  # a request's first delta names it both ways
@@ -218,23 +234,29 @@ class TextDelta(Message):
         # Nearly every delta is rid, seq, ids and text, well formed: read those directly (an
         # ingress reads one per request per publish). Anything else, or any field of the
         # wrong kind, goes through Record's checks, which name what is wrong.
-        text, rid, tag = data.get("text"), data.get("rid"), data.get("tag")
+        text, rid, tag, n = data.get("text"), data.get("rid"), data.get("tag"), data.get("n")
         if (
             data.keys() <= _DELTA_COMMON
             and (type(rid) is str or (rid is None and type(tag) is int))
             and (tag is None or (type(tag) is int and 0 <= tag <= MAX_TAG))
             and type(data.get("seq")) is int
-            and type(data.get("ids")) in _PACKED_IDS
+            and (type(data.get("ids")) in _PACKED_IDS if n is None
+                 else type(n) is int and 0 <= n <= MAX_COUNT and "ids" not in data)
             and (text is None or type(text) is str)
-        ):
-            delta = cls(rid, data["seq"], unpack_ids(data["ids"]), text, data.get("finish"))
-            delta.tag = tag
+        ):  # fmt: skip
+            ids = unpack_ids(data["ids"]) if n is None else []
+            delta = cls(rid, data["seq"], ids, text, data.get("finish"))
+            delta.tag, delta.n = tag, n
         else:
             defaults = {"rid": None} if "rid" not in data and "tag" in data else None
+            if "n" in data and "ids" not in data:
+                defaults = {**(defaults or {}), "ids": []}
             delta = super().from_wire(data, defaults)
             check_tag(delta.tag)
             if delta.rid is None and delta.tag is None:
                 raise ProtocolError("field 'rid' is missing")
+            if delta.n is not None and (delta.ids or not 0 <= delta.n <= MAX_COUNT):
+                raise ProtocolError(f"field 'n' must be 0 to {MAX_COUNT}, in place of 'ids'")
         if delta.finish is not None:
             # Checked here, not where a reader trips on it; kept for finish_info.
             delta._read_finish = (delta.finish, Finish.from_wire(delta.finish))
@@ -253,7 +275,8 @@ class TextDelta(Message):
 
 _PACKED_IDS = (bytes, msgpack.ExtType)  # int32 bytes, or uint16s (jobs/wire.py)
 # A delta's fields past those of nearly every one: logprobs and the prompt's, asked for.
-_DELTA_COMMON = frozenset({"kind", "rid", "seq", "ids", "text", "finish", "tag"})
+_DELTA_COMMON = frozenset({"kind", "rid", "seq", "ids", "text", "finish", "tag", "n"})
+MAX_COUNT = 2**31 - 1  # the most tokens one delta counts (``n``): far beyond any output
 _DELTA_EXTRAS = tuple(name for name in TextDelta.FIELDS if name not in _DELTA_COMMON)
 _DELTA_IDS = frozenset(name for name in _DELTA_EXTRAS if TextDelta.FIELDS[name] == IDS)
 

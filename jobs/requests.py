@@ -28,6 +28,12 @@ both: a rid of 34 characters per request per publish on those two streams was th
 part of their bytes (issue 27). Its requester maps tags back to rids (bus/replies.py); a job
 without a tag is named by its rid everywhere, as before.
 
+A job with ``text_only`` and ``bundle_replies`` says its requester reads each delta's text
+and how many tokens it adds, not their ids (an OpenAI stream without logprobs: its usage
+comes from the Finish): its bundled deltas carry that count (``n``) in place of the ids,
+which were 2.1 of the ~42 bytes into Redis a generated token cost on the 64-request burst
+(issue 27). A job without it gets the ids, as before.
+
 A job with ``pooling`` (``mean`` or ``last``; `POOLINGS`) asks for an embedding, not a
 generation: the worker runs its prompt's prefill only (no prefix-cache hit, so every position
 it pools is computed), pools the final hidden states over the prompt, L2-normalizes them, and
@@ -118,10 +124,9 @@ class GenerateRequest(_Job):
         "rid": STR, "reply_to": STR, "prompt": STR, "messages": LIST, "input_ids": IDS,
         "sampling": MAP, "created": FLOAT, "tools": LIST, "tenant": STR, "weight": FLOAT,
         "priority": INT, "v": INT, "bundle_replies": BOOL, "pooling": STR, "tag": INT,
+        "text_only": BOOL,
     }  # fmt: skip
-    OPTIONAL = frozenset({"prompt", "messages", "input_ids", "created", "tools", "tenant",
-                          "weight", "priority", "v", "bundle_replies", "pooling",
-                          "tag"})  # fmt: skip
+    OPTIONAL = frozenset(FIELDS) - {"rid", "reply_to", "sampling"}
 
     rid: str
     reply_to: str
@@ -138,6 +143,7 @@ class GenerateRequest(_Job):
     bundle_replies: bool | None = None  # its requester reads TextDeltas (module docstring)
     pooling: str | None = None  # an embedding job's (module docstring); None: a generation
     tag: int | None = None  # its name in its bundled replies (module docstring)
+    text_only: bool | None = None  # its bundled deltas count their ids (module docstring)
 
     def __post_init__(self) -> None:
         given = [n for n in ("prompt", "messages", "input_ids") if getattr(self, n) is not None]
@@ -156,7 +162,7 @@ class GenerateRequest(_Job):
         return TokenizedRequest(self.rid, self.reply_to, ids, self.sampling, self.created,
                                 self.tenant, self.weight, priority=self.priority, v=self.v,
                                 bundle_replies=self.bundle_replies, pooling=self.pooling,
-                                tag=self.tag)  # fmt: skip
+                                tag=self.tag, text_only=self.text_only)  # fmt: skip
 
 
 @dataclass
@@ -174,7 +180,7 @@ class TokenizedRequest(_Job):
         "rid": STR, "reply_to": STR, "input_ids": IDS, "sampling": MAP, "created": FLOAT,
         "tenant": STR, "weight": FLOAT, "attempts": INT, "priority": INT, "v": INT,
         "progress": IDS, "bundle_replies": BOOL, "route_reason": STR, "expected_cached": INT,
-        "pooling": STR, "tag": INT,
+        "pooling": STR, "tag": INT, "text_only": BOOL,
     }  # fmt: skip
     OPTIONAL = frozenset(FIELDS) - {"rid", "reply_to", "input_ids", "sampling"}
 
@@ -194,6 +200,7 @@ class TokenizedRequest(_Job):
     expected_cached: int | None = None
     pooling: str | None = None  # as the GenerateRequest's
     tag: int | None = None  # as the GenerateRequest's
+    text_only: bool | None = None  # as the GenerateRequest's
 
     def __post_init__(self) -> None:
         _check_scheduling(self.weight, self.priority)

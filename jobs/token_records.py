@@ -126,6 +126,8 @@ class TokenItem(Record):
     stages/detokenizer/incremental.py). ``reply_version`` is the wire version the job's
     requester reads (its job's; jobs/requests.py): its deltas' ``finish`` is written in it.
     ``bundle`` is its job's ``bundle_replies``: its delta may share an entry with others.
+    ``text_only`` is its job's (jobs/requests.py): its bundled delta carries the number of
+    its ids, not the ids.
     ``embedding`` is an embedding job's answer (jobs/requests.py's ``pooling``), on its one
     item: the L2-normalized pooled hidden state as packed little-endian float32 (`pack_floats`).
     ``tag`` is its job's (jobs/requests.py), for a bundled job only: such an item is named by
@@ -138,7 +140,7 @@ class TokenItem(Record):
         "prompt_context": INT, "stop": LIST, "skip_special_tokens": BOOL, "finish": RECORD,
         "logprobs": LIST, "top_logprobs": LIST, "prompt_ids": IDS, "prompt_logprobs": LIST,
         "prompt_top_logprobs": LIST, "reply_version": INT, "bundle": BOOL, "embedding": BYTES,
-        "tag": INT,
+        "tag": INT, "text_only": BOOL,
     }  # fmt: skip
     OPTIONAL: ClassVar[frozenset[str]] = frozenset(FIELDS) - {
         "rid", "reply_to", "start", "ids", "context"
@@ -164,10 +166,11 @@ class TokenItem(Record):
     bundle: bool = False
     embedding: bytes | None = None
     tag: int | None = None
+    text_only: bool = False
 
-    def to_wire(self, shared_reply: tuple[str, bool] | None = None) -> dict[str, Any]:
-        """`shared_reply`: the (reply_to, bundle) its batch writes once for the items that
-        share it (`TokenBatch`); an item that does leaves both off."""
+    def to_wire(self, shared_reply: tuple[str, bool, bool] | None = None) -> dict[str, Any]:
+        """`shared_reply`: the (reply_to, bundle, text_only) its batch writes once for the
+        items that share it (`TokenBatch`); an item that does leaves them off."""
         # Written field by field, not through Record's loop: a worker writes one item per
         # request per step, the bus's hottest record. Optional fields that hold their
         # default stay off the wire (most items stop on nothing and skip specials).
@@ -179,7 +182,7 @@ class TokenItem(Record):
             wire["rid"] = self.rid
         if self.tag is not None:
             wire["tag"] = self.tag
-        shared = shared_reply == (self.reply_to, self.bundle)
+        shared = shared_reply == (self.reply_to, self.bundle, self.text_only)
         if not shared:
             wire["reply_to"] = self.reply_to
         if self.prompt_context:
@@ -200,13 +203,16 @@ class TokenItem(Record):
             wire["reply_version"] = self.reply_version
         if self.bundle and not shared:
             wire["bundle"] = True
+        if self.text_only and not shared:
+            wire["text_only"] = True
         if self.embedding is not None:
             wire["embedding"] = self.embedding
         return wire
 
     @classmethod
     def from_wire(cls, data: Any, shared_reply: dict[str, Any] | None = None) -> TokenItem:
-        """`shared_reply`: its batch's ``reply_to`` and ``bundle``, for an item without its own."""
+        """`shared_reply`: its batch's ``reply_to``, ``bundle`` and ``text_only``, for an
+        item without its own."""
         if isinstance(data, list):
             item = cls(**token_item_fields_from_list(data))
         elif isinstance(data, dict):

@@ -122,7 +122,8 @@ def _as_submitted(job: GenerateRequest | TokenizedRequest) -> GenerateRequest:
     return GenerateRequest(job.rid, job.reply_to, input_ids=job.input_ids, sampling=job.sampling,
                            created=job.created, tenant=job.tenant, weight=job.weight,
                            priority=job.priority, v=job.v, bundle_replies=job.bundle_replies,
-                           pooling=job.pooling, tag=job.tag)  # fmt: skip
+                           pooling=job.pooling, tag=job.tag,
+                           text_only=job.text_only)  # fmt: skip
 
 
 class Upstream:

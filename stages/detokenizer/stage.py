@@ -85,6 +85,8 @@ class DetokenizerStage:
     def _delta(self, item: TokenItem, text: str | None) -> TextDelta:
         delta = TextDelta(item.rid, item.start, item.ids, text, embedding=item.embedding,
                           tag=item.tag)  # fmt: skip
+        if item.text_only and item.bundle:  # its reader counts tokens (jobs/requests.py)
+            delta.ids, delta.n = [], len(item.ids)
         if item.finish is not None:
             # In the version its requester reads: a job written without one gets the list.
             delta.finish = (

@@ -21,7 +21,7 @@ from stages.ingress.api.tool_call_parser import ToolCallParser
 class Choice:
     index: int
     text: list[str] = field(default_factory=list)
-    ids: list[int] = field(default_factory=list)
+    tokens: int = 0  # output tokens so far (its deltas' counts)
     finish: Finish | None = None
     text_offset: int = 0  # characters so far, for completions' text_offset
     logprobs: dict[str, list] | None = None  # the whole response's logprobs, accumulated
@@ -37,7 +37,7 @@ class Choice:
 
     def add(self, delta: TextDelta) -> None:
         self.text.append(delta.text or "")
-        self.ids.extend(delta.ids)
+        self.tokens += delta.count
         self.named(delta)
         if delta.finish is not None:
             self.finish = delta.finish_info()

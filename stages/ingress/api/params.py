@@ -66,6 +66,9 @@ class ApiRequest:
     resumable: bool | None = None  # stream_options.resumable: event ids (streaming/resume.py)
     tools: ToolCalling | None = None  # a chat's tool calling, when it may call tools
     echo: bool = False  # completions: the prompt comes back before each choice's text
+    # OpenAI's answers: text, and usage from the Finish. Without logprobs its jobs ask for
+    # deltas that count their tokens rather than list them (jobs/requests.py's text_only).
+    text_only: bool = False
     # A sampling field -> its name in this request (max_new_tokens -> max_tokens, ...).
     names: dict[str, str] = dataclass_field(default_factory=dict)
 
@@ -117,6 +120,7 @@ class ApiRequest:
                         weight=weight,
                         priority=priority,
                         bundle_replies=True,  # its reply reader reads TextDeltas
+                        text_only=(self.text_only and not self.logprobs) or None,
                         **prompt,
                     )
                 )
@@ -259,7 +263,8 @@ def _job(data: dict[str, Any], prompts: list[dict[str, Any]], sampling: dict) ->
         openai_names.setdefault("logprobs", "logprobs")
         openai_names["top_logprobs"] = "top_logprobs" if "top_logprobs" in data else "logprobs"
     wire = _checked(sampling, openai_names)
-    return ApiRequest(prompts, wire, n, stream, include_usage, resumable, names=openai_names)
+    return ApiRequest(prompts, wire, n, stream, include_usage, resumable, names=openai_names,
+                      text_only=True)  # fmt: skip
 
 
 def _checked(sampling: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:

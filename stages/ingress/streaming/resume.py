@@ -65,7 +65,7 @@ class ResumePoint:
         sent = self.sent[index]
         if sent is None:
             return True
-        return delta.seq + len(delta.ids) <= sent and delta.finish is None
+        return delta.seq + delta.count <= sent and delta.finish is None
 
 
 def wants_event_ids(headers: Mapping[str, str], asked: bool | None = None) -> bool:
@@ -80,7 +80,7 @@ def wants_event_ids(headers: Mapping[str, str], asked: bool | None = None) -> bo
 
 
 def event_id(request_id: str, frontend_id: str, choices: Sequence[Choice]) -> str:
-    progress = ".".join("-" if c.finish is not None else str(len(c.ids)) for c in choices)
+    progress = ".".join("-" if c.finish is not None else str(c.tokens) for c in choices)
     return f"{request_id}/{frontend_id}/{progress}"
 
 

@@ -206,7 +206,7 @@ class Submission:
                 raise ApiError.from_reply(self._timed_out())
             self._early.append(reply)
             waiting.discard(reply.rid)
-            if isinstance(reply, TextDelta) and reply.ids:
+            if isinstance(reply, TextDelta) and reply.count:
                 # When it came, not when it is handled: a stream's headers report it.
                 self.first_token_at.setdefault(reply.rid, time.monotonic())
             if isinstance(reply, ErrorReply):
@@ -329,7 +329,7 @@ class Submission:
             return
         finish = reply.finish_info()
         if finish is None:
-            self._charge(reply.rid, len(reply.ids))
+            self._charge(reply.rid, reply.count)
         else:
             used = finish.prompt_tokens + finish.completion_tokens
             self._charge(reply.rid, used - self._charged[reply.rid])
@@ -343,13 +343,13 @@ class Submission:
     def _time_tokens(self, delta: TextDelta) -> None:
         metrics = self.state.metrics
         now = time.monotonic()
-        if delta.ids:
+        if delta.count:
             last = self._last_token_at.get(delta.rid)
             if last is None:
                 now = self.first_token_at.setdefault(delta.rid, now)
-                metrics.token_times(True, now - self._arrived, len(delta.ids))
+                metrics.token_times(True, now - self._arrived, delta.count)
             else:
-                metrics.token_times(False, now - last, len(delta.ids))
+                metrics.token_times(False, now - last, delta.count)
             self._last_token_at[delta.rid] = now
         if delta.finish is not None:
             metrics.e2e.observe(now - self._arrived)
