@@ -18,6 +18,7 @@
 
 #define KEY_BLOCK 32   /* keys per transposed block: two zmm of scores per row */
 #define QUERY_BLOCK 8  /* new queries per work item; rows = group x QUERY_BLOCK */
+_Static_assert(QUERY_BLOCK == 8, "a query block is one call of the 8-row score kernels");
 #define MAX_EXT_GROUP 8
 #define MAX_EXT_HEAD_DIM 256
 
@@ -92,9 +93,16 @@ static void pv_4_rows_all(const float *p, int64_t p_stride, const float *v, int6
 /* bfloat16 queries and pool, with AVX512-BF16's vdpbf16ps: two dimensions per instruction,
  * exact products summed in float32. Keys sit in 32-key blocks of dimension pairs
  * ([head_dim / 2][32][2]), values in key pairs ([keys / 2][head_dim][2]); probabilities are
- * rounded to bfloat16 for P V, as the torch path's bfloat16 matmul does. */
-static void scores_8_rows_bf16(const uint16_t *q, int64_t head_dim, const uint16_t *kp,
-                               int64_t keys, float scale, float *scores, int64_t score_stride) {
+ * rounded to bfloat16 for P V, as the torch path's bfloat16 matmul does. Scores stay
+ * unscaled dot products: the scale goes into the softmax's one FMA per 16 keys.
+ *
+ * Not inlined: inside the work-item loop gcc spilled a key vector out of the dot-product
+ * loop. Nor does it keep each row's max in registers as it goes (tried): with 16 sums, two
+ * key vectors and eight row pointers live, gcc 12 then spilled the key vectors on every
+ * iteration (scores 1.7x slower); the max is a separate pass over L1-resident rows. */
+__attribute__((noinline)) static void scores_8_rows_bf16(const uint16_t *q, int64_t head_dim,
+                                                         const uint16_t *kp, int64_t keys,
+                                                         float *scores, int64_t score_stride) {
     const uint32_t *qp = (const uint32_t *)q; /* a (d, d + 1) pair per element */
     const int64_t pairs = head_dim / 2;
     for (int64_t kb = 0; kb * KEY_BLOCK < keys; kb++) {
@@ -110,13 +118,51 @@ static void scores_8_rows_bf16(const uint16_t *q, int64_t head_dim, const uint16
                 acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, qd);
             }
         }
-        const __m512 sc = _mm512_set1_ps(scale);
         for (int r = 0; r < 8; r++) {
             float *dst = scores + r * score_stride + kb * KEY_BLOCK;
-            _mm512_storeu_ps(dst, _mm512_mul_ps(acc[r][0], sc));
-            _mm512_storeu_ps(dst + 16, _mm512_mul_ps(acc[r][1], sc));
+            _mm512_storeu_ps(dst, acc[r][0]);
+            _mm512_storeu_ps(dst + 16, acc[r][1]);
         }
     }
+}
+
+/* 2^t for t <= 0: n = round(t), 2^(t - n) by Cephes' exp2f polynomial (degree 6 on
+ * [-1/2, 1/2], relative error below 1e-7: as close as exp_nonpositive's to float32
+ * rounding), scaled by 2^n. Working in base 2 saves exp_nonpositive's multiply by log2(e)
+ * and a degree: the softmax's exp was ~15% of a bfloat16 prefill chunk's attention. */
+static inline __m512 exp2_nonpositive(__m512 t) {
+    t = _mm512_max_ps(t, _mm512_set1_ps(-126.f)); /* 2^-126 is 0 to float32 softmax */
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* p[j] = bfloat16 of exp(scale * (s[j] - max)) for j < seen, 0 from seen to `end` (even, at
+ * most the row's computed keys): one pass that reads the scores, exponentiates, sums in
+ * float32 and writes P. Returns the sum (0 for a row that sees nothing). */
+static float softmax_numerators_bf16(const float *s, int64_t seen, int64_t end, float max,
+                                     float scale, uint16_t *p) {
+    const float c = scale * 1.44269504088896341f; /* exp(scale x) = 2^(c x) */
+    const __m512 vc = _mm512_set1_ps(c), shift = _mm512_set1_ps(seen ? max * c : 0.f);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < end; j += 16) {
+        int64_t valid = seen - j, width = end - j;
+        valid = valid < 0 ? 0 : valid > 16 ? 16 : valid;
+        width = width > 16 ? 16 : width;
+        const __mmask16 live = (__mmask16)((1u << valid) - 1);
+        const __m512 e = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vc, shift));
+        total = _mm512_mask_add_ps(total, live, total, e);
+        _mm256_mask_storeu_epi16(p + j, (__mmask16)((1u << width) - 1),
+                                 (__m256i)_mm512_maskz_cvtneps_pbh(live, e));
+    }
+    return _mm512_reduce_add_ps(total);
 }
 
 static inline __attribute__((always_inline)) void pv_4_rows_bf16(
@@ -290,36 +336,36 @@ int extend_attention(const void *q, int q_dtype, int64_t q_token_stride,
                     load_f32(q, q_dtype, src, head_dim, dst);
                     for (int64_t d = 0; d < head_dim; d++) dst[d] *= scale;
                 }
-            for (int64_t r = 0; r < rows; r += 8) {
+            /* Row g * QUERY_BLOCK + i sees the prefix, the new tokens before it and itself. */
+            int64_t seen[QUERY_BLOCK];
+            for (int64_t i = 0; i < QUERY_BLOCK; i++) seen[i] = i < count ? prefix + first + i + 1 : 0;
+            float inv[MAX_EXT_GROUP * QUERY_BLOCK];
 #if defined(__AVX512BF16__)
-                if (bf16) {
+            if (bf16) {
+                for (int64_t r = 0; r < rows; r += QUERY_BLOCK)
                     scores_8_rows_bf16((const uint16_t *)qf + r * head_dim, head_dim,
-                                       (const uint16_t *)kt + base, visible, scale,
+                                       (const uint16_t *)kt + base, visible,
                                        scores + r * max_keys, max_keys);
-                    continue;
+                /* Up to an even count of keys: P V takes bfloat16 probabilities in pairs. */
+                for (int64_t r = 0; r < rows; r++) {
+                    const int64_t i = r % QUERY_BLOCK;
+                    const float *s = scores + r * max_keys;
+                    const float sum = softmax_numerators_bf16(s, seen[i], visible + (visible & 1),
+                                                              max_f32(s, seen[i]), scale,
+                                                              p16 + r * max_keys);
+                    inv[r] = seen[i] ? 1.f / sum : 0.f;
                 }
+            }
 #endif
+            for (int64_t r = 0; !bf16 && r < rows; r += 8)
                 scores_8_rows(qf + r * head_dim, head_dim, (const float *)kt + base, visible,
                               scores + r * max_keys, max_keys);
-            }
-            float inv[MAX_EXT_GROUP * QUERY_BLOCK];
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t i = r % QUERY_BLOCK;
+            for (int64_t r = 0; !bf16 && r < rows; r++) {
                 float *s = scores + r * max_keys;
-                const int64_t seen = i < count ? prefix + first + i + 1 : 0;
-                inv[r] = seen ? 1.f / exp_shifted_sum(s, seen, max_f32(s, seen)) : 0.f;
-                /* Up to an even count of keys: P V takes bfloat16 probabilities in pairs. */
-                for (int64_t j = seen; j < visible + (visible & 1); j++) s[j] = 0.f;
-#if defined(__AVX512BF16__)
-                if (bf16) {
-                    uint16_t *p = p16 + r * max_keys;
-                    int64_t j = 0;
-                    for (; j + 16 <= visible; j += 16)
-                        _mm256_storeu_si256((__m256i *)(p + j),
-                                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j)));
-                    for (; j < visible + (visible & 1); j++) p[j] = f32_to_bf16(s[j]);
-                }
-#endif
+                const int64_t i = r % QUERY_BLOCK;
+                inv[r] = seen[i] ? 1.f / exp_shifted_sum(s, seen[i], max_f32(s, seen[i])) : 0.f;
+                /* Up to the keys P V reads: zeros past the row's own. */
+                for (int64_t j = seen[i]; j < visible; j++) s[j] = 0.f;
             }
             for (int64_t r = 0; r < rows; r += 4) {
 #if defined(__AVX512BF16__)
