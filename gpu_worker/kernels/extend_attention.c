@@ -96,13 +96,15 @@ static void pv_4_rows_all(const float *p, int64_t p_stride, const float *v, int6
  * rounded to bfloat16 for P V, as the torch path's bfloat16 matmul does. Scores stay
  * unscaled dot products: the scale goes into the softmax's one FMA per 16 keys.
  *
- * Not inlined: inside the work-item loop gcc spilled a key vector out of the dot-product
- * loop. Nor does it keep each row's max in registers as it goes (tried): with 16 sums, two
- * key vectors and eight row pointers live, gcc 12 then spilled the key vectors on every
- * iteration (scores 1.7x slower); the max is a separate pass over L1-resident rows. */
+ * Each row's max over the keys it sees (row r: seen0 + r keys for r < seeing, none after)
+ * is folded into top[r][16] as its block's sums are stored, which saves the softmax a pass.
+ * top lives in the caller's memory on purpose: kept in registers beside the 16 sums (tried),
+ * gcc 12 spilled the key vectors on every dot-product step and the scores took 1.7x as long.
+ * Not inlined either: inside the work-item loop gcc spilled a key vector there too. */
 __attribute__((noinline)) static void scores_8_rows_bf16(const uint16_t *q, int64_t head_dim,
                                                          const uint16_t *kp, int64_t keys,
-                                                         float *scores, int64_t score_stride) {
+                                                         float *scores, int64_t score_stride,
+                                                         int64_t seen0, int64_t seeing, float *top) {
     const uint32_t *qp = (const uint32_t *)q; /* a (d, d + 1) pair per element */
     const int64_t pairs = head_dim / 2;
     for (int64_t kb = 0; kb * KEY_BLOCK < keys; kb++) {
@@ -122,6 +124,11 @@ __attribute__((noinline)) static void scores_8_rows_bf16(const uint16_t *q, int6
             float *dst = scores + r * score_stride + kb * KEY_BLOCK;
             _mm512_storeu_ps(dst, acc[r][0]);
             _mm512_storeu_ps(dst + 16, acc[r][1]);
+            const int64_t valid = r < seeing ? seen0 + r - kb * KEY_BLOCK : 0;
+            const uint32_t mask = valid >= KEY_BLOCK ? ~0u : valid <= 0 ? 0u : (1u << valid) - 1;
+            __m512 most = _mm512_loadu_ps(top + 16 * r);
+            most = _mm512_mask_max_ps(most, (__mmask16)mask, most, acc[r][0]);
+            _mm512_storeu_ps(top + 16 * r, _mm512_mask_max_ps(most, (__mmask16)(mask >> 16), most, acc[r][1]));
         }
     }
 }
@@ -382,16 +389,21 @@ int extend_attention(const void *q, int q_dtype, int64_t q_token_stride,
             float inv[MAX_EXT_GROUP * QUERY_BLOCK];
 #if defined(__AVX512BF16__)
             if (bf16) {
-                for (int64_t r = 0; r < rows; r += QUERY_BLOCK)
+                float row_max[MAX_EXT_GROUP * QUERY_BLOCK], top[QUERY_BLOCK * 16];
+                for (int64_t r = 0; r < rows; r += QUERY_BLOCK) {
+                    for (int i = 0; i < QUERY_BLOCK * 16; i++) top[i] = -INFINITY;
                     scores_8_rows_bf16((const uint16_t *)qf + r * head_dim, head_dim,
                                        (const uint16_t *)kt + base, visible,
-                                       scores + r * max_keys, max_keys);
+                                       scores + r * max_keys, max_keys, seen[0], count, top);
+                    for (int64_t i = 0; i < QUERY_BLOCK; i++)
+                        row_max[r + i] = _mm512_reduce_max_ps(_mm512_loadu_ps(top + 16 * i));
+                }
                 /* Up to an even count of keys: P V takes bfloat16 probabilities in pairs. */
                 for (int64_t r = 0; r < rows; r++) {
                     const int64_t i = r % QUERY_BLOCK;
                     const float *s = scores + r * max_keys;
                     const float sum = softmax_numerators_bf16(s, seen[i], visible + (visible & 1),
-                                                              max_f32(s, seen[i]), scale,
+                                                              row_max[r], scale,
                                                               p16 + r * max_keys);
                     inv[r] = seen[i] ? 1.f / sum : 0.f;
                 }
