@@ -1,6 +1,7 @@
-"""The CPU kernels (attention.c, extend_attention.c, layers.c, sampling.c and common.h beside
-this file): built once per machine into one library with the system C compiler, cached, and
-called through ctypes with the tensors' data pointers.
+"""The CPU kernels (attention.c, extend_attention.c with its bfloat16 half
+extend_attention_bf16.h, layers.c, sampling.c and common.h beside this file): built once per
+machine into one library with the system C compiler, cached, and called through ctypes with
+the tensors' data pointers.
 
 Why C and ctypes rather than a torch C++ extension: the files need no torch headers, so it
 compiles in about a second where an extension takes a minute on two cores; and it is built
@@ -32,7 +33,7 @@ SOURCES = [
     Path(__file__).with_name(name)
     for name in ("attention.c", "extend_attention.c", "layers.c", "sampling.c")
 ]
-HEADERS = [Path(__file__).with_name("common.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "extend_attention_bf16.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # linear_small_m handles at most this many rows (MAX_SMALL_M in layers.c).
 MAX_SMALL_M = 8
