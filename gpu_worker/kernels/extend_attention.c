@@ -24,7 +24,7 @@
  * passes: max, exp in place, zeroing, conversion); keys are packed through a register
  * transpose; the output is rounded with vcvtneps2bf16. One thread, a 2,063-token chunk of
  * seven prompts (32-512 tokens, one with a 300-token prefix) of SmolLM2's shape (9 query
- * heads, 3 kv heads, head_dim 64), AMD EPYC: 9.9 -> 8.3 ms, the softmax ~5.3 -> ~3.3 Mcycles
+ * heads, 3 kv heads, head_dim 64), AMD EPYC: 9.8 -> 8.4 ms, the softmax ~5.3 -> ~3.3 Mcycles
  * (a shared machine: indicative). Flash-style online softmax was not needed: a query block's
  * scores (24 rows x at most ~2,000 keys) stay in L2, and the passes over them are now one.
   */
