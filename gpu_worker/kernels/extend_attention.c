@@ -27,7 +27,7 @@
  * heads, 3 kv heads, head_dim 64), AMD EPYC: 9.8 -> 8.4 ms, the softmax ~5.3 -> ~3.3 Mcycles
  * (a shared machine: indicative). Flash-style online softmax was not needed: a query block's
  * scores (24 rows x at most ~2,000 keys) stay in L2, and the passes over them are now one.
-  */
+ */
 #include "common.h"
 
 #define KEY_BLOCK 32   /* keys per transposed block: two zmm of scores per row */
