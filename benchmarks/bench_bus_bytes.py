@@ -33,11 +33,11 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_pipeline import WARM_UP, add_api_argument, client_options, started_pipeline  # noqa: E402
+from bench_pipeline import WARM_UP, bus_workload_parser, client_options, started_pipeline  # noqa: E402
 
 from benchmarks.jsonl import emit  # noqa: E402
 from cli import bench  # noqa: E402
-from cli.workloads import WORKLOADS, make_workload  # noqa: E402
+from cli.workloads import make_workload  # noqa: E402
 from jobs.wire import DEFLATED_MARK, JOBS_FIELD  # noqa: E402
 
 # Not counted: the benchmark's own calls around the workload.
@@ -203,11 +203,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--workload", default="mixed-64", choices=WORKLOADS)
-    add_api_argument(parser)
+    parser = bus_workload_parser(__doc__)
     parser.add_argument("--synthetic-step-ms", type=float, default=10.0,
                         help="a synthetic worker of this step time (default 10)")  # fmt: skip
     parser.add_argument("--fields", type=int, default=40, help="the largest fields to print")

@@ -32,12 +32,12 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_pipeline import WARM_UP, add_api_argument, client_options, started_pipeline  # noqa: E402
+from bench_pipeline import WARM_UP, bus_workload_parser, client_options, started_pipeline  # noqa: E402
 
 from benchmarks import jsonl  # noqa: E402
 from benchmarks.jsonl import emit  # noqa: E402
 from cli import bench  # noqa: E402
-from cli.workloads import WORKLOADS, make_workload  # noqa: E402
+from cli.workloads import make_workload  # noqa: E402
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -92,11 +92,7 @@ def _commands(server: redis.Redis) -> dict[str, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--workload", default="mixed-64", choices=WORKLOADS)
-    add_api_argument(parser)
+    parser = bus_workload_parser(__doc__)
     parser.add_argument(
         "--idle-s",
         type=float,

@@ -35,7 +35,7 @@ from bench_engine import print_table, run_engine  # noqa: E402
 from benchmarks.engine_args import engine_parser, parse_engine_args  # noqa: E402
 from benchmarks.jsonl import emit  # noqa: E402
 from cli import bench  # noqa: E402
-from cli.workloads import Workload, make_workload  # noqa: E402
+from cli.workloads import WORKLOADS, Workload, make_workload  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
 from runtime.embedded_server import EmbeddedRedis  # noqa: E402
 
@@ -65,8 +65,13 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = READY_T
     raise RuntimeError("the pipeline was not healthy in time")
 
 
-def add_api_argument(parser: argparse.ArgumentParser) -> None:
-    """--api: the API the bus benchmarks' clients speak (bench_bus_cost.py, bench_bus_bytes.py)."""
+def bus_workload_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser described by `doc`'s first paragraph, with the model, dtype, workload and API
+    of the bus benchmarks' clients (bench_bus_cost.py, bench_bus_bytes.py)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--workload", default="mixed-64", choices=WORKLOADS)
     parser.add_argument(
         "--api",
         choices=("openai", "native"),
@@ -74,6 +79,7 @@ def add_api_argument(parser: argparse.ArgumentParser) -> None:
         help="the clients' API: openai (/v1/completions, the issue's measurement) or "
         "native (/generate, whose answers carry token ids)",
     )
+    return parser
 
 
 def client_options(url: str, args: argparse.Namespace) -> argparse.Namespace:
