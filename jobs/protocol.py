@@ -84,8 +84,8 @@ class TokenBatch(Message):
 
     The reply stream (and ``bundle`` and ``text_only`` flags) most of its items share is
     written once, as the batch's ``reply_to``, ``bundle`` and ``text_only``, and left off
-    those items: with one ingress a whole
-    batch shares it, and it was a fifth of an item's bytes. An item with its own keeps it.
+    those items: with one ingress a whole batch shares it, and it was a fifth of an item's
+    bytes. An item with its own keeps it.
     ``weights`` is the version of the weights that computed every item (a worker swaps them
     only with nothing running: gpu_worker/weights_update.py); None from a worker that names
     none.
