@@ -50,7 +50,7 @@ def token_item(
     item = TokenItem(
         req.rid, reply_to, start, req.output_ids[start:end], context, prompt_context,
         req.params.stop, req.params.skip_special_tokens, reply_version=reply_version,
-        bundle=bundle, tag=tag if bundle else None, text_only=text_only and bundle,
+        bundle=bundle, tag=tag if bundle else None, text_only=text_only,
     )  # fmt: skip
     item.embedding = req.embedding  # an embedding's vector, once its prefill is done
     if req.params.logprobs:
@@ -71,7 +71,7 @@ def aborted_item(job: TokenizedRequest, generated: int) -> TokenItem:
     bundle = bool(job.bundle_replies)
     return TokenItem(job.rid, job.reply_to, generated, [], [], 0, finish=finish,
                      reply_version=job.v, bundle=bundle, tag=job.tag if bundle else None,
-                     text_only=bool(job.text_only) and bundle)  # fmt: skip
+                     text_only=bool(job.text_only))  # fmt: skip
 
 
 def finish_of(req: Req, queue_seconds: float | None) -> Finish:
