@@ -1,7 +1,7 @@
 """A replayable stage (the detokenizer: its readers drop a delta they already have) writes its
-outputs without a MULTI and acknowledges its inputs with its next read (bus/actor.py): two
-commands a publish less, and still nothing lost when it dies between the two, nor when a full
-Redis refuses its writes."""
+outputs without a MULTI and acknowledges its inputs with a later read (bus/actor.py,
+bus/deferred_acks.py): fewer commands a publish, and still nothing lost when it dies between
+the two, nor when a full Redis refuses its writes."""
 
 from __future__ import annotations
 
@@ -44,24 +44,29 @@ def _commands(client: redis.Redis) -> dict[str, int]:
     return {name: stats["calls"] for name, stats in client.info("commandstats").items()}
 
 
-def test_its_outputs_go_without_multi_and_its_inputs_are_acked_with_the_next_read(
-    redis_client, config
-):
-    actor = _actor(redis_client, config)
+def test_its_outputs_go_without_multi_and_its_inputs_are_acked_with_a_later_read(redis_url):
+    config = BusConfig(redis_url=redis_url, block_ms=20, claim_idle_ms=2_000)
+    client = redis.Redis.from_url(redis_url)
+    actor = _actor(client, config)
     for rid in ("a", "b"):
-        _submit(redis_client, config, rid)
-    redis_client.config_resetstat()
+        _submit(client, config, rid)
+    client.config_resetstat()
     assert actor.run_once() == 2
-    written = _commands(redis_client)
-    assert [m.rid for m in _replies(redis_client)] == ["a", "b"]
-    assert _pending(redis_client, config) == 2  # written, not yet acknowledged
+    written = _commands(client)
+    assert [m.rid for m in _replies(client)] == ["a", "b"]
+    assert _pending(client, config) == 2  # written, not yet acknowledged
     assert "cmdstat_multi" not in written and "cmdstat_exec" not in written
     assert "cmdstat_xack" not in written
-    redis_client.config_resetstat()
-    assert actor.run_once() == 0  # the next read carries the acknowledgement
-    acked = _commands(redis_client)
-    assert _pending(redis_client, config) == 0
+    _submit(client, config, "c")
+    assert actor.run_once() == 1  # a read before claim_idle_ms / 10: nothing acknowledged
+    assert _pending(client, config) == 3 and "cmdstat_xack" not in _commands(client)
+    time.sleep(config.claim_idle_ms / 10_000)
+    client.config_resetstat()
+    assert actor.run_once() == 0  # the next read carries one acknowledgement for all three
+    acked = _commands(client)
+    assert _pending(client, config) == 0
     assert acked.get("cmdstat_xack") == 1 and acked.get("cmdstat_xreadgroup") == 1
+    client.close()
 
 
 def test_a_replica_that_dies_before_acknowledging_has_its_batch_written_again_and_read_once(
@@ -73,6 +78,7 @@ def test_a_replica_that_dies_before_acknowledging_has_its_batch_written_again_an
     time.sleep(config.claim_idle_ms / 1000 + 0.05)
     heir = _actor(redis_client, config)
     assert heir.run_once() == 1  # claimed, and written a second time
+    time.sleep(config.claim_idle_ms / 10_000)
     heir.run_once()
     assert _pending(redis_client, config) == 0
     copies = _replies(redis_client)
@@ -110,6 +116,7 @@ def test_outputs_a_full_redis_refuses_are_not_acknowledged_and_go_out_once_it_is
         assert _pending(client, config) == 1 and _replies(client) == []
         free(client)
         assert actor.run_once() == 1
+        time.sleep(config.claim_idle_ms / 10_000)
         actor.run_once()
         assert [m.rid for m in _replies(client)] == ["a"]
         assert _pending(client, config) == 0
