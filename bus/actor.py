@@ -90,7 +90,8 @@ class Stage(Protocol):
 
     # Optional: `committed()`, called once the outputs of its last `handle` are in Redis (the
     # detokenizer counts a reply stream's expiry renewed only then); `reconnected()`, at the
-    # start and after each outage (Redis may be back empty); `replayable` (module docstring).
+    # start and after each outage (Redis may be back empty); `replayable` (module docstring)
+    # and `settled`, True after a batch whose acknowledgement should not wait.
 
 
 def unique_consumer_name(kind: str) -> str:
@@ -130,7 +131,7 @@ class Actor:
         self._unfinished: list[Entry] = []  # a turn Redis refused (an outage, OOM): retried
         self._replayable = bool(getattr(stage, "replayable", False))
         # A replayable stage's written inputs, acknowledged with a later read.
-        self._acks = DeferredAcks(config.claim_idle_ms / 10_000)
+        self._acks = DeferredAcks(client, self.stream, stage.group, config.claim_idle_ms / 10_000)
         self.processed = 0
         self.dead_lettered = 0
         self.metrics = StageMetrics(ProcessMetrics(stage.group, self.consumer, config.metrics))
@@ -142,7 +143,7 @@ class Actor:
         try:
             loop.run(self.run_once)
         finally:
-            self._flush_acks_on_exit()
+            self._acks.flush_on_exit()
 
     def _ensure_group(self) -> None:
         """At the start and after every outage: Redis may be back empty, without our group and
@@ -157,7 +158,7 @@ class Actor:
         entries = self._still_ours(self._unfinished)
         self._unfinished = []
         if not entries and time.monotonic() >= self._next_claim:
-            self.flush_acks()  # before a claim, which must not take back what we handled
+            self._acks.flush()  # before a claim, which must not take back what we handled
             entries = self._claim_stale()
         if not entries:
             entries = self._read_new()
@@ -186,21 +187,8 @@ class Actor:
             _, response = pipe.execute()
             self._acks.take()
         if not response:
-            self.flush_acks()  # idle: nothing more to fold them with
+            self._acks.flush()  # idle: nothing more to fold them with
         return response[0][1] if response else []
-
-    def flush_acks(self) -> None:
-        """Acknowledge at once what a replayable stage has written and not yet acknowledged."""
-        if self._acks.ids:
-            self.client.xack(self.stream, self.stage.group, *self._acks.ids)
-            self._acks.take()
-
-    def _flush_acks_on_exit(self) -> None:
-        try:
-            self.flush_acks()
-        except (*REDIS_TRANSIENT, redis.ResponseError) as exc:  # left pending: claimed later
-            logger.warning("%s: could not acknowledge %d handled entries on exit: %s",
-                           self.stage.group, len(self._acks.ids), exc)  # fmt: skip
 
     def _still_ours(self, entries: list[Entry]) -> list[Entry]:
         """Of entries a failed turn left pending, those no peer has claimed since."""
@@ -289,6 +277,8 @@ class Actor:
         execute_logging_errors(pipe, self.stage.group)
         if deferred:
             self._acks.add(entry_ids)
+            if getattr(self.stage, "settled", False):  # its last batch ended its requests
+                self._acks.flush()
         self.dead_lettered += len(dead)
         if dead:
             self.metrics.dead_letters.inc(len(dead))

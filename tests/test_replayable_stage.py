@@ -14,7 +14,7 @@ import redis
 from bus.actor import Actor
 from bus.reconnect import ensure_group
 from bus.reply_order import ReplyOrderer
-from jobs.protocol import ENTRY_FIELD, ErrorReply, TextDelta, TextDeltas, decode
+from jobs.protocol import ENTRY_FIELD, ErrorReply, TextDelta, TextDeltas, decode, encode
 from runtime.config import BusConfig
 from runtime.embedded_server import EmbeddedRedis
 from tests.test_bus_actor import REPLY, EchoStage, _replies, _submit
@@ -145,6 +145,31 @@ def test_the_detokenizer_is_replayable_and_its_bundles_decode_to_one_copy_each(
     orderer = ReplyOrderer()
     released = [d for entry in entries for delta in entry.deltas for d in orderer.push(delta)]
     assert [(d.rid, d.seq, d.ids) for d in released] == [("r", 0, [7, 8])]
+
+
+def test_the_detokenizer_acknowledges_at_once_a_batch_that_ended_every_request_in_it(
+    redis_client, config
+):
+    """Traffic that stops leaves nothing pending: the last batch (every item a request's
+    last) is acknowledged right after its writes; a batch of running requests waits."""
+    from jobs.protocol import TokenBatch, TokenItem
+    from jobs.token_records import Finish
+    from stages.detokenizer.stage import DetokenizerStage
+
+    config = BusConfig(redis_url=config.redis_url, block_ms=20, claim_idle_ms=60_000)
+    stage = DetokenizerStage(config, None)
+    stream = stage.input_stream(config)
+    ensure_group(redis_client, stream, stage.group)
+    actor = Actor(redis_client, config, stage)
+    running = TokenItem("r", REPLY, 0, [7], [], bundle=True)
+    ended = TokenItem("r", REPLY, 1, [8], [], bundle=True, finish=Finish("stop", None, 3, 2))
+    redis_client.xadd(stream, {ENTRY_FIELD: encode(TokenBatch("w", 1, [running]))})
+    assert actor.run_once() == 1
+    assert redis_client.xpending(stream, stage.group)["pending"] == 1  # waits for a later read
+    redis_client.xadd(stream, {ENTRY_FIELD: encode(TokenBatch("w", 2, [ended]))})
+    assert actor.run_once() == 1
+    assert redis_client.xpending(stream, stage.group)["pending"] == 0  # both, at once
+    assert redis_client.xlen(REPLY) == 2
 
 
 def _inbound(message):
