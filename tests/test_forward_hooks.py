@@ -5,6 +5,7 @@ import logging
 import pytest
 
 from gpu_worker import Engine
+from gpu_worker.models.random_shapes import fill_random_weights
 from tests import hook_factories
 
 MODEL = "random:tiny-llama"
@@ -71,3 +72,24 @@ def test_factory_returning_none_only_warns(caplog):
         engine = Engine(MODEL, forward_hooks=[_hook("tests.hook_factories:returns_none")])
     assert len(engine.runner.forward_hooks) == 0
     assert "returned None" in caplog.text
+
+
+@pytest.mark.parametrize("layer", [0, 1])  # tiny-llama has two: before and after a fused one
+def test_hooked_decoder_layer_sees_its_whole_output(layer):
+    """Unhooked layers leave their MLP's residual add to the next norm; a hooked layer returns
+    the summed hidden state, so a hook that only observes it changes no token (float32: the
+    sum and the norm round alike either way) and one that adds to it changes them."""
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    target = f"model.layers.{layer}"
+
+    def greedy(*hooks):
+        engine = Engine(MODEL, dtype="float32", forward_hooks=list(hooks))
+        # Wide weights: every part of each layer's output moves the tokens.
+        fill_random_weights(engine.runner.model, seed=0, std=0.2)
+        outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        return [out["output_ids"] for out in outputs]
+
+    plain = greedy()
+    assert greedy(_hook("tests.hook_factories:count_calls", target, key="layer")) == plain
+    assert hook_factories.CALLS["layer"] == 4  # one prefill + three decode forwards
+    assert greedy(_hook("tests.tp_probe:steer", target, amount=1.0)) != plain

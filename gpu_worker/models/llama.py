@@ -109,9 +109,27 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(hidden), cos, sin)
-        hidden, normed = self.post_attention_layernorm.add_then_norm(attended, hidden)
-        return hidden + self.mlp(normed)
+        residual, mlp_out = self.forward_unsummed(hidden, None, cos, sin)
+        return residual + mlp_out
+
+    def forward_unsummed(
+        self,
+        residual: torch.Tensor,
+        pending: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer on the hidden state `residual + pending` (pending None: `residual`
+        alone), returning its output the same way, as (residual, MLP output) not yet added:
+        the next layer's input norm (or the final norm) adds them in its own pass, where an
+        add on torch wrote a prefill-size sum only for the norm to read it again."""
+        if pending is None:
+            normed = self.input_layernorm(residual)
+        else:
+            residual, normed = self.input_layernorm.add_then_norm(pending, residual)
+        attended = self.self_attn(normed, cos, sin)
+        residual, normed = self.post_attention_layernorm.add_then_norm(attended, residual)
+        return residual, self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
@@ -133,9 +151,18 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         # One cos/sin for all layers: the positions are the same in each.
         cos, sin = self.rotary_emb(positions, hidden.dtype)
+        pending = None  # the last layer's MLP output, not yet added to hidden
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
-        return self.norm(hidden)
+            if layer._forward_hooks or layer._forward_pre_hooks:
+                # A hook on the layer sees (and may change) its whole output.
+                if pending is not None:
+                    hidden, pending = hidden + pending, None
+                hidden = layer(hidden, cos, sin)
+            else:
+                hidden, pending = layer.forward_unsummed(hidden, pending, cos, sin)
+        if pending is None:
+            return self.norm(hidden)
+        return self.norm.add_then_norm(pending, hidden)[1]
 
 
 class LlamaForCausalLM(nn.Module):
