@@ -196,7 +196,7 @@ def test_rotary_in_place_matches_apply_rotary(kernels, dtype, tokens):
 def test_silu_and_mul_matches_torch_ops(kernels, rows):
     torch.manual_seed(rows)
     inter = 1536 + 8  # a tail past the vector loop
-    # A strided view, as from a fused gate_up output; wide values reach both of silu's branches.
+    # A strided view, as from a fused gate_up output; wide values reach silu's flat tails.
     gate_up = (torch.randn(rows, 2 * inter + 64) * 6).to(torch.bfloat16)[:, : 2 * inter]
     gate, up = gate_up.chunk(2, dim=-1)
     expected = F.silu(gate).mul(up)  # torch's two bfloat16 ops
@@ -208,6 +208,19 @@ def test_silu_and_mul_matches_torch_ops(kernels, rows):
     torch.testing.assert_close(got, expected, rtol=8e-3, atol=1e-6)
     assert (got != expected).float().mean() < 0.01
     assert kernels.silu_and_mul(gate_up.float()) is None  # float32 stays on torch's ops
+
+
+def test_silu_and_mul_keeps_torchs_results_at_the_extremes(kernels):
+    # exp(-g) overflowing to +inf below about -88.7 (silu -0), infinities and NaN.
+    inf, nan = float("inf"), float("nan")
+    gate = [-1e3, -100, -89.5, -88.9, -88.6, -88, -50, -10, -0.0, 0.0, 10, 100, inf, -inf, nan, 3]
+    gate_up = torch.tensor([gate + [1.5] * 16], dtype=torch.bfloat16)
+    got = kernels.silu_and_mul(gate_up)
+    if got is None:
+        return  # no AVX-512: torch's ops
+    expected = F.silu(gate_up[:, :16]).mul(gate_up[:, 16:])
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(torch.signbit(got[:, :13]), torch.signbit(expected[:, :13]))  # -0 too
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 5), (3, 49152 + 7), (64, 1000)])

@@ -239,11 +239,32 @@ int rotary_inplace(void *x, const void *cos, const void *sin, int dtype, int64_t
     return 0;
 }
 
+#if defined(__AVX512F__)
+/* exp(x) for any float32 x: 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2 and e^r by
+ * a degree-5 polynomial fitted for least relative error on that range (2.1e-7 evaluated in
+ * float32; SiLU rounds to bfloat16's 2^-9). Two FMAs fewer than exp_nonpositive's Taylor
+ * series: 10% of silu_and_mul's time. Past 89 it is +inf, as expf's is; below -87, exp(-87).
+ */
+static inline __m512 exp_degree5(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(89.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147182f), x);
+    static const float coefficients[6] = { /* highest degree first */
+        8.29765480e-3f, 4.19153832e-2f, 1.66675746e-1f, 4.99988943e-1f, 9.99999702e-1f, 1.00000012f,
+    };
+    __m512 p = _mm512_set1_ps(coefficients[0]);
+    for (int k = 1; k < 6; k++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coefficients[k]));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
 /* out[r] = silu(gate[r]) * up[r] for bfloat16 rows x[r] = [gate | up] (x rows strided), as
- * torch's F.silu then mul_ compute it: silu in float32 rounded to bfloat16, then the product
- * rounded again. One pass where the two torch ops made two over the [tokens, 2 x
- * intermediate] activations: 123 against ~25 ms per 4096-token SmolLM2 prefill chunk. Float32
- * stays on torch's ops (-1), so a float32 model keeps transformers' exact op results. */
+ * torch's F.silu then mul_ compute it: silu(g) = g / (1 + exp(-g)) in float32 rounded to
+ * bfloat16, then the product rounded again (exp(-g) overflows to +inf and silu to -0 where
+ * torch's does). One pass where the two torch ops made two over the [tokens, 2 x intermediate]
+ * activations: 123 against ~25 ms per 4096-token SmolLM2 prefill chunk. Float32 stays on
+ * torch's ops (-1), so a float32 model keeps transformers' exact op results. */
 int silu_and_mul(const void *x, int64_t x_row_stride, void *out, int dtype, int64_t rows,
                  int64_t inter)
 {
@@ -256,12 +277,10 @@ int silu_and_mul(const void *x, int64_t x_row_stride, void *out, int dtype, int6
         int64_t i = 0;
         for (; i + 16 <= inter; i += 16) {
             const __m512 g = load16(gate, DT_BF16, i), u = load16(up, DT_BF16, i);
-            /* sigmoid from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below. */
-            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-            const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-            const __m512 numerator = _mm512_mask_blend_ps(negative, _mm512_set1_ps(1.f), e);
-            const __m512 silu = _mm512_div_ps(_mm512_mul_ps(g, numerator),
-                                              _mm512_add_ps(_mm512_set1_ps(1.f), e));
+            /* One division, no branches: taking exp(-|g|) and blending the numerator by g's
+             * sign (as this did) cost 10% more, and exp(-g)'s overflow gives torch's -0. */
+            const __m512 e = exp_degree5(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
             /* the two bfloat16 roundings of torch's two ops */
             const __m512 product = _mm512_mul_ps(round_to_bf16_16(silu), u);
             _mm256_storeu_si256((__m256i *)(dst + i), f32_to_bf16_16(product));
