@@ -114,10 +114,13 @@ static inline __m256i f32_to_bf16_16(__m512 x) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-/* x rounded to bfloat16 and back: what a bfloat16 torch op stores, as float32. */
-static inline __m512 round_to_bf16_16(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f32_to_bf16_16(x)), 16));
+/* 16 bfloat16 as float32. */
+static inline __m512 widen_bf16_16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+
+/* x rounded to bfloat16 and back: what a bfloat16 torch op stores, as float32. */
+static inline __m512 round_to_bf16_16(__m512 x) { return widen_bf16_16(f32_to_bf16_16(x)); }
 #endif
 
 /* The largest of s[0..n) (-inf for n = 0). */
