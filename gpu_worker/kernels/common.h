@@ -119,6 +119,14 @@ static inline __m512 widen_bf16_16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* 16 floats stored from element `offset` of `base` in its dtype (bfloat16 rounded). */
+static inline void store16(void *base, int dtype, int64_t offset, __m512 x) {
+    if (dtype == DT_F32)
+        _mm512_storeu_ps((float *)base + offset, x);
+    else
+        _mm256_storeu_si256((__m256i *)((uint16_t *)base + offset), f32_to_bf16_16(x));
+}
+
 /* x rounded to bfloat16 and back: what a bfloat16 torch op stores, as float32. */
 static inline __m512 round_to_bf16_16(__m512 x) { return widen_bf16_16(f32_to_bf16_16(x)); }
 #endif

@@ -150,11 +150,7 @@ static void norm_row(const float *row, const float *wf, int dtype, int64_t hidde
     for (; i + 16 <= hidden; i += 16) {
         __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(row + i), scale);
         if (dtype == DT_BF16) normed = round_to_bf16_16(normed);
-        const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(wf + i), normed);
-        if (dtype == DT_BF16)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)out + offset + i), f32_to_bf16_16(y));
-        else
-            _mm512_storeu_ps((float *)out + offset + i, y);
+        store16(out, dtype, offset + i, _mm512_mul_ps(_mm512_loadu_ps(wf + i), normed));
     }
 #endif
     for (; i < hidden; i++) {
@@ -236,28 +232,30 @@ int rotary_inplace(void *x, const void *cos, const void *sin, int dtype, int64_t
         load_f32(sin, dtype, t * head_dim, head_dim, s);
         for (int64_t h = 0; h < heads; h++) {
             const int64_t offset = t * row_stride + h * head_dim;
-            load_f32(x, dtype, offset, head_dim, v);
             int64_t i = 0;
 #if defined(__AVX512F__)
-            /* 16 at a time within each half (the scalar loop's roundings did not vectorize). */
+            /* 16 at a time from each half, straight from x (the scalar loop's roundings did
+             * not vectorize; a float32 copy of the head first cost 11-21% more). */
             if (half % 16 == 0) {
-                const __m512 minus = _mm512_set1_ps(-1.f);
-                for (; i < head_dim; i += 16) {
-                    const __m512 rotated = i < half
-                        ? _mm512_mul_ps(minus, _mm512_loadu_ps(v + i + half))
-                        : _mm512_loadu_ps(v + i - half);
-                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(v + i), _mm512_loadu_ps(c + i));
-                    __m512 b = _mm512_mul_ps(rotated, _mm512_loadu_ps(s + i));
-                    if (dtype == DT_BF16) a = round_to_bf16_16(a), b = round_to_bf16_16(b);
-                    const __m512 y = _mm512_add_ps(a, b);
-                    if (dtype == DT_BF16)
-                        _mm256_storeu_si256((__m256i *)((uint16_t *)x + offset + i), f32_to_bf16_16(y));
-                    else
-                        _mm512_storeu_ps((float *)x + offset + i, y);
+                for (; i < half; i += 16) {
+                    const __m512 lo = load16(x, dtype, offset + i);
+                    const __m512 hi = load16(x, dtype, offset + i + half);
+                    /* rotate_half(x) = [-hi, lo]; bfloat16 rounds each product, then the sum */
+                    __m512 a = _mm512_mul_ps(lo, _mm512_loadu_ps(c + i));
+                    __m512 b = _mm512_mul_ps(hi, _mm512_loadu_ps(s + i));
+                    __m512 a2 = _mm512_mul_ps(hi, _mm512_loadu_ps(c + i + half));
+                    __m512 b2 = _mm512_mul_ps(lo, _mm512_loadu_ps(s + i + half));
+                    if (dtype == DT_BF16) {
+                        a = round_to_bf16_16(a), b = round_to_bf16_16(b);
+                        a2 = round_to_bf16_16(a2), b2 = round_to_bf16_16(b2);
+                    }
+                    store16(x, dtype, offset + i, _mm512_sub_ps(a, b));
+                    store16(x, dtype, offset + i + half, _mm512_add_ps(a2, b2));
                 }
                 continue;
             }
 #endif
+            load_f32(x, dtype, offset, head_dim, v);
             for (; i < head_dim; i++) {
                 const float rotated = i < half ? -v[i + half] : v[i - half];
                 o[i] = dtype == DT_BF16 ? round_bf16(v[i] * c[i]) + round_bf16(rotated * s[i])
