@@ -6,8 +6,9 @@ Prefills every prompt of a workload (one output token each, greedy) through `Eng
 the prefix cache cleared before each round, and times on the wall clock each call into a
 linear layer (the matmuls: oneDNN, or the small-row kernel), into each CPU kernel (extend
 attention, RMSNorm with or without its residual add, rotary, SiLU-and-mul, the KV write) and
-the whole. "rest" is what is left: residual adds on torch, the embedding, copies, Python
-per layer and the scheduler. Prints one JSON line per round (seconds per part, and
+the whole. "rest" is what is left: the embedding, copies, Python per layer and the
+scheduler (and residual adds on torch, where a hook keeps a layer from fusing its add into
+the next norm). Prints one JSON line per round (seconds per part, and
 `outside_matmuls_s`: everything but the matmuls, issue 30's figure) and a table on stderr.
 Run alone on the machine: the parts are wall-clock times.
 """
