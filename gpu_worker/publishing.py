@@ -3,10 +3,11 @@ progress log.
 
 Each publish costs the bus about six commands down the chain (docs/ARCHITECTURE.md),
 whatever it carries, so a busy worker publishes at most every ``publish_interval_ms``, and
-at once when its engine runs dry (a request's last tokens never wait): one TokenBatch with one item per
-request that gained tokens since the last publish (all its steps' tokens), and one entry of
-its progress log (jobs/progress.py) with the same ids for every job at once. A token waits
-at most the interval for its reader; at batch 64 a publish carries hundreds of tokens.
+at once when its engine runs dry (a request's last tokens never wait): one TokenBatch with
+one item per request that gained tokens since the last publish (all its steps' tokens), and
+one entry of its progress log (jobs/progress.py) with the same ids for every job at once. A
+token waits at most the interval for its reader; at batch 64 a publish carries hundreds of
+tokens.
 
 Jobs handed back to the worker (a previous life's, or every job after the engine dropped its
 state) find their progress in the worker's own log at admission (`progress`); the log is
