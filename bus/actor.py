@@ -5,8 +5,9 @@ them, let the stage turn the good ones into output messages, then ``XADD`` the o
 ``XACK`` the inputs in one MULTI: a crash before the EXEC leaves the inputs pending (another
 consumer claims them), a crash after it has handed them on. A ``replayable`` stage (the
 detokenizer: its readers drop a delta they already have by its ``seq``) pipelines its
-outputs without the MULTI and acknowledges its inputs with a later read once the writes have
-answered (bus/deferred_acks.py): a crash in between writes them again (issue 27).
+outputs without the MULTI and acknowledges its inputs with its next read, in that read's
+round trip, once the writes have answered (a full Redis refuses an XADD, not an XACK): a
+crash in between writes them again, and a publish costs two commands less (issue 27).
 Entries that are not messages the stage accepts, or that make the stage raise, go to the
 dead-letter stream with the reason, and the stage keeps running. Entries left pending by a
 dead consumer are taken over with ``XAUTOCLAIM`` once idle for ``claim_idle_ms``; one
@@ -36,7 +37,6 @@ from typing import Any, Protocol
 
 import redis
 
-from bus.deferred_acks import DeferredAcks
 from bus.effects import (
     Outbound,
     Output,
@@ -89,9 +89,9 @@ class Stage(Protocol):
     def handle(self, batch: list[Inbound]) -> list[Output]: ...
 
     # Optional: `committed()`, called once the outputs of its last `handle` are in Redis (the
-    # detokenizer counts a reply stream's expiry renewed only then); `reconnected()`, at the
-    # start and after each outage (Redis may be back empty); `replayable` (module docstring)
-    # and `settled`, True after a batch whose acknowledgement should not wait.
+    # detokenizer counts a reply stream's expiry renewed only then); `reconnected()`, called
+    # at the start and after each outage, when Redis may have come back empty; `replayable`,
+    # True where writing a batch's outputs twice is harmless (the module docstring says why).
 
 
 def unique_consumer_name(kind: str) -> str:
@@ -130,8 +130,7 @@ class Actor:
         self._claim_cursor: bytes | str = "0-0"  # XAUTOCLAIM resumes where it left off
         self._unfinished: list[Entry] = []  # a turn Redis refused (an outage, OOM): retried
         self._replayable = bool(getattr(stage, "replayable", False))
-        # A replayable stage's written inputs, acknowledged with a later read.
-        self._acks = DeferredAcks(client, self.stream, stage.group, config.claim_idle_ms / 10_000)
+        self._acks: list[bytes] = []  # a replayable stage's written inputs, acked with a read
         self.processed = 0
         self.dead_lettered = 0
         self.metrics = StageMetrics(ProcessMetrics(stage.group, self.consumer, config.metrics))
@@ -143,7 +142,7 @@ class Actor:
         try:
             loop.run(self.run_once)
         finally:
-            self._acks.flush_on_exit()
+            self._flush_acks_on_exit()
 
     def _ensure_group(self) -> None:
         """At the start and after every outage: Redis may be back empty, without our group and
@@ -158,7 +157,7 @@ class Actor:
         entries = self._still_ours(self._unfinished)
         self._unfinished = []
         if not entries and time.monotonic() >= self._next_claim:
-            self._acks.flush()  # before a claim, which must not take back what we handled
+            self.flush_acks()  # before a claim, which must not take back what we handled
             entries = self._claim_stale()
         if not entries:
             entries = self._read_new()
@@ -175,20 +174,32 @@ class Actor:
         return len(entries)
 
     def _read_new(self) -> list[Entry]:
-        """XREADGROUP a batch, with a replayable stage's due acknowledgements (if any)."""
+        """XREADGROUP a batch, with the last turn's acknowledgements (a replayable stage's)
+        in the same round trip."""
         read_args = (self.stage.group, self.consumer, {self.stream: ">"})
         read_options = {"count": self.config.read_count, "block": self.config.block_ms}
-        if not self._acks.due():
+        if not self._acks:
             response = self.client.xreadgroup(*read_args, **read_options)
         else:
             pipe = self.client.pipeline(transaction=False)
-            pipe.xack(self.stream, self.stage.group, *self._acks.ids)
+            pipe.xack(self.stream, self.stage.group, *self._acks)
             pipe.xreadgroup(*read_args, **read_options)
             _, response = pipe.execute()
-            self._acks.take()
-        if not response:
-            self._acks.flush()  # idle: nothing more to fold them with
+            self._acks = []
         return response[0][1] if response else []
+
+    def flush_acks(self) -> None:
+        """Acknowledge at once what a replayable stage has written and not yet acknowledged."""
+        if self._acks:
+            self.client.xack(self.stream, self.stage.group, *self._acks)
+            self._acks = []
+
+    def _flush_acks_on_exit(self) -> None:
+        try:
+            self.flush_acks()
+        except (*REDIS_TRANSIENT, redis.ResponseError) as exc:  # left pending: claimed later
+            logger.warning("%s: could not acknowledge %d handled entries on exit: %s",
+                           self.stage.group, len(self._acks), exc)  # fmt: skip
 
     def _still_ours(self, entries: list[Entry]) -> list[Entry]:
         """Of entries a failed turn left pending, those no peer has claimed since."""
@@ -276,9 +287,7 @@ class Actor:
             pipe.xack(self.stream, self.stage.group, *entry_ids)
         execute_logging_errors(pipe, self.stage.group)
         if deferred:
-            self._acks.add(entry_ids)
-            if getattr(self.stage, "settled", False):  # its last batch ended its requests
-                self._acks.flush()
+            self._acks.extend(entry_ids)
         self.dead_lettered += len(dead)
         if dead:
             self.metrics.dead_letters.inc(len(dead))

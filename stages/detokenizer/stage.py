@@ -9,9 +9,8 @@ a quarter TTL per replica (stages/detokenizer/stream_expiries.py), the others' w
 batch (a stream its reader deleted, written again by a late delta, still goes). Stateless as
 to requests (stages/detokenizer/incremental.py), so any replica handles any batch; readers
 order a request's deltas by ``seq`` and drop one they already have, so the stage is
-``replayable``: its writes need no MULTI, and its inputs are acknowledged with a later
-read (bus/actor.py, bus/deferred_acks.py), or at once after a batch that was every one of
-its requests' last (``settled``): a stream whose traffic stopped shows nothing pending.
+``replayable``: its writes need no MULTI, and its inputs are acknowledged with its next
+read (bus/actor.py).
 """
 
 from __future__ import annotations
@@ -39,14 +38,12 @@ class DetokenizerStage:
         # The default TTL where the stage is made for its pure parts (`_delta`), with no config.
         ttl_s = (config or BusConfig()).reply_ttl_s
         self.expiries = StreamExpiries(ttl_s)
-        self.settled = False  # the last batch handled ended every request it carried
 
     def input_stream(self, config: BusConfig) -> str:
         return config.tokens_stream()
 
     def handle(self, batch: list[Inbound]) -> list[Output]:
         items = [item for inbound in batch for item in inbound.message.items]
-        self.settled = bool(items) and all(item.finish is not None for item in items)
         sources = [inbound.message for inbound in batch for _ in inbound.message.items]
         texts = text_deltas(self.tokenizer, items) if self.tokenizer else [None] * len(items)
         bundles: dict[str, list[TextDelta]] = {}
