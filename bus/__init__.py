@@ -2,8 +2,7 @@
 
 actor.py          `Actor`: a CPU stage replica's loop on its consumer group, each turn's
                   effects and acknowledgements committed in one MULTI (a replayable stage's
-                  effects pipelined, its acknowledgements sent with a later read)
-deferred_acks.py  a replayable stage's handled entries, acknowledged every few publishes
+                  effects pipelined, its acknowledgements sent with its next read)
 effects.py        what a stage's turn writes (`Outbound`, `SetKey`, `ExpireKey`, ...)
 fenced_stream.py  a worker's own stream, written only under its fence (its progress log, which
                   the reaper closes: `fence_off`)

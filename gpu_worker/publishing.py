@@ -1,7 +1,7 @@
 """What a busy worker publishes, and when: its jobs' new tokens, once per interval, and its
 progress log.
 
-Each publish costs the bus about six commands down the chain (docs/ARCHITECTURE.md),
+Each publish costs the bus about seven commands down the chain (docs/ARCHITECTURE.md),
 whatever it carries, so a busy worker publishes at most every ``publish_interval_ms``, and
 at once when its engine runs dry (a request's last tokens never wait): one TokenBatch with
 one item per request that gained tokens since the last publish (all its steps' tokens), and
