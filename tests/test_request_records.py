@@ -73,6 +73,7 @@ def test_a_turns_request_keys_go_in_one_msetex_and_in_sets_once_the_server_lacks
                                   "cmdstat_exec": 1, "cmdstat_config|resetstat": 1}  # fmt: skip
         _records(client, config, ["f", "g"])
         client.close()
+        loop.run_until_complete(writes.client.aclose())
     loop.close()
 
 
@@ -87,4 +88,5 @@ def test_an_ingress_starting_on_a_server_without_msetex_sets_each_key():
         _records(client, config, ["a", "b"])
         assert client.xlen(config.tokenized_stream()) == 1
         client.close()
+        loop.run_until_complete(writes.client.aclose())
     loop.close()
