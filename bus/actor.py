@@ -1,4 +1,5 @@
-"""The stage runtime: an actor on a consumer group of one input stream.
+"""The stage runtime: an actor on a consumer group of one input stream (and, for a stage
+that names them, extra inputs read in the same XREADGROUP: bus/extra_inputs.py).
 
 One turn of the loop: ``XREADGROUP`` (COUNT > 1, bounded BLOCK) a batch of entries, decode
 them, let the stage turn the good ones into output messages, then ``XADD`` the outputs and
@@ -12,14 +13,13 @@ Entries that are not messages the stage accepts, or that make the stage raise, g
 dead-letter stream with the reason, and the stage keeps running. Entries left pending by a
 dead consumer are taken over with ``XAUTOCLAIM`` once idle for ``claim_idle_ms``; one
 delivered more than ``max_deliveries`` times is dead-lettered (it may be what killed its
-consumers). An entry of the job streams may bundle several jobs (jobs/wire.py): each is
-handled (or dead-lettered) on its own and the entry acknowledged once; a bundle claimed
-after a delivery is split into single-job entries first, so one poison job cannot take its
-bundle-mates down. A stage that cannot handle a batch yet raises `HoldBatch`: nothing is
-written or acknowledged. A MULTI refused because Redis is full (OOM) is retried like an
-outage: nothing acknowledged.
-Every few seconds a replica trims its input stream below what every group acknowledged
-(bus/stream_trim.py).
+consumers: bus/stale_claims.py). An entry of the job streams may bundle several jobs
+(jobs/wire.py): each is handled (or dead-lettered) on its own and the entry acknowledged
+once; a bundle claimed after a delivery is split into single-job entries first, so one
+poison job cannot take its bundle-mates down. A stage that cannot handle a batch yet raises
+`HoldBatch`: nothing is written or acknowledged. A MULTI refused because Redis is full (OOM)
+is retried like an outage: nothing acknowledged. Every few seconds a replica trims its input
+stream below what every group acknowledged (bus/stream_trim.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from typing import Any, Protocol
 import redis
 
 from bus.effects import (
-    Outbound,
     Output,
     dead_letter_fields,
     execute_logging_errors,
@@ -46,15 +45,15 @@ from bus.effects import (
     write_dead_letters,
     write_outputs,
 )
-from bus.reconnect import REDIS_TRANSIENT, ReconnectingLoop, ensure_group
+from bus.extra_inputs import ExtraInputs, by_stream
+from bus.reconnect import REDIS_TRANSIENT, ReconnectingLoop, ensure_group, is_missing_group
+from bus.stale_claims import Entry, Read, StaleClaims, requester
 from bus.stream_trim import StreamTrimmer
-from jobs.job_failures import failure_reply, malformed_reply, too_many_deliveries
+from jobs.job_failures import failure_reply, malformed_reply
 from jobs.protocol import (
-    ENTRY_FIELD,
     JOBS_FIELD,
     Message,
     ProtocolError,
-    bundle_payloads,
     decode,
     encode,
     job_payloads,
@@ -66,9 +65,6 @@ from runtime.config import BusConfig
 logger = logging.getLogger(__name__)
 
 
-Entry = tuple[bytes, dict[bytes, bytes] | None]  # (entry id, fields; None once deleted)
-
-
 class HoldBatch(Exception):  # noqa: N818 (a signal, not an error)
     """Raised by a stage to leave its batch pending (unacknowledged) for later or another
     replica, e.g. when the stage is stopping while it waits."""
@@ -78,6 +74,7 @@ class HoldBatch(Exception):  # noqa: N818 (a signal, not an error)
 class Inbound:
     entry_id: bytes
     message: Message
+    stream: str = ""  # the stream it came from ("": the stage's own)
 
 
 class Stage(Protocol):
@@ -91,7 +88,9 @@ class Stage(Protocol):
     # Optional: `committed()`, called once the outputs of its last `handle` are in Redis (the
     # detokenizer counts a reply stream's expiry renewed only then); `reconnected()`, called
     # at the start and after each outage, when Redis may have come back empty; `replayable`,
-    # True where writing a batch's outputs twice is harmless (the module docstring says why).
+    # True where writing a batch's outputs twice is harmless (the module docstring says why);
+    # `extra_inputs()`, the streams it reads besides its own, whose entries carry its
+    # messages in `extra_field` (bus/extra_inputs.py: the detokenizer's workers' logs).
 
 
 def unique_consumer_name(kind: str) -> str:
@@ -99,15 +98,7 @@ def unique_consumer_name(kind: str) -> str:
     return f"{kind}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def requester(message: Message) -> tuple[str, str] | None:
-    """(rid, reply_to) of a message that says who is waiting for it."""
-    rid, reply_to = getattr(message, "rid", None), getattr(message, "reply_to", None)
-    if not isinstance(rid, str) or not isinstance(reply_to, str):
-        return None
-    return rid, reply_to
-
-
-class Actor:
+class Actor(StaleClaims):
     """Runs one stage replica; `run` until `stop` is set."""
 
     def __init__(
@@ -127,10 +118,14 @@ class Actor:
             # A stage that may hold a batch a while keeps it from being claimed with this.
             stage.keep_alive = self.touch
         self._next_claim = 0.0
-        self._claim_cursor: bytes | str = "0-0"  # XAUTOCLAIM resumes where it left off
-        self._unfinished: list[Entry] = []  # a turn Redis refused (an outage, OOM): retried
+        # XAUTOCLAIM resumes where it left off, on each stream.
+        self._claim_cursors: dict[str, bytes | str] = {}
+        self._unfinished: Read = []  # a turn Redis refused (an outage, OOM): retried
         self._replayable = bool(getattr(stage, "replayable", False))
-        self._acks: list[bytes] = []  # a replayable stage's written inputs, acked with a read
+        # A replayable stage's written inputs, by stream, acknowledged with its next read.
+        self._acks: dict[str, list[bytes]] = {}
+        self.extra = ExtraInputs(client, stage.group, getattr(stage, "extra_inputs", None))
+        self._extra_field: bytes | None = getattr(stage, "extra_field", None)
         self.processed = 0
         self.dead_lettered = 0
         self.metrics = StageMetrics(ProcessMetrics(stage.group, self.consumer, config.metrics))
@@ -154,99 +149,134 @@ class Actor:
     def run_once(self) -> int:
         """One read-handle-commit turn (plus a claim of stale entries and a trim when due)."""
         self.trimmer.maybe_trim()
-        entries = self._still_ours(self._unfinished)
+        reads = self._still_ours(self._unfinished)
         self._unfinished = []
-        if not entries and time.monotonic() >= self._next_claim:
+        if not reads and time.monotonic() >= self._next_claim:
             self.flush_acks()  # before a claim, which must not take back what we handled
-            entries = self._claim_stale()
-        if not entries:
-            entries = self._read_new()
-        if entries:
+            reads = self._claim_stale()
+        if not reads:
+            reads = self._read_new()
+        count = sum(len(entries) for _, entries in reads)
+        if count:
             try:
-                self.process(entries)
+                self.process(reads)
             except HoldBatch:
-                logger.info("%s: holding %d entries", self.stage.group, len(entries))
+                logger.info("%s: holding %d entries", self.stage.group, count)
             except REDIS_TRANSIENT:
                 # Handled again next turn, by us: a claim would count one more delivery,
                 # and an outage (a full Redis) is no fault of the entries.
-                self._unfinished = list(entries)
+                self._unfinished = list(reads)
                 raise
-        return len(entries)
+        return count
 
-    def _read_new(self) -> list[Entry]:
-        """XREADGROUP a batch, with the last turn's acknowledgements (a replayable stage's)
-        in the same round trip."""
-        read_args = (self.stage.group, self.consumer, {self.stream: ">"})
+    def _read_new(self) -> Read:
+        """XREADGROUP a batch off our stream and the extra inputs, with the last turn's
+        acknowledgements (a replayable stage's) in the same round trip."""
+        self.extra.maybe_refresh()
+        streams = dict.fromkeys([self.stream, *self.extra.streams], ">")
+        read_args = (self.stage.group, self.consumer, streams)
         read_options = {"count": self.config.read_count, "block": self.config.block_ms}
-        if not self._acks:
-            response = self.client.xreadgroup(*read_args, **read_options)
-        else:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.xack(self.stream, self.stage.group, *self._acks)
-            pipe.xreadgroup(*read_args, **read_options)
-            _, response = pipe.execute()
-            self._acks = []
-        return response[0][1] if response else []
+        pipe = self.client.pipeline(transaction=False)
+        for stream, entry_ids in self._acks.items():
+            pipe.xack(stream, self.stage.group, *entry_ids)
+        pipe.xreadgroup(*read_args, **read_options)
+        response = pipe.execute(raise_on_error=False)[-1]
+        self._acks = {}
+        if isinstance(response, redis.ResponseError):
+            ours = f"'{self.stream}'" in str(response)
+            if not self.extra.streams or not is_missing_group(response) or ours:
+                raise response
+            self.extra.lost()  # an extra input is gone (a dead worker's log, read through)
+            return []
+        reads = by_stream(response)
+        if any(stream == self.stream for stream, _ in reads):
+            self.extra.maybe_refresh(force=True)  # a worker may have said it opened its log
+        return reads
 
     def flush_acks(self) -> None:
         """Acknowledge at once what a replayable stage has written and not yet acknowledged."""
         if self._acks:
-            self.client.xack(self.stream, self.stage.group, *self._acks)
-            self._acks = []
+            pipe = self.client.pipeline(transaction=False)
+            for stream, entry_ids in self._acks.items():
+                pipe.xack(stream, self.stage.group, *entry_ids)
+            pipe.execute()
+            self._acks = {}
 
     def _flush_acks_on_exit(self) -> None:
         try:
             self.flush_acks()
         except (*REDIS_TRANSIENT, redis.ResponseError) as exc:  # left pending: claimed later
             logger.warning("%s: could not acknowledge %d handled entries on exit: %s",
-                           self.stage.group, len(self._acks), exc)  # fmt: skip
+                           self.stage.group, sum(map(len, self._acks.values())), exc)  # fmt: skip
 
-    def _still_ours(self, entries: list[Entry]) -> list[Entry]:
+    def _still_ours(self, reads: Read) -> Read:
         """Of entries a failed turn left pending, those no peer has claimed since."""
-        if not entries:
-            return []
-        pending = self.client.xpending_range(
-            self.stream, self.stage.group, "-", "+", count=len(entries) + 1000,
-            consumername=self.consumer,
-        )  # fmt: skip
-        ours = {p["message_id"] for p in pending}
-        return [entry for entry in entries if entry[0] in ours]
+        ours: Read = []
+        for stream, entries in reads:
+            pending = self.client.xpending_range(
+                stream, self.stage.group, "-", "+", count=len(entries) + 1000,
+                consumername=self.consumer,
+            )  # fmt: skip
+            held = {p["message_id"] for p in pending}
+            kept = [entry for entry in entries if entry[0] in held]
+            if kept:
+                ours.append((stream, kept))
+        return ours
 
-    def process(self, entries: Sequence[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
+    def process(self, reads: Read | Sequence[Entry]) -> None:
+        """Handle entries (of our own stream, or by stream) and commit what they make."""
+        if reads and not isinstance(reads[0][0], str):
+            reads = [(self.stream, list(reads))]
         started = time.perf_counter()
         good: list[Inbound] = []
         dead: list[dict[str, Any]] = []
         refusals: list[Output] = []
-        for entry_id, fields in entries:
-            if fields is None:
-                # Deleted while pending: the bus never trims an unacknowledged entry
-                # (bus/stream_trim.py), so only an XDEL or XTRIM by hand gets here. Its
-                # requester cannot be answered (its reply_to went with it); people can.
-                reason = "deleted from the stream while pending; its requester got no reply"
-                dead.append(dead_letter_fields(self.stream, entry_id, reason, None))
-                continue
-            try:
-                payloads = job_payloads(fields)  # one, or each job of a bundle entry
-            except ProtocolError as exc:  # a malformed bundle: refused whole
-                dead.append(dead_letter_fields(self.stream, entry_id, str(exc),
-                                               fields.get(JOBS_FIELD)))  # fmt: skip
-                continue
-            for payload in payloads:
-                try:
-                    good.append(Inbound(entry_id, decode(payload, *self.stage.accepts)))
-                except ProtocolError as exc:  # this job alone: its bundle-mates go on
-                    dead.append(dead_letter_fields(self.stream, entry_id, str(exc), payload))
-                    answer = malformed_reply(payload, exc)
-                    if answer is not None:
-                        refusals.append(reply(self.config, *answer))
+        for stream, entries in reads:
+            for entry_id, fields in entries:
+                self._decode_entry(stream, entry_id, fields, good, dead, refusals)
         outputs = refusals + self._handle(good, dead)
-        self._commit([entry_id for entry_id, _ in entries], outputs, dead)
+        acks = {stream: [entry_id for entry_id, _ in entries] for stream, entries in reads}
+        self._commit(acks, outputs, dead)
         if hasattr(self.stage, "committed"):  # what it wrote is in Redis now (the detokenizer)
             self.stage.committed()
-        self.processed += len(entries)
-        self.metrics.entries.inc(len(entries))
-        self.metrics.batch_size.observe(len(entries))
+        count = sum(len(entries) for _, entries in reads)
+        self.processed += count
+        self.metrics.entries.inc(count)
+        self.metrics.batch_size.observe(count)
         self.metrics.handle_seconds.observe(time.perf_counter() - started)
+
+    def _decode_entry(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes] | None,
+                      good: list[Inbound], dead: list[dict[str, Any]],
+                      refusals: list[Output]) -> None:  # fmt: skip
+        """An entry's messages into `good`, or its dead letters into `dead` (and the
+        answers to their requesters into `refusals`)."""
+        if fields is None:
+            # Deleted while pending: the bus never trims an unacknowledged entry
+            # (bus/stream_trim.py), so only an XDEL or XTRIM by hand gets here. Its
+            # requester cannot be answered (its reply_to went with it); people can.
+            reason = "deleted from the stream while pending; its requester got no reply"
+            dead.append(dead_letter_fields(stream, entry_id, reason, None))
+            return
+        try:
+            payloads = self._payloads(stream, fields)  # one, or each job of a bundle entry
+        except ProtocolError as exc:  # a malformed bundle: refused whole
+            dead.append(dead_letter_fields(stream, entry_id, str(exc), fields.get(JOBS_FIELD)))
+            return
+        for payload in payloads:
+            try:
+                good.append(Inbound(entry_id, decode(payload, *self.stage.accepts), stream))
+            except ProtocolError as exc:  # this job alone: its bundle-mates go on
+                dead.append(dead_letter_fields(stream, entry_id, str(exc), payload))
+                answer = malformed_reply(payload, exc)
+                if answer is not None:
+                    refusals.append(reply(self.config, *answer))
+
+    def _payloads(self, stream: str, fields: dict[bytes, bytes]) -> list[bytes | None]:
+        """The messages an entry carries: on our stream its ``m`` or its bundle's jobs; on an
+        extra input its `extra_field` (none: an entry not for us, acknowledged unread)."""
+        if stream == self.stream:
+            return job_payloads(fields)
+        return [fields[self._extra_field]] if self._extra_field in fields else []
 
     def _handle(self, good: list[Inbound], dead: list[dict[str, Any]]) -> list[Output]:
         if not good:
@@ -267,7 +297,8 @@ class Actor:
             except Exception as exc:  # this entry's own failure, whatever it raised
                 reason = f"{self.stage.group} failed on it: {type(exc).__name__}: {exc}"[:1000]
                 logger.exception("%s: dead-lettering %s", self.stage.group, inbound.entry_id)
-                dead.append(dead_letter_fields(self.stream, inbound.entry_id, reason,
+                dead.append(dead_letter_fields(inbound.stream or self.stream,
+                                               inbound.entry_id, reason,
                                                _payload_of(inbound.message)))  # fmt: skip
                 address = requester(inbound.message)
                 if address is not None:
@@ -277,17 +308,20 @@ class Actor:
         return outputs
 
     def _commit(
-        self, entry_ids: list[bytes], outputs: list[Output], dead: list[dict[str, Any]]
+        self, acks: dict[str, list[bytes]], outputs: list[Output], dead: list[dict[str, Any]]
     ) -> None:
+        """Write `outputs` and `dead` and acknowledge `acks` (entry ids by stream)."""
         deferred = self._replayable and not dead  # dead letters are not replayable
         pipe = self.client.pipeline(transaction=not deferred)
         write_outputs(pipe, self.config, outputs)
         write_dead_letters(pipe, self.config, dead)
-        if entry_ids and not deferred:
-            pipe.xack(self.stream, self.stage.group, *entry_ids)
+        for stream, entry_ids in acks.items():
+            if entry_ids and not deferred:
+                pipe.xack(stream, self.stage.group, *entry_ids)
         execute_logging_errors(pipe, self.stage.group)
         if deferred:
-            self._acks.extend(entry_ids)
+            for stream, entry_ids in acks.items():
+                self._acks.setdefault(stream, []).extend(entry_ids)
         self.dead_lettered += len(dead)
         if dead:
             self.metrics.dead_letters.inc(len(dead))
@@ -298,80 +332,6 @@ class Actor:
         # The jobs of one bundle entry share its id: each id once.
         touch(self.client, self.stream, self.stage.group, self.consumer,
               list(dict.fromkeys(entry_ids)))  # fmt: skip
-
-    def _claim_stale(self) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
-        """Take over entries idle past claim_idle_ms; dead-letter the over-delivered ones and
-        split the bundles delivered more than once (`_split_bundles`)."""
-        self._next_claim = time.monotonic() + self.config.claim_idle_ms / 2000
-        self._claim_cursor, claimed, _ = self.client.xautoclaim(
-            self.stream, self.stage.group, self.consumer,
-            min_idle_time=self.config.claim_idle_ms, start_id=self._claim_cursor,
-            count=self.config.read_count,
-        )  # fmt: skip
-        if not claimed:
-            return []
-        keep, dead, answers, bundles = [], [], [], []
-        for entry_id, fields in claimed:
-            info = self.client.xpending_range(
-                self.stream, self.stage.group, min=entry_id, max=entry_id, count=1
-            )
-            deliveries = info[0]["times_delivered"] if info else 1
-            payloads = _bundled(fields)
-            if payloads is not None and deliveries >= 2:
-                bundles.append((entry_id, payloads))
-            elif deliveries > self.config.max_deliveries:
-                payload = (fields or {}).get(ENTRY_FIELD, (fields or {}).get(JOBS_FIELD))
-                reason = f"delivered {deliveries} times without being handled"
-                dead.append((entry_id, dead_letter_fields(self.stream, entry_id, reason, payload)))
-                answers.append(self._poison_reply(payload, deliveries))
-            else:
-                keep.append((entry_id, fields))
-        if dead:
-            outputs = [answer for answer in answers if answer is not None]
-            self._commit([entry_id for entry_id, _ in dead], outputs, [d for _, d in dead])
-        if bundles:
-            self._split_bundles(bundles)
-        self.metrics.claimed.inc(len(claimed))
-        logger.info("%s: claimed %d stale entries", self.stage.group, len(keep))
-        return keep
-
-    def _split_bundles(self, bundles: list[tuple[bytes, list[bytes]]]) -> None:
-        """Put each job of these bundles back on the stream as an entry of its own and
-        acknowledge the bundles, in one MULTI: a bundle that came back is one that a consumer
-        died holding, and as single entries each job counts its own deliveries, so a job that
-        kills its consumers is dead-lettered alone rather than take its bundle-mates along."""
-        pipe = self.client.pipeline(transaction=True)
-        for _, payloads in bundles:
-            for payload in payloads:
-                pipe.xadd(self.stream, {ENTRY_FIELD: payload})
-        pipe.xack(self.stream, self.stage.group, *[entry_id for entry_id, _ in bundles])
-        execute_logging_errors(pipe, self.stage.group)
-        logger.warning("%s: split %d bundles delivered more than once into %d entries",
-                       self.stage.group, len(bundles),
-                       sum(len(payloads) for _, payloads in bundles))  # fmt: skip
-
-    def _poison_reply(self, payload: bytes | None, deliveries: int) -> Outbound | None:
-        """The error reply for a request whose entry kept its consumers from finishing it."""
-        try:
-            address = requester(decode(payload, *self.stage.accepts))
-        except ProtocolError as exc:
-            answer = malformed_reply(payload, exc)
-            return None if answer is None else reply(self.config, *answer)
-        if address is None:
-            return None
-        rid, reply_to = address
-        return reply(self.config, reply_to, too_many_deliveries(rid, deliveries))
-
-
-def _bundled(fields: dict[bytes, bytes] | None) -> list[bytes] | None:
-    """The job payloads of a well-formed bundle entry; None for any other entry (a malformed
-    bundle is dead-lettered whole when it is processed)."""
-    if not fields or JOBS_FIELD not in fields:
-        return None
-    try:
-        return bundle_payloads(fields)
-    except ProtocolError:
-        return None
 
 
 def _payload_of(message: Message) -> bytes:

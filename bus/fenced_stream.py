@@ -9,17 +9,24 @@ buffers of its `FencedStream` until the next `commit`, one atomic script call
 blocking (`read_blocking`), by a thread of the worker's own (gpu_worker/job_intake.py); a
 commit can carry a non-blocking read instead, for a worker driven turn by turn.
 
+A worker publishes its tokens in its progress log ``<p>:progress:<id>``: the commit's log
+entry holds its TokenBatch (field ``t``) beside the progress (``m``, jobs/progress.py), and
+the detokenizers read the batches there, in their group ``detokenizer`` (`LOG_READERS_GROUP`,
+made with the log; bus/extra_inputs.py). The entry is written anyway (it is the fence,
+below), so a publish costs one XADD, not two (issue 27). The worker trims its log below
+the oldest job it holds and never below what the detokenizers have not acknowledged.
+
 Nothing is lost when a worker dies. A job stays pending on the worker's stream until it
 finishes (its acknowledgement goes in the commit with its last tokens), and the commit that
-publishes tokens also logs them, for all the worker's jobs at once, on its progress stream
-``<p>:progress:<id>`` (jobs/progress.py). When the heartbeat lapses, the router's reaper
-(stages/router/worker_reaper.py) moves the pending jobs to the router again, each carrying
-the ids the log holds for it, and the worker that gets one continues after them: no token is
-repeated or missing. A worker stopped with SIGTERM publishes what it generated and leaves
-its jobs to the reaper the same way. A worker started again under the same id takes back the
-entries its previous life left pending (`open`) and reads their progress from its own log
-(`read_progress_log`); each of those was handed to a worker that died holding it, which
-`previous_deliveries` counts for the job's quarantine (jobs/job_failures.py).
+publishes tokens also logs them, for all the worker's jobs at once, in that entry. When the
+heartbeat lapses, the router's reaper (stages/router/worker_reaper.py) moves the pending
+jobs to the router again, each carrying the ids the log holds for it, and the worker that
+gets one continues after them: no token is repeated or missing. A worker stopped with
+SIGTERM publishes what it generated and leaves its jobs to the reaper the same way. A worker
+started again under the same id takes back the entries its previous life left pending
+(`open`) and reads their progress from its own log (`read_progress_log`); each of those was
+handed to a worker that died holding it, which `previous_deliveries` counts for the job's
+quarantine (jobs/job_failures.py).
 
 A worker taken for dead while alive (paused, or out of reach of Redis for longer than the
 heartbeat TTL) must not go on publishing for jobs now served elsewhere: two writers would
@@ -27,16 +34,17 @@ send a client two versions of a token and garble the progress log. Its progress 
 fence. Every commit writes an entry there first, in the same script call
 (bus/scripted_multi.py, ``guarded``; an empty entry when no job has new ids), with
 NOMKSTREAM; the reaper closes the log in the MULTI that claims jobs off the worker
-(`fence_off`: XSETID to the last possible id, so no XADD can add to it) and deletes it
-once the worker is gone. A commit whose entry the log refuses, closed or missing, writes
-nothing and raises `Fenced`; the worker drops every job and starts again from
-`restart_fenced`, which opens its log again: the entries still pending to it are its own,
-and resume from the log. The fence so costs no command of its own: a GET of a fence key in
-every commit had been one command per publish, a quarter of a batch-1 decode step's (issue
-27). A Redis restarted empty has no log either: its worker's first commit is fenced, and it
-serves on with what is pending to it (nothing: the jobs were lost with Redis). The reaper
-also changes the fence key that workers before this fence read (`legacy_fence_key`), so
-routers are upgraded before workers.
+(`fence_off`: XSETID to the last possible id, so no XADD can add to it) and deletes it once
+the worker is gone (moving to the tokens stream first the batches in it that the
+detokenizers have not acknowledged: stages/router/worker_reaper.py). A commit whose entry
+the log refuses, closed or missing, writes nothing and raises `Fenced`; the worker drops
+every job and starts again from `restart_fenced`, which opens its log again: the entries
+still pending to it are its own, and resume from the log. The fence so costs no command of
+its own: a GET of a fence key in every commit had been one command per publish, a quarter of
+a batch-1 decode step's (issue 27). A Redis restarted empty has no log either: its worker's
+first commit is fenced, and it serves on with what is pending to it (nothing: the jobs were
+lost with Redis). The reaper also changes the fence key that workers before this fence read
+(`legacy_fence_key`), so routers are upgraded before workers.
 
 The worker trims its stream, at most once per ``trim_interval_s``, below what its group has
 acknowledged (bus/stream_trim.py): a job stays on the stream until it finishes. It trims its
@@ -54,17 +62,26 @@ import redis
 
 from bus.aborts import aborted_rids, aborts_stream
 from bus.actor import unique_consumer_name
-from bus.effects import Output, execute_logging_errors, write_dead_letters, write_outputs
+from bus.effects import (
+    Outbound,
+    Output,
+    execute_logging_errors,
+    write_dead_letters,
+    write_outputs,
+)
 from bus.reconnect import ensure_group, is_missing_group
 from bus.scripted_multi import ScriptedMulti
-from bus.stream_trim import StreamTrimmer
+from bus.stream_trim import StreamTrimmer, parse_id, trim_floor
 from jobs.progress import ProgressEntry
-from jobs.protocol import ENTRY_FIELD, ProtocolError, decode, encode
+from jobs.protocol import ENTRY_FIELD, TOKENS_FIELD, ProtocolError, TokenBatch, decode, encode
 from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
 
 WORKER_GROUP = "worker"  # the workers' consumer group, one per worker stream
+# The consumer group on every worker's progress log that reads the token batches in it: the
+# detokenizers (stages/detokenizer/stage.py names its group with this).
+LOG_READERS_GROUP = "detokenizer"
 
 Entry = tuple[bytes, dict[bytes, bytes] | None]  # (entry id, fields; None once trimmed)
 
@@ -76,7 +93,10 @@ CLOSED_LOG_ID = "18446744073709551615-18446744073709551615"
 # A worker opening its log: made if missing, opened again if a reaper closed it (its last
 # id set back to its newest entry's, or, emptied, to the last deleted one's), then an entry
 # (ARGV[1], ARGV[2]: its field and payload) added, which a closed log (ARGV[3] the closed
-# id) would refuse. One call, so no reaper closes it between the look and the reopening.
+# id) would refuse, and the readers' group made if missing (a log made by an older worker
+# has none), and an empty token batch put on the tokens stream, which wakes the detokenizers
+# to read the log from now on (bus/extra_inputs.py). One call, so no reaper closes it
+# between the look and the reopening.
 OPEN_LOG = """#!lua
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local info = redis.call('XINFO', 'STREAM', KEYS[1])
@@ -87,7 +107,12 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
     redis.call('XSETID', KEYS[1], newest and newest[1] or fields['max-deleted-entry-id'])
   end
 end
-return redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+-- The detokenizers' group (ARGV[4]) from the log's first entry: they read every token batch;
+-- and a word to them on the tokens stream (KEYS[2], an empty batch ARGV[5]): read this log.
+redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[4], '0')
+redis.call('XADD', KEYS[2], '*', ARGV[1], ARGV[5])
+return id
 """
 
 
@@ -159,8 +184,9 @@ class FencedStream:
         """Make our progress log, or open it again after a reaper closed it: the commits
         from now on write only until a reaper closes it again. (`open` does, else the
         first commit.)"""
-        args = [ENTRY_FIELD, self._no_progress, CLOSED_LOG_ID]
-        self._open_log(keys=[self.progress_stream], args=args)
+        hello = encode(TokenBatch(self.worker_id, 0, []))
+        args = [ENTRY_FIELD, self._no_progress, CLOSED_LOG_ID, LOG_READERS_GROUP, hello]
+        self._open_log(keys=[self.progress_stream, self.config.tokens_stream()], args=args)
         self._log_opened = True
 
     def read_blocking(self) -> list[Entry]:
@@ -186,14 +212,18 @@ class FencedStream:
         # One script call, the log's entry first: it is the fence (bus/scripted_multi.py),
         # and its reply is the entry's id. NOMKSTREAM: a log the reaper deleted is a fence.
         pipe = ScriptedMulti(self.client, guarded=True)
-        pipe.xadd(self.progress_stream, {ENTRY_FIELD: self.progress or self._no_progress},
-                  nomkstream=True)  # fmt: skip
+        log_fields = {ENTRY_FIELD: self.progress or self._no_progress}
+        tokens, outputs = self._token_batch()
+        if tokens is not None:  # in the same entry: its readers' only input (module docstring)
+            log_fields[TOKENS_FIELD] = encode(tokens)
+        pipe.xadd(self.progress_stream, log_fields, nomkstream=True)
         if self.progress_trim is not None:
-            pipe.xtrim(self.progress_stream, minid=self.progress_trim, approximate=False)
+            trim = self._log_trim(self.progress_trim)
+            pipe.xtrim(self.progress_stream, minid=trim, approximate=False)
         if self.kv_events is not None:  # capped by count: a snapshot follows a cut
             pipe.xadd(self.config.kv_events_stream(), {ENTRY_FIELD: self.kv_events},
                       maxlen=self.config.kv_events_maxlen, approximate=True)  # fmt: skip
-        write_outputs(pipe, self.config, self.outbox)
+        write_outputs(pipe, self.config, outputs)
         write_dead_letters(pipe, self.config, self.dead)
         if self.acks:
             pipe.xack(self.stream, WORKER_GROUP, *self.acks)
@@ -220,6 +250,31 @@ class FencedStream:
         if read and results[-1] and not isinstance(results[-1], redis.ResponseError):
             return results[-1][0][1]
         return []
+
+    def _token_batch(self) -> tuple[TokenBatch | None, list[Output]]:
+        """The token batches queued for this commit as one (their items in order), and the
+        other outputs. Token batches are queued as outputs to the tokens stream, so that
+        what a failed step queued is dropped with the rest (gpu_worker/worker.py)."""
+        tokens = self.config.tokens_stream()
+        batches = [out.message for out in self.outbox
+                   if isinstance(out, Outbound) and out.stream == tokens]  # fmt: skip
+        if not batches:
+            return None, self.outbox
+        others = [out for out in self.outbox
+                  if not (isinstance(out, Outbound) and out.stream == tokens)]  # fmt: skip
+        if len(batches) == 1:
+            return batches[0], others
+        items = [item for batch in batches for item in batch.items]
+        last = batches[-1]
+        return TokenBatch(last.worker_id, last.step, items, weights=last.weights), others
+
+    def _log_trim(self, below: bytes) -> bytes | str:
+        """Where to trim our log: below `below` (the oldest entry our jobs still need), and
+        never past an entry the detokenizers have not read and acknowledged."""
+        floor = trim_floor(self.client, self.progress_stream)
+        if floor is None or parse_id(below) <= floor:
+            return below
+        return f"{floor[0]}-{floor[1]}"
 
     def restart_fenced(self) -> list[Entry]:
         """After `Fenced`: drop what was not yet written, open our log again, and return the

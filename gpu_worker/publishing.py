@@ -1,11 +1,12 @@
 """What a busy worker publishes, and when: its jobs' new tokens, once per interval, and its
 progress log.
 
-Each publish costs the bus about seven commands down the chain (docs/ARCHITECTURE.md),
+Each publish costs the bus about six commands down the chain (docs/ARCHITECTURE.md),
 whatever it carries, so a busy worker publishes at most every ``publish_interval_ms``, and
-at once when its engine runs dry (a request's last tokens never wait): one TokenBatch with
-one item per request that gained tokens since the last publish (all its steps' tokens), and
-one entry of its progress log (jobs/progress.py) with the same ids for every job at once. A
+at once when its engine runs dry (a request's last tokens never wait): one entry of its
+progress log holding one TokenBatch, with one item per request that gained tokens since the
+last publish (all its steps' tokens), and the progress (jobs/progress.py) with the same ids
+for every job at once (bus/fenced_stream.py: the detokenizers read the batch there). A
 token waits at most the interval for its reader; at batch 64 a publish carries hundreds of
 tokens.
 

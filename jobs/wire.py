@@ -44,6 +44,10 @@ from typing import Any, ClassVar
 import msgpack
 
 ENTRY_FIELD = b"m"
+# A worker's progress-log entry that also carries the token batch it published
+# (bus/fenced_stream.py): its detokenizers read this field, and the entry's ``m`` is its
+# progress.
+TOKENS_FIELD = b"t"
 # A job-stream entry holding several jobs (the module docstring says why).
 JOBS_FIELD = b"jobs"
 # Bounds on one bundle: a reader unpacks it whole, and Redis refuses a value past 512 MiB

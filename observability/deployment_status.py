@@ -39,10 +39,12 @@ def read_status(client: redis.Redis, config: BusConfig) -> dict[str, Any]:
     beats = list(read_liveness(client, config).beats.values())
     stage_streams = {stage: getattr(config, method)() for stage, method in STAGE_STREAMS}
     worker_streams = {beat.worker_id: beat.stream for beat in beats}
+    # The detokenizers read the workers' logs too (bus/fenced_stream.py): their backlog.
+    logs = [config.progress_stream(beat.worker_id) for beat in beats]
     stats = {
         s.stream: s
         for s in read_stream_stats(
-            client, [*stage_streams.values(), *worker_streams.values(),
+            client, [*stage_streams.values(), *worker_streams.values(), *logs,
                      config.dead_letter_stream()],
         )
     }  # fmt: skip
@@ -52,14 +54,15 @@ def read_status(client: redis.Redis, config: BusConfig) -> dict[str, Any]:
             continue  # workers have a section of their own
         stream = stage_streams.get(name)
         entry: dict[str, Any] = {"name": name, "stream": stream}
-        group = _group(stats.get(stream), name) if stream else None
+        read = [stream, *(logs if name == "detokenizer" else ())] if stream else []
+        groups = [g for g in (_group(stats.get(s), name) for s in read) if g is not None]
         entry.update(
             length=stats[stream].length if stream else None,
-            lag=group.lag if group else 0,
-            pending=group.pending if group else 0,
+            lag=sum(g.lag for g in groups),
+            pending=sum(g.pending for g in groups),
         )
         entry["replicas"] = [
-            {"id": s["replica"], "pending": group.consumers.get(s["replica"], 0) if group else 0,
+            {"id": s["replica"], "pending": sum(g.consumers.get(s["replica"], 0) for g in groups),
              "entries_per_s": _rate(s, "stage_entries_total"),
              "requests_in_flight": _value(s, "requests_in_flight")}
             for s in sorted(by_role.get(name, []), key=lambda s: s["replica"])

@@ -38,10 +38,12 @@ class StreamStats:
 
 def pipeline_streams(config: BusConfig, worker_ids: Iterable[str]) -> dict[str, str]:
     """Stream name -> what reads it: each stage's input, the stream of each registered worker
-    (`worker_ids`, alive or lapsed: bus/liveness.py), and the dead-letter stream."""
+    (`worker_ids`, alive or lapsed: bus/liveness.py) and its progress log (its token batches,
+    which the detokenizers read: bus/fenced_stream.py), and the dead-letter stream."""
     streams = {getattr(config, method)(): stage for stage, method in STAGE_STREAMS}
     for worker_id in worker_ids:
         streams[config.worker_stream(worker_id)] = f"worker {worker_id}"
+        streams[config.progress_stream(worker_id)] = "detokenizer"
     streams[config.dead_letter_stream()] = "dead letters"
     return streams
 

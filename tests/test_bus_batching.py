@@ -12,7 +12,7 @@ import redis
 
 from bus.actor import Actor, Inbound
 from bus.effects import ExpireKey, Outbound
-from bus.fenced_stream import read_progress_log
+from bus.fenced_stream import LOG_READERS_GROUP, read_progress_log
 from bus.reconnect import ensure_group
 from bus.replies import ReplyReader
 from gpu_worker import Engine
@@ -20,6 +20,7 @@ from gpu_worker.worker import Worker
 from jobs.progress import rebuild
 from jobs.protocol import (
     ENTRY_FIELD,
+    TOKENS_FIELD,
     ErrorReply,
     TextDelta,
     TextDeltas,
@@ -31,7 +32,7 @@ from jobs.protocol import (
 )
 from runtime.config import BusConfig
 from stages.detokenizer.stage import DetokenizerStage
-from tests.worker_thread import wait_until
+from tests.worker_thread import published_entries, wait_until
 
 MODEL = "random:tiny-llama"
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 12]
@@ -101,7 +102,7 @@ def _start(
 
 
 def _batches(client: redis.Redis, config: BusConfig) -> list[TokenBatch]:
-    return [decode(f[ENTRY_FIELD], TokenBatch) for _, f in client.xrange(config.tokens_stream())]
+    return [decode(f[ENTRY_FIELD], TokenBatch) for _, f in published_entries(client, config)]
 
 
 def _output(batches: list[TokenBatch], rid: str) -> list[int]:
@@ -140,15 +141,15 @@ def test_a_busy_worker_publishes_per_interval_and_logs_progress_without_a_comman
     assert len(batches) < steps / 3, (len(batches), steps)  # ~7 steps per 150 ms publish
     assert "append" not in stats  # no progress key per job any more
     # Per commit its log entry (the fence: bus/fenced_stream.py; empty when no job has new
-    # ids) and, when it publishes, the TokenBatch (the reply streams are not written here);
-    # an entry of the blocks the prefix cache stored when it stored some (at most one a
-    # publish, and the empty snapshot of the worker's start); and this test's 3 jobs. A
+    # ids), which holds the TokenBatch when it publishes (the reply streams are not written
+    # here); an entry of the blocks the prefix cache stored when it stored some (at most one
+    # a publish, and the empty snapshot of the worker's start); and this test's 3 jobs. A
     # commit without tokens (acks, say) is rare: a few, not one per step.
     kv_entries = redis_client.xlen(config.kv_events_stream())
     assert kv_entries <= len(batches) + 1
     commits = stats["evalsha"]
     assert commits <= len(batches) + 3, (commits, len(batches))
-    assert stats["xadd"] <= commits + len(batches) + kv_entries + len(jobs)
+    assert stats["xadd"] <= commits + kv_entries + len(jobs)
     assert stats.get("expire", 0) <= 3  # no key per job to renew (no route key: bus/aborts.py)
 
 
@@ -171,14 +172,33 @@ def test_a_worker_restarted_under_its_id_resumes_its_jobs_from_its_own_log(redis
     assert len(_output(_batches(redis_client, config), "r1")) == produced
 
     second, thread = _start(redis_client, config, "w")  # the same id: takes the job back
+    reading, read = threading.Event(), []
+    log = config.progress_stream("w")
+    reader = threading.Thread(target=_read_as_detokenizers, args=(redis_client, log, reading, read),
+                              daemon=True)  # fmt: skip
+    reader.start()
     try:
-        wait_until(lambda: any(i.finish for b in _batches(redis_client, config) for i in b.items))
+        wait_until(lambda: any(i.finish for b in list(read) for i in b.items))
     finally:
         second.stop.set()
         thread.join(timeout=30)
-    assert _output(_batches(redis_client, config), "r1") == expected["output_ids"]
-    # The job ended: the log keeps at most the last entry (trimmed at each interval).
-    assert redis_client.xlen(config.progress_stream("w")) <= 2
+        reading.set()
+        reader.join(timeout=30)
+    assert _output(read, "r1") == expected["output_ids"]  # both lives' batches, read in order
+    # The job ended: the log keeps at most its last entries (trimmed at each interval, never
+    # below what the detokenizers have not read).
+    assert redis_client.xlen(log) <= 3
+
+
+def _read_as_detokenizers(client: redis.Redis, log: str, done: threading.Event,
+                          read: list[TokenBatch]) -> None:  # fmt: skip
+    """Read and acknowledge a worker's log in the detokenizers' group, as they do, keeping
+    the token batches in `read`."""
+    while not done.is_set():
+        found = client.xreadgroup(LOG_READERS_GROUP, "reader", {log: ">"}, block=5)
+        for _, entries in found or []:
+            read += [decode(f[TOKENS_FIELD], TokenBatch) for _, f in entries if TOKENS_FIELD in f]
+            client.xack(log, LOG_READERS_GROUP, *[entry_id for entry_id, _ in entries])
 
 
 def test_the_detokenizer_bundles_a_busy_workers_replies_end_to_end(redis_client, config):

@@ -16,7 +16,7 @@ from gpu_worker.synthetic_engine import SyntheticEngine
 from gpu_worker.worker import Worker
 from jobs.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, encode
 from runtime.config import BusConfig
-from tests.worker_thread import running, wait_until
+from tests.worker_thread import published_entries, running, wait_until
 
 MODEL = "smollm2-135m-instruct"
 
@@ -43,7 +43,7 @@ def _route(client: redis.Redis, config: BusConfig, rid: str, max_new: int) -> No
 def _published(client: redis.Redis, config: BusConfig) -> dict[str, tuple[int, bool]]:
     """rid -> (output ids published, finished)."""
     out: dict[str, tuple[int, bool]] = {}
-    for _, fields in client.xrange(config.tokens_stream()):
+    for _, fields in published_entries(client, config):
         for item in decode(fields[ENTRY_FIELD], TokenBatch).items:
             out[item.rid] = (item.start + len(item.ids), item.finish is not None)
     return out

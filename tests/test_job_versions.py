@@ -37,6 +37,7 @@ from stages.detokenizer.stage import DetokenizerStage
 from stages.router.stage import RouterStage
 from stages.tokenizer.stage import TokenizerStage
 from tests.test_router_stage import _beat
+from tests.worker_thread import published_entries
 
 REPLY = "t:versions"
 IDS = [1, 2, 3]
@@ -165,7 +166,7 @@ class Chain:
 
     def outputs(self) -> dict[str, list[int] | ErrorReply]:
         outputs: dict[str, list[int] | ErrorReply] = {}
-        for _, fields in self.client.xrange(self.config.tokens_stream()):
+        for _, fields in published_entries(self.client, self.config):
             for item in decode(fields[ENTRY_FIELD], TokenBatch).items:
                 outputs.setdefault(item.rid, []).extend(item.ids)
         for _, fields in self.client.xrange(REPLY):
@@ -223,7 +224,7 @@ def test_each_requester_reads_its_replies_in_its_own_version(chain, config):
     chain.write(config.tokenized_stream(), _packed(new))
     chain.run()
     last = {}
-    for _, fields in chain.client.xrange(config.tokens_stream()):
+    for _, fields in published_entries(chain.client, config):
         for item in decode(fields[ENTRY_FIELD], TokenBatch).items:
             last[item.rid] = item
     assert {rid: item.reply_version for rid, item in last.items()} == {"old": 1, "new": 2}

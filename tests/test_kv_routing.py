@@ -30,6 +30,7 @@ from stages.router.kv_index import KvIndex
 from stages.router.stage import RouterStage
 from stages.router.worker_reaper import WORKER_GROUP, WorkerReaper
 from tests.test_worker_migration import _wait
+from tests.worker_thread import published_entries
 
 MODEL = "random:tiny-llama"
 BLOCK = 4
@@ -378,7 +379,7 @@ def _finished(client: redis.Redis, config: BusConfig) -> dict[str, list[int]]:
     """rid -> output ids, of the jobs whose last item was published."""
     ids: dict[str, list[int]] = {}
     done = set()
-    for _, fields in client.xrange(config.tokens_stream()):
+    for _, fields in published_entries(client, config):
         for item in decode(fields[ENTRY_FIELD], TokenBatch).items:
             ids.setdefault(item.rid, []).extend(item.ids)
             if item.finish is not None:
@@ -389,7 +390,7 @@ def _finished(client: redis.Redis, config: BusConfig) -> dict[str, list[int]]:
 def _finishes(client: redis.Redis, config: BusConfig) -> dict[str, Finish]:
     return {
         item.rid: item.finish
-        for _, f in client.xrange(config.tokens_stream())
+        for _, f in published_entries(client, config)
         for item in decode(f[ENTRY_FIELD], TokenBatch).items
         if item.finish is not None
     }

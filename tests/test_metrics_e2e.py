@@ -148,6 +148,10 @@ def test_one_target_shows_every_process_and_counts_what_was_sent(pipeline):
     worker_streams = [key for key in lag if key[0].startswith(f"{config.stream_prefix}:worker:")]
     assert len(worker_streams) == ROLES["worker"]
     assert all(lag[key] == 0 and pending[key] == 0 for key in worker_streams)
+    # The token batches are in the workers' logs: the detokenizers read them all too.
+    logs = [key for key in lag if key[0].startswith(f"{config.stream_prefix}:progress:")]
+    assert len(logs) == ROLES["worker"] and all(group == "detokenizer" for _, group in logs)
+    assert all(lag[key] == 0 and pending[key] == 0 for key in logs), (lag, pending)
 
 
 def test_dead_letters_and_aborts_are_counted(pipeline):

@@ -22,6 +22,7 @@ from runtime.context_length import model_context_length
 from stages.router.stage import RouterStage
 from stages.tokenizer.stage import TokenizerStage
 from tests.ingress_harness import MODEL, RunningIngress, add_worker
+from tests.worker_thread import published_entries
 
 DEEP_SCHEMA = "[" * 100_000  # what took the deployment down: RecursionError in json.loads
 
@@ -233,7 +234,7 @@ def test_the_deep_schema_onto_tokenized_is_a_400_and_the_worker_serves_the_next(
     error = decode(fields[ENTRY_FIELD], ErrorReply)
     assert (error.rid, error.status, error.param) == ("poison", 400, "json_schema")
     batches = [decode(f[ENTRY_FIELD], TokenBatch) for _, f in
-               redis_client.xrange(config.tokens_stream())]  # fmt: skip
+               published_entries(redis_client, config)]  # fmt: skip
     served = [item for batch in batches for item in batch.items if item.rid == "fine"]
     assert served[-1].finish is not None and served[-1].finish.reason == "length"
 

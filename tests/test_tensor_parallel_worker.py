@@ -17,6 +17,7 @@ from gpu_worker import Engine
 from gpu_worker.parallel.launch import EXIT_RANK_DIED
 from jobs.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, encode
 from runtime.config import BusConfig
+from tests.worker_thread import published_entries
 
 MODEL = "random:micro-llama"
 PROMPT = [3, 4, 5, 6, 7]
@@ -66,7 +67,7 @@ def test_a_tp2_worker_serves_a_job_as_one_rank_does(tp_worker, redis_client):
     redis_client.xadd(config.worker_stream("tpw"), {ENTRY_FIELD: encode(job)})
 
     def items():
-        for _, fields in redis_client.xrange(config.tokens_stream()):
+        for _, fields in published_entries(redis_client, config):
             yield from decode(fields[ENTRY_FIELD], TokenBatch).items
 
     _wait(lambda: any(item.finish for item in items()))

@@ -30,7 +30,7 @@ from tests.weights_checkpoints import (
     save_checkpoint,
     save_wrong_shape,
 )
-from tests.worker_thread import running, wait_until
+from tests.worker_thread import published_entries, running, wait_until
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 12] * 5, [9, 8, 7, 6, 5, 4, 3, 2, 1] * 4]
 MAX_NEW = 12
@@ -76,7 +76,7 @@ def _answers(client: redis.Redis, config: BusConfig) -> dict[str, tuple[list[int
     """rid -> (output ids, the weights version its Finish names), of the finished jobs."""
     ids: dict[str, list[int]] = {}
     versions = {}
-    for _, fields in client.xrange(config.tokens_stream()):
+    for _, fields in published_entries(client, config):
         for item in decode(fields[ENTRY_FIELD], TokenBatch).items:
             ids.setdefault(item.rid, []).extend(item.ids)
             if item.finish is not None:

@@ -22,6 +22,7 @@ from jobs.weights import initial_version
 from runtime.config import BusConfig
 from stages.router.stage import RouterStage
 from tests.weights_checkpoints import GREEDY, expected_outputs, save_checkpoint
+from tests.worker_thread import published_entries
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def _answers(client, config) -> dict[str, tuple[list[int], str | None, str]]:
     """rid -> (output ids, the version its Finish names, the worker that finished it)."""
     ids: dict[str, list[int]] = {}
     done = {}
-    for _, fields in client.xrange(config.tokens_stream()):
+    for _, fields in published_entries(client, config):
         batch = decode(fields[ENTRY_FIELD], TokenBatch)
         for item in batch.items:
             ids.setdefault(item.rid, []).extend(item.ids)

@@ -17,7 +17,7 @@ from gpu_worker.worker import Worker
 from jobs.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, encode
 from runtime.cluster import shard_configs
 from runtime.config import BusConfig
-from tests.worker_thread import running, wait_until
+from tests.worker_thread import published_entries, running, wait_until
 
 MODEL = "smollm2-135m-instruct"
 STEP_MS = 10.0
@@ -49,7 +49,7 @@ def _finishes(client: redis.Redis, config: BusConfig) -> dict[str, tuple[str, in
     """rid -> (finish reason, output ids published) of the jobs that ended."""
     published: dict[str, int] = {}
     ended = {}
-    for _, fields in client.xrange(config.tokens_stream()):
+    for _, fields in published_entries(client, config):
         for item in decode(fields[ENTRY_FIELD], TokenBatch).items:
             published[item.rid] = item.start + len(item.ids)
             if item.finish is not None:

@@ -20,6 +20,7 @@ from jobs.protocol import ENTRY_FIELD, TokenBatch, TokenizedRequest, decode, enc
 from runtime.config import BusConfig
 from stages.router.stage import RouterStage
 from stages.router.worker_reaper import WorkerReaper
+from tests.worker_thread import published_entries
 
 MODEL = "random:tiny-llama"
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 12]
@@ -43,7 +44,7 @@ def _start(
 
 
 def _items(client: redis.Redis, config: BusConfig, rid: str):
-    for _, fields in client.xrange(config.tokens_stream()):
+    for _, fields in published_entries(client, config):
         batch = decode(fields[ENTRY_FIELD], TokenBatch)
         for item in batch.items:
             if item.rid == rid:

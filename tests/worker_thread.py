@@ -9,7 +9,9 @@ from collections.abc import Callable, Iterator
 
 import redis
 
+from bus.stream_trim import parse_id
 from gpu_worker.worker import Worker
+from jobs.protocol import ENTRY_FIELD, TOKENS_FIELD, TokenBatch, decode
 from runtime.config import BusConfig
 
 
@@ -34,3 +36,20 @@ def running(worker: Worker, client: redis.Redis, config: BusConfig) -> Iterator[
         worker.stop.set()
         thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def published_entries(client: redis.Redis, config: BusConfig) -> list[tuple[bytes, dict]]:
+    """The token batches the workers published, as tokens-stream entries were read
+    (``{m: batch}``), oldest first: from every worker's progress log (field ``t``,
+    bus/fenced_stream.py) and the tokens stream (less the empty batches by which a worker
+    says it opened its log)."""
+    found: list[tuple[tuple[int, int], bytes, dict]] = []
+    logs = client.scan_iter(match=config.progress_stream("w")[:-1] + "*", count=1000)
+    for log in logs:
+        for entry_id, fields in client.xrange(log):
+            if TOKENS_FIELD in fields:
+                found.append((parse_id(entry_id), entry_id, {ENTRY_FIELD: fields[TOKENS_FIELD]}))
+    for entry_id, fields in client.xrange(config.tokens_stream()):
+        if decode(fields[ENTRY_FIELD], TokenBatch).items:
+            found.append((parse_id(entry_id), entry_id, fields))
+    return [(entry_id, fields) for _, entry_id, fields in sorted(found)]

@@ -1,14 +1,18 @@
 """The detokenizer stage: each engine step's tokens become text deltas on reply streams.
 
-Reads TokenBatch from ``<p>:tokens`` and writes each item's TextDelta to the stream its
-``reply_to`` names: the deltas of the jobs that asked for bundles (``bundle_replies``: the
-ingress's and `Client`'s) bound to one stream go in one TextDeltas entry per batch read, so
-a reply stream costs one XADD per batch, whatever the requests and tokens in it; the others
-get an entry each. A stream's expiry is renewed in the same pipeline: a bundled stream's once
-a quarter TTL per replica (stages/detokenizer/stream_expiries.py), the others' with every
-batch (a stream its reader deleted, written again by a late delta, still goes). Stateless as
-to requests (stages/detokenizer/incremental.py), so any replica handles any batch; readers
-order a request's deltas by ``seq`` and drop one they already have, so the stage is
+Reads the TokenBatch in every worker's progress log (``<p>:progress:<worker>``, field ``t``:
+a worker publishes its tokens and logs its progress in one entry, bus/fenced_stream.py) and
+in ``<p>:tokens`` (where older workers publish, and where a worker says it opened its log,
+so the stage reads that log at once: bus/extra_inputs.py). It writes each item's TextDelta
+to the stream its ``reply_to`` names: the deltas of the jobs that asked for bundles
+(``bundle_replies``: the ingress's and `Client`'s) bound to one stream go in one TextDeltas
+entry per batch read, so a reply stream costs one XADD per batch, whatever the requests and
+tokens in it; the others get an entry each. A stream's expiry is renewed in the same
+pipeline: a bundled stream's once a quarter TTL per replica
+(stages/detokenizer/stream_expiries.py), the others' with every batch (a stream its reader
+deleted, written again by a late delta, still goes). Stateless as to requests
+(stages/detokenizer/incremental.py), so any replica handles any batch; readers order a
+request's deltas by ``seq`` and drop one they already have, so the stage is
 ``replayable``: its writes need no MULTI, and its inputs are acknowledged with its next
 read (bus/actor.py).
 """
@@ -18,19 +22,23 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import redis
+
 from bus.actor import Inbound
 from bus.effects import ExpireKey, Outbound, Output
+from bus.fenced_stream import LOG_READERS_GROUP
 from jobs.legacy_records import finish_as_list
-from jobs.protocol import Message, TextDelta, TextDeltas, TokenBatch, TokenItem
+from jobs.protocol import TOKENS_FIELD, Message, TextDelta, TextDeltas, TokenBatch, TokenItem
 from runtime.config import BusConfig
 from stages.detokenizer.incremental import text_deltas
 from stages.detokenizer.stream_expiries import StreamExpiries
 
 
 class DetokenizerStage:
-    group = "detokenizer"
+    group = LOG_READERS_GROUP  # "detokenizer", on the tokens stream and every worker's log
     accepts = (TokenBatch,)
     replayable = True  # a batch handled twice writes deltas its readers drop as copies
+    extra_field = TOKENS_FIELD  # a log entry's token batch (bus/actor.py: extra inputs)
 
     def __init__(self, config: BusConfig, tokenizer: Any | None) -> None:
         self.config = config
@@ -41,6 +49,13 @@ class DetokenizerStage:
 
     def input_stream(self, config: BusConfig) -> str:
         return config.tokens_stream()
+
+    def extra_inputs(self, client: redis.Redis) -> list[str]:
+        """The progress log of every worker registered (alive, or dead and not yet reaped:
+        the reaper deletes a log only once this group has read all of it)."""
+        members = client.smembers(self.config.workers_key())
+        ids = sorted(m.decode() if isinstance(m, bytes) else m for m in members)
+        return [self.config.progress_stream(worker_id) for worker_id in ids]
 
     def handle(self, batch: list[Inbound]) -> list[Output]:
         items = [item for inbound in batch for item in inbound.message.items]

@@ -46,12 +46,20 @@ from bus.effects import (
     write_dead_letters,
     write_outputs,
 )
-from bus.fenced_stream import WORKER_GROUP, fence_off, read_progress_log
+from bus.fenced_stream import LOG_READERS_GROUP, WORKER_GROUP, fence_off, read_progress_log
 from bus.liveness import read_liveness
 from bus.reconnect import REDIS_TRANSIENT
+from bus.stream_trim import parse_id
 from jobs.job_failures import malformed_reply, too_many_deliveries
 from jobs.progress import ProgressEntry, rebuild
-from jobs.protocol import ENTRY_FIELD, Abort, ProtocolError, TokenizedRequest, decode
+from jobs.protocol import (
+    ENTRY_FIELD,
+    TOKENS_FIELD,
+    Abort,
+    ProtocolError,
+    TokenizedRequest,
+    decode,
+)
 from observability.metrics import ProcessMetrics
 from runtime.config import BusConfig
 
@@ -181,15 +189,22 @@ class WorkerReaper:
             reply(self.config, *answer).apply(pipe, self.config)
 
     def _forget(self, worker_id: str, stream: str) -> bool:
-        """Delete the empty stream and the worker's id, unless it beat or got a job meanwhile."""
+        """Delete the empty stream, the log and the worker's id, unless it beat or got a job
+        meanwhile. The token batches in its log that the detokenizers have not acknowledged
+        go to the tokens stream, which they read too: none is lost with the log (one they
+        were handling comes twice, and its readers drop the copy)."""
         heartbeat = self.config.heartbeat_key(worker_id)
+        log = self.config.progress_stream(worker_id)
         with self.client.pipeline(transaction=True) as pipe:
             try:
-                pipe.watch(stream, heartbeat)
+                pipe.watch(stream, heartbeat, log)
                 if pipe.exists(heartbeat) or self._has_entries(pipe, stream):
                     pipe.unwatch()
                     return False
+                unread = _unread_tokens(pipe, log)
                 pipe.multi()
+                for payload in unread:
+                    pipe.xadd(self.config.tokens_stream(), {ENTRY_FIELD: payload})
                 # The log too: a worker taken for dead while alive finds none, and is fenced.
                 pipe.delete(stream, self.config.progress_stream(worker_id),
                             self.config.legacy_fence_key(worker_id))  # fmt: skip
@@ -211,6 +226,35 @@ class WorkerReaper:
             if group["name"] in (WORKER_GROUP, WORKER_GROUP.encode()):
                 return bool(group["pending"]) or group["last-delivered-id"] != last_id
         return pipe.xlen(stream) > 0
+
+
+def _unread_tokens(pipe: Any, log: str) -> list[bytes]:
+    """The token batches in a worker's log that the detokenizers have not acknowledged:
+    pending to one of them, or not yet read (bus/fenced_stream.py)."""
+    try:
+        groups = pipe.xinfo_groups(log)
+    except redis.ResponseError:
+        return []  # no log
+    names = [g["name"].decode() if isinstance(g["name"], bytes) else g["name"] for g in groups]
+    if LOG_READERS_GROUP not in names:
+        return []  # an older worker's log: its tokens went to the tokens stream
+    group = groups[names.index(LOG_READERS_GROUP)]
+    last = parse_id(group["last-delivered-id"])
+    pending: set[bytes] = set()
+    start: bytes | str = b"(" + _id_bytes(group["last-delivered-id"])
+    if group["pending"]:
+        held = pipe.xpending_range(log, LOG_READERS_GROUP, "-", "+", count=group["pending"])
+        pending = {p["message_id"] for p in held}
+        start = min(pending, key=parse_id)
+    return [
+        fields[TOKENS_FIELD]
+        for entry_id, fields in pipe.xrange(log, min=start)
+        if TOKENS_FIELD in fields and (entry_id in pending or parse_id(entry_id) > last)
+    ]
+
+
+def _id_bytes(entry_id: bytes | str) -> bytes:
+    return entry_id if isinstance(entry_id, bytes) else entry_id.encode()
 
 
 def start_reaper_thread(
