@@ -73,9 +73,8 @@ __all__ = [
     "ENTRY_FIELD", "JOBS_FIELD", "TOKENS_FIELD", "MAX_TOKEN_ID", "PROMPT_CONTEXT_TOKENS",
     "MESSAGE_TYPES", "Message", "ProtocolError", "GenerateRequest", "TokenizedRequest", "Abort",
     "Finish", "TokenItem", "TokenBatch", "TextDelta", "TextDeltas", "ErrorReply", "ProgressEntry",
-    "KvEvents", "Heartbeat",
-    "bundle_payloads", "decode", "encode", "fields_of", "job_entries", "job_payloads",
-    "pack_ids", "pack_ids_narrow", "token_context", "unpack_ids", "WIRE_VERSION",
+    "KvEvents", "Heartbeat", "bundle_payloads", "decode", "encode", "fields_of", "job_entries",
+    "job_payloads", "pack_ids", "pack_ids_narrow", "token_context", "unpack_ids", "WIRE_VERSION",
 ]  # fmt: skip
 
 

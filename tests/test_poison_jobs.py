@@ -27,6 +27,7 @@ from jobs.protocol import (
 )
 from runtime.config import BusConfig
 from stages.router.worker_reaper import WorkerReaper
+from tests.worker_thread import published_entries
 
 MODEL = "random:tiny-llama"
 POISON_TOKEN = 424
@@ -71,7 +72,7 @@ def _run(worker: Worker, turns: int = 400) -> None:
 def _outputs(client: redis.Redis) -> dict[str, list[int] | ErrorReply]:
     """Each rid's generated tokens, from the token batches; or its error reply."""
     outputs: dict[str, list[int] | ErrorReply] = {}
-    for _, fields in client.xrange("streamserve:tokens"):
+    for _, fields in published_entries(client, BusConfig()):
         for item in decode(fields[ENTRY_FIELD], TokenBatch).items:
             outputs.setdefault(item.rid, []).extend(item.ids)
     for _, fields in client.xrange("t:replies"):
