@@ -126,6 +126,7 @@ class Actor(StaleClaims):
         self._acks: dict[str, list[bytes]] = {}
         self.extra = ExtraInputs(client, stage.group, getattr(stage, "extra_inputs", None))
         self._extra_field: bytes | None = getattr(stage, "extra_field", None)
+        self._read_own = False  # the last read brought entries of our own stream
         self.processed = 0
         self.dead_lettered = 0
         self.metrics = StageMetrics(ProcessMetrics(stage.group, self.consumer, config.metrics))
@@ -172,7 +173,10 @@ class Actor(StaleClaims):
     def _read_new(self) -> Read:
         """XREADGROUP a batch off our stream and the extra inputs, with the last turn's
         acknowledgements (a replayable stage's) in the same round trip."""
-        self.extra.maybe_refresh()
+        # After a turn that read our own stream (where a writer says it opened one: the stage
+        # has handled that word now), the extra inputs are asked for at once.
+        self.extra.maybe_refresh(force=self._read_own)
+        self._read_own = False
         streams = dict.fromkeys([self.stream, *self.extra.streams], ">")
         read_args = (self.stage.group, self.consumer, streams)
         read_options = {"count": self.config.read_count, "block": self.config.block_ms}
@@ -189,8 +193,7 @@ class Actor(StaleClaims):
             self.extra.lost()  # an extra input is gone (a dead worker's log, read through)
             return []
         reads = by_stream(response)
-        if any(stream == self.stream for stream, _ in reads):
-            self.extra.maybe_refresh(force=True)  # a worker may have said it opened its log
+        self._read_own = any(stream == self.stream for stream, _ in reads)
         return reads
 
     def flush_acks(self) -> None:

@@ -13,7 +13,10 @@ from __future__ import annotations
 import logging
 import time
 
+import redis
+
 from bus.effects import Outbound, dead_letter_fields, execute_logging_errors, reply
+from bus.reconnect import is_missing_group
 from jobs.job_failures import malformed_reply, too_many_deliveries
 from jobs.protocol import (
     ENTRY_FIELD,
@@ -51,10 +54,17 @@ class StaleClaims:
         return [(stream, keep) for stream, keep in reads if keep]
 
     def _claim_on(self, stream: str) -> list[Entry]:
-        cursor, claimed, _ = self.client.xautoclaim(
-            stream, self.stage.group, self.consumer, min_idle_time=self.config.claim_idle_ms,
-            start_id=self._claim_cursors.get(stream, "0-0"), count=self.config.read_count,
-        )  # fmt: skip
+        try:
+            cursor, claimed, _ = self.client.xautoclaim(
+                stream, self.stage.group, self.consumer,
+                min_idle_time=self.config.claim_idle_ms,
+                start_id=self._claim_cursors.get(stream, "0-0"), count=self.config.read_count,
+            )  # fmt: skip
+        except redis.ResponseError as exc:
+            if stream == self.stream or not is_missing_group(exc):
+                raise
+            self.extra.lost()  # an extra input is gone (a dead worker's log, read through)
+            return []
         self._claim_cursors[stream] = cursor
         if not claimed:
             return []

@@ -6,12 +6,14 @@ streams and a real detokenizer Actor and reaper."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 import jobs.protocol as wire
 from bus.actor import Actor
 from bus.effects import Outbound
+from bus.extra_inputs import REFRESH_S
 from bus.fenced_stream import LOG_READERS_GROUP, FencedStream
 from bus.reconnect import ensure_group
 from runtime.config import BusConfig
@@ -26,11 +28,13 @@ def config(redis_url) -> BusConfig:
     return BusConfig(redis_url=redis_url, block_ms=20, claim_idle_ms=60_000)
 
 
-def _worker(client, config: BusConfig, worker_id: str) -> FencedStream:
-    """A worker's fenced stream, registered and with its log open (as a worker starts)."""
-    client.sadd(config.workers_key(), worker_id)
+def _worker(client, config: BusConfig, worker_id: str, register: bool = True) -> FencedStream:
+    """A worker's fenced stream with its log open, then registered (as a worker starts: its
+    first heartbeat follows the opening)."""
     bus = FencedStream(client, config, worker_id)
     bus.open()
+    if register:
+        client.sadd(config.workers_key(), worker_id)
     return bus
 
 
@@ -89,10 +93,13 @@ def test_a_publish_is_one_xadd_to_the_log_and_the_detokenizer_reads_it(redis_cli
 def test_a_log_opened_while_the_detokenizer_runs_is_read_at_once(redis_client, config):
     actor = _detokenizer(redis_client, config)
     actor.run_once()  # started, reading: no worker yet
-    bus = _worker(redis_client, config, "late")  # says so on the tokens stream
+    # Says so on the tokens stream; its first heartbeat (the registration) has not come yet.
+    bus = _worker(redis_client, config, "late", register=False)
     _publish(bus, "b", 0, [5, 6])
+    started = time.monotonic()
     _drain(actor, turns=3)  # the word, then the log: well within the list's refresh
     assert _delivered(redis_client) == {"b": [5, 6]}
+    assert time.monotonic() - started < REFRESH_S
 
 
 def test_a_log_deleted_under_the_detokenizer_is_dropped_and_the_others_read_on(
@@ -115,6 +122,9 @@ def test_a_malformed_batch_in_a_log_is_dead_lettered_and_the_stage_reads_on(redi
     actor = _detokenizer(redis_client, config)
     log = config.progress_stream("w1")
     redis_client.xadd(log, {wire.ENTRY_FIELD: b"", wire.TOKENS_FIELD: b"\xc1 not msgpack"})
+    for named in ("no such:worker", "gone"):  # words naming no log, or none that exists
+        word = wire.encode(wire.TokenBatch(named, 0, []))
+        redis_client.xadd(config.tokens_stream(), {wire.ENTRY_FIELD: word})
     _publish(bus, "a", 0, [3])
     _drain(actor)
     assert _delivered(redis_client) == {"a": [3]}

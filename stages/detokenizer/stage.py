@@ -33,6 +33,11 @@ from runtime.config import BusConfig
 from stages.detokenizer.incremental import text_deltas
 from stages.detokenizer.stream_expiries import StreamExpiries
 
+# How long a worker's word that it opened its log keeps that log read before the worker is
+# registered (its first heartbeat follows at once), and how many such words are kept.
+ANNOUNCED_S = 60.0
+MAX_ANNOUNCED = 1024
+
 
 class DetokenizerStage:
     group = LOG_READERS_GROUP  # "detokenizer", on the tokens stream and every worker's log
@@ -46,18 +51,35 @@ class DetokenizerStage:
         # The default TTL where the stage is made for its pure parts (`_delta`), with no config.
         ttl_s = (config or BusConfig()).reply_ttl_s
         self.expiries = StreamExpiries(ttl_s)
+        # Workers that said they opened their log, not yet registered: id -> when.
+        self._announced: dict[str, float] = {}
 
     def input_stream(self, config: BusConfig) -> str:
         return config.tokens_stream()
 
     def extra_inputs(self, client: redis.Redis) -> list[str]:
         """The progress log of every worker registered (alive, or dead and not yet reaped:
-        the reaper deletes a log only once this group has read all of it)."""
+        the reaper moves what this group has not read off a log before it deletes it), and
+        of those that said on the tokens stream that they opened one (a worker opens its log
+        before its first heartbeat registers it)."""
         members = client.smembers(self.config.workers_key())
-        ids = sorted(m.decode() if isinstance(m, bytes) else m for m in members)
-        return [self.config.progress_stream(worker_id) for worker_id in ids]
+        ids = {m.decode(errors="replace") if isinstance(m, bytes) else m for m in members}
+        now = time.monotonic()
+        self._announced = {worker_id: since for worker_id, since in self._announced.items()
+                           if worker_id not in ids and now - since < ANNOUNCED_S}  # fmt: skip
+        logs = []
+        for worker_id in sorted(ids | set(self._announced)):
+            try:
+                logs.append(self.config.progress_stream(worker_id))
+            except ValueError:  # a member or word that names no worker: not a log of ours
+                continue
+        return logs
 
     def handle(self, batch: list[Inbound]) -> list[Output]:
+        for inbound in batch:
+            if not inbound.message.items and len(self._announced) < MAX_ANNOUNCED:
+                # A worker that opened its log says so with an empty batch: read that log.
+                self._announced[inbound.message.worker_id] = time.monotonic()
         items = [item for inbound in batch for item in inbound.message.items]
         sources = [inbound.message for inbound in batch for _ in inbound.message.items]
         texts = text_deltas(self.tokenizer, items) if self.tokenizer else [None] * len(items)
