@@ -5,8 +5,8 @@ The detokenizers read the token batches in every worker's progress log
 (bus/fenced_stream.py): a worker's publish is then one XADD, its log's, rather than that and
 one to a shared tokens stream (issue 27). Which streams those are comes from the stage
 (`source`: the detokenizer names the log of every registered worker), asked again every
-``REFRESH_S``, and at once when the stage's own stream brings an entry (a worker that
-opens its log says so there, so its first tokens do not wait) or a read finds a stream gone.
+``REFRESH_S``, and at once after a turn that read the stage's own stream (a worker that
+opens its log says so there, so its first tokens do not wait) or a read found a stream gone.
 
 A stream is joined with XGROUP CREATE and never made: the logs are their workers' fences, and
 a log the reaper deleted must stay deleted (a worker taken for dead while alive would write
@@ -29,6 +29,8 @@ def _text(name: bytes | str) -> str:
 
 
 class ExtraInputs:
+    """The extra inputs an Actor reads now, named by its stage's `source`."""
+
     def __init__(self, client: redis.Redis, group: str,
                  source: Callable[[redis.Redis], list[str]] | None) -> None:  # fmt: skip
         self.client = client
