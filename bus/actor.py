@@ -31,7 +31,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,7 +46,7 @@ from bus.effects import (
 )
 from bus.extra_inputs import ExtraInputs, by_stream
 from bus.reconnect import REDIS_TRANSIENT, ReconnectingLoop, ensure_group, is_missing_group
-from bus.stale_claims import Entry, Read, StaleClaims, requester
+from bus.stale_claims import Read, StaleClaims, requester
 from bus.stream_trim import StreamTrimmer
 from jobs.job_failures import failure_reply, malformed_reply
 from jobs.protocol import (
@@ -226,10 +225,8 @@ class Actor(StaleClaims):
                 ours.append((stream, kept))
         return ours
 
-    def process(self, reads: Read | Sequence[Entry]) -> None:
-        """Handle entries (of our own stream, or by stream) and commit what they make."""
-        if reads and not isinstance(reads[0][0], str):
-            reads = [(self.stream, list(reads))]
+    def process(self, reads: Read) -> None:
+        """Handle entries, by the stream they came from, and commit what they make."""
         started = time.perf_counter()
         good: list[Inbound] = []
         dead: list[dict[str, Any]] = []

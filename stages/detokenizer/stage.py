@@ -27,6 +27,7 @@ import redis
 from bus.actor import Inbound
 from bus.effects import ExpireKey, Outbound, Output
 from bus.fenced_stream import LOG_READERS_GROUP
+from bus.liveness import registered_workers
 from jobs.legacy_records import finish_as_list
 from jobs.protocol import TOKENS_FIELD, Message, TextDelta, TextDeltas, TokenBatch, TokenItem
 from runtime.config import BusConfig
@@ -62,8 +63,7 @@ class DetokenizerStage:
         the reaper moves what this group has not read off a log before it deletes it), and
         of those that said on the tokens stream that they opened one (a worker opens its log
         before its first heartbeat registers it)."""
-        members = client.smembers(self.config.workers_key())
-        ids = {m.decode(errors="replace") if isinstance(m, bytes) else m for m in members}
+        ids = set(registered_workers(client, self.config))
         now = time.monotonic()
         self._announced = {worker_id: since for worker_id, since in self._announced.items()
                            if worker_id not in ids and now - since < ANNOUNCED_S}  # fmt: skip
