@@ -52,4 +52,6 @@ def published_entries(client: redis.Redis, config: BusConfig) -> list[tuple[byte
     for entry_id, fields in client.xrange(config.tokens_stream()):
         if decode(fields[ENTRY_FIELD], TokenBatch).items:
             found.append((parse_id(entry_id), entry_id, fields))
-    return [(entry_id, fields) for _, entry_id, fields in sorted(found)]
+    # By id alone: two workers' logs can hold the same id, and their fields do not compare.
+    found.sort(key=lambda entry: entry[0])
+    return [(entry_id, fields) for _, entry_id, fields in found]
