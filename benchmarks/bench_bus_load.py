@@ -219,6 +219,7 @@ def figures(
         "tokens": tokens,
         "requests": after["requests"] - before["requests"],
         "client_errors": counts.errors,
+        "client_last_error": counts.last_error,
         "redis_commands_per_token": round(sum(commands.values()) / tokens, 3),
         "redis_bytes_in_per_token": round(stats["total_net_input_bytes"] / tokens, 1),
         "redis_bytes_out_per_token": round(stats["total_net_output_bytes"] / tokens, 1),
