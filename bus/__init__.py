@@ -8,7 +8,8 @@ extra_inputs.py   the streams a stage reads besides its own (the detokenizers: e
 stale_claims.py   taking over what a dead consumer left pending, and the poison among it
 effects.py        what a stage's turn writes (`Outbound`, `SetKey`, `ExpireKey`, ...)
 fenced_stream.py  a worker's own stream, written only under its fence (its progress log, which
-                  carries its token batches and which the reaper closes: `fence_off`)
+                  carries its token batches and which the reaper closes)
+fence_off.py      the reaper's claim that closes a worker's log; the log read in order
 liveness.py       which workers are alive: the one reader of their heartbeats, sync and async
 scripted_multi.py a worker's fenced commit as one Lua script call (not WATCH, GET, MULTI, EXEC),
                   its first write the fence

@@ -9,8 +9,9 @@ without undoing the others; a Redis at ``maxmemory`` refuses the whole MULTI, an
 raised as the transient error it is (redis.OutOfMemoryError, in REDIS_TRANSIENT): the
 inputs stay pending, to be handled again once memory is freed.
 
-The jobs of one commit bound for a job stream (`job_streams`) go in one bundle
-entry (`add_jobs`, jobs/wire.py): one XADD per hop for a whole batch, not one per job.
+The jobs of one commit bound for a job stream (`job_streams`), or for a worker that reads
+bundles (`Outbound.bundle`), go in one bundle entry per stream (`add_jobs`, jobs/wire.py):
+one XADD per hop and destination for a whole batch, not one per job.
 
 No XADD here trims its stream by a count: a stream read by consumer groups is trimmed by
 its consumers below what every group acknowledged (bus/stream_trim.py), and a reply stream
@@ -44,6 +45,9 @@ class Outbound:
     # False: write only to a stream that exists (XADD NOMKSTREAM); one its reader deleted
     # stays deleted rather than come back without an expiry.
     create: bool = True
+    # A job whose reader reads bundle entries (a worker that says so in its heartbeat): one
+    # entry with the commit's other jobs for the same stream (`write_outputs`).
+    bundle: bool = False
 
     def apply(self, pipe: Any, config: BusConfig) -> None:
         pipe.xadd(self.stream, {ENTRY_FIELD: encode(self.message)}, nomkstream=not self.create)
@@ -111,7 +115,7 @@ def write_outputs(pipe: Any, config: BusConfig, outputs: Sequence[Output]) -> No
     bundled = job_streams(config)
     jobs: dict[str, list[bytes]] = {}
     for out in outputs:
-        if isinstance(out, Outbound) and out.stream in bundled:
+        if isinstance(out, Outbound) and (out.bundle or out.stream in bundled):
             jobs.setdefault(out.stream, []).append(encode(out.message))
         else:
             out.apply(pipe, config)
@@ -121,8 +125,8 @@ def write_outputs(pipe: Any, config: BusConfig, outputs: Sequence[Output]) -> No
 
 def job_streams(config: BusConfig) -> tuple[str, str]:
     """The two stage hops a job crosses before its worker, whose writers bundle a commit's
-    jobs into one entry. A worker's stream is not one: its jobs are acknowledged one by one,
-    as each finishes."""
+    jobs into one entry. (A worker's stream is bundled only for a worker that reads bundles:
+    `Outbound.bundle`.)"""
     return config.requests_stream(), config.tokenized_stream()
 
 

@@ -1,4 +1,4 @@
-"""A worker's own stream, written to only under its fence; and the reaper's side of that fence.
+"""A worker's own stream, written to only under its fence (the reaper's side: bus/fence_off.py).
 
 A worker reads jobs from its stream ``<p>:worker:<id>`` in the consumer group ``worker``
 (`WORKER_GROUP`), where the router stage routes them. What a worker writes (its outputs, the
@@ -17,16 +17,18 @@ below), so a publish costs one XADD, not two (issue 27). The worker trims its lo
 the oldest job it holds and never below what the detokenizers have not acknowledged.
 
 Nothing is lost when a worker dies. A job stays pending on the worker's stream until it
-finishes (its acknowledgement goes in the commit with its last tokens), and the commit that
-publishes tokens also logs them, for all the worker's jobs at once, in that entry. When the
-heartbeat lapses, the router's reaper (stages/router/worker_reaper.py) moves the pending
-jobs to the router again, each carrying the ids the log holds for it, and the worker that
-gets one continues after them: no token is repeated or missing. A worker stopped with
-SIGTERM publishes what it generated and leaves its jobs to the reaper the same way. A worker
-started again under the same id takes back the entries its previous life left pending
-(`open`) and reads their progress from its own log (`read_progress_log`); each of those was
-handed to a worker that died holding it, which `previous_deliveries` counts for the job's
-quarantine (jobs/job_failures.py).
+finishes, and the commit that publishes tokens also logs them, for all the worker's jobs at
+once, in that entry; the entry with a job's last tokens also marks it ended
+(jobs/progress.py ``done``), and its acknowledgement may follow in a later commit
+(`ack_later`). When the heartbeat lapses, the router's reaper
+(stages/router/worker_reaper.py) moves the pending jobs that had not ended to the router
+again, each carrying the ids the log holds for it, and the worker that gets one continues
+after them: no token is repeated or missing. A worker stopped with SIGTERM publishes what it
+generated and leaves its jobs to the reaper the same way. A worker started again under the
+same id takes back the entries its previous life left pending (`open`) and reads their
+progress from its own log (bus/fence_off.py); each of those was handed to a worker that died
+holding it, which `previous_deliveries` counts for the job's quarantine
+(jobs/job_failures.py).
 
 A worker taken for dead while alive (paused, or out of reach of Redis for longer than the
 heartbeat TTL) must not go on publishing for jobs now served elsewhere: two writers would
@@ -34,17 +36,18 @@ send a client two versions of a token and garble the progress log. Its progress 
 fence. Every commit writes an entry there first, in the same script call
 (bus/scripted_multi.py, ``guarded``; an empty entry when no job has new ids), with
 NOMKSTREAM; the reaper closes the log in the MULTI that claims jobs off the worker
-(`fence_off`: XSETID to the last possible id, so no XADD can add to it) and deletes it once
-the worker is gone (moving to the tokens stream first the batches in it that the
+(bus/fence_off.py: XSETID to the last possible id, so no XADD can add to it) and deletes it
+once the worker is gone (moving to the tokens stream first the batches in it that the
 detokenizers have not acknowledged: stages/router/worker_reaper.py). A commit whose entry
-the log refuses, closed or missing, writes nothing and raises `Fenced`; the worker drops
-every job and starts again from `restart_fenced`, which opens its log again: the entries
-still pending to it are its own, and resume from the log. The fence so costs no command of
-its own: a GET of a fence key in every commit had been one command per publish, a quarter of
-a batch-1 decode step's (issue 27). A Redis restarted empty has no log either: its worker's
-first commit is fenced, and it serves on with what is pending to it (nothing: the jobs were
-lost with Redis). The reaper also changes the fence key that workers before this fence read
-(`legacy_fence_key`), so routers are upgraded before workers.
+the log refuses, closed or missing, writes nothing and raises `Fenced` (a commit of the
+entry alone is that XADD, and no script); the worker drops every job and starts again from
+`restart_fenced`, which opens its log again: the entries still pending to it are its own,
+and resume from the log. The fence so costs no command of its own: a GET of a fence key in
+every commit had been one command per publish, a quarter of a batch-1 decode step's (issue
+27). A Redis restarted empty has no log either: its worker's first commit is fenced, and it
+serves on with what is pending to it (nothing: the jobs were lost with Redis). The reaper
+also changes the fence key that workers before this fence read (`legacy_fence_key`), so
+routers are upgraded before workers.
 
 The worker trims its stream, at most once per ``trim_interval_s``, below what its group has
 acknowledged (bus/stream_trim.py): a job stays on the stream until it finishes. It trims its
@@ -55,7 +58,7 @@ progress log below the first entry about the oldest job it holds
 from __future__ import annotations
 
 import logging
-import secrets
+import time
 from typing import Any
 
 import redis
@@ -69,11 +72,11 @@ from bus.effects import (
     write_dead_letters,
     write_outputs,
 )
-from bus.reconnect import ensure_group, is_missing_group
+from bus.reconnect import ensure_group
 from bus.scripted_multi import ScriptedMulti
 from bus.stream_trim import StreamTrimmer, parse_id, trim_floor
 from jobs.progress import ProgressEntry
-from jobs.protocol import ENTRY_FIELD, TOKENS_FIELD, ProtocolError, TokenBatch, decode, encode
+from jobs.protocol import ENTRY_FIELD, TOKENS_FIELD, TokenBatch, encode
 from runtime.config import BusConfig
 
 logger = logging.getLogger(__name__)
@@ -86,6 +89,9 @@ LOG_READERS_GROUP = "detokenizer"
 Entry = tuple[bytes, dict[bytes, bytes] | None]  # (entry id, fields; None once trimmed)
 
 ABORTS_READ = 1_000  # aborts entries one commit reads at most: a worker behind catches up
+# How long, and how many, the acknowledgements of ended jobs may wait (`ack_later`).
+ENDED_ACK_WAIT_S = 1.0
+ENDED_ACKS_MAX = 1_000
 
 # A log whose last id is this takes no more entries (XADD fails): the reaper's fence.
 CLOSED_LOG_ID = "18446744073709551615-18446744073709551615"
@@ -133,6 +139,11 @@ class FencedStream:
         # Written by the next commit, all or nothing:
         self.outbox: list[Output] = []
         self.acks: list[bytes] = []
+        # Acknowledgements that may wait (`ack_later`): the log already says their jobs ended.
+        self.ended: list[bytes] = []
+        self.ack_ended = False  # acknowledge `ended` in the next commit, due or not
+        self.acked_ended: list[bytes] = []  # the part of `ended` the last commit acknowledged
+        self._ended_since = 0.0
         self.dead: list[dict[str, Any]] = []  # dead_letter_fields
         self.progress_stream = config.progress_stream(worker_id)  # also our fence
         self._no_progress = encode(ProgressEntry(worker_id))  # a commit's entry, no job in it
@@ -204,18 +215,23 @@ class FencedStream:
         (having written nothing) when a reaper closed or deleted our log since we opened it."""
         self.trimmer.maybe_trim()
         self.progress_written = None
-        writes = self.outbox or self.acks or self.dead or self.progress or self.kv_events
+        self.acked_ended = self._ended_due()
+        acks = self.acks + self.acked_ended
+        writes = self.outbox or acks or self.dead or self.progress or self.kv_events
         if not (writes or read or self.abort_checks):
             return []
         if not self._log_opened:
             self.open_log()
-        # One script call, the log's entry first: it is the fence (bus/scripted_multi.py),
-        # and its reply is the entry's id. NOMKSTREAM: a log the reaper deleted is a fence.
-        pipe = ScriptedMulti(self.client, guarded=True)
         log_fields = {ENTRY_FIELD: self.progress or self._no_progress}
         tokens, outputs = self._token_batch()
         if tokens is not None:  # in the same entry: its readers' only input (module docstring)
             log_fields[TOKENS_FIELD] = encode(tokens)
+        if not (outputs or acks or self.dead or self.kv_events or self.abort_checks or read
+                or self.progress_trim is not None):  # fmt: skip
+            return self._log_only(log_fields)
+        # One script call, the log's entry first: it is the fence (bus/scripted_multi.py),
+        # and its reply is the entry's id. NOMKSTREAM: a log the reaper deleted is a fence.
+        pipe = ScriptedMulti(self.client, guarded=True)
         pipe.xadd(self.progress_stream, log_fields, nomkstream=True)
         if self.progress_trim is not None:
             trim = self._log_trim(self.progress_trim)
@@ -225,8 +241,8 @@ class FencedStream:
                       maxlen=self.config.kv_events_maxlen, approximate=True)  # fmt: skip
         write_outputs(pipe, self.config, outputs)
         write_dead_letters(pipe, self.config, self.dead)
-        if self.acks:
-            pipe.xack(self.stream, WORKER_GROUP, *self.acks)
+        if acks:
+            pipe.xack(self.stream, WORKER_GROUP, *acks)
         checks = self.abort_checks
         if checks:  # bus/aborts.py
             pipe.xread({self.aborts_stream: self.aborts_seen}, count=ABORTS_READ)
@@ -249,6 +265,47 @@ class FencedStream:
         self._clear()
         if read and results[-1] and not isinstance(results[-1], redis.ResponseError):
             return results[-1][0][1]
+        return []
+
+    def ack_later(self, entry_id: bytes) -> None:
+        """Acknowledge `entry_id`, whose job's end the log says (jobs/progress.py ``done``),
+        in a later commit: when `ack_ended` asks (the worker ran dry), after
+        ``ENDED_ACK_WAIT_S``, or ``ENDED_ACKS_MAX`` of them. Most of a busy worker's commits
+        then hold the log's entry alone: one XADD, where a script and an XACK were three
+        commands (Redis counts a script's commands, issue 27)."""
+        if not self.ended:
+            self._ended_since = time.monotonic()
+        self.ended.append(entry_id)
+
+    def queued(self) -> tuple[int, ...]:
+        """Where the buffers stand, for `drop_since`."""
+        return len(self.outbox), len(self.acks), len(self.dead), len(self.ended)
+
+    def drop_since(self, queued: tuple[int, ...]) -> None:
+        """Drop what was queued since `queued` (a step that failed queued it)."""
+        del self.outbox[queued[0] :], self.acks[queued[1] :], self.dead[queued[2] :]
+        del self.ended[queued[3] :]
+
+    def _ended_due(self) -> list[bytes]:
+        waited = time.monotonic() - self._ended_since
+        if self.ack_ended or waited >= ENDED_ACK_WAIT_S or len(self.ended) >= ENDED_ACKS_MAX:
+            return self.ended
+        return []
+
+    def _log_only(self, fields: dict[bytes, bytes]) -> list[Entry]:
+        """A commit of the log's entry alone: one XADD, its own fence (a log closed or
+        deleted refuses it, and nothing is written)."""
+        try:
+            entry_id = self.client.xadd(self.progress_stream, fields, nomkstream=True)
+        except redis.ResponseError as exc:
+            if "last possible ID" not in str(exc):
+                raise  # not the fence: an outage, or a server out of memory
+            raise Fenced from exc
+        if entry_id is None:  # deleted
+            raise Fenced
+        if self.progress is not None:
+            self.progress_written = entry_id
+        self._clear()
         return []
 
     def _token_batch(self) -> tuple[TokenBatch | None, list[Output]]:
@@ -280,6 +337,7 @@ class FencedStream:
         """After `Fenced`: drop what was not yet written, open our log again, and return the
         entries still pending to us (the reaper did not claim them), to admit again."""
         self._clear()
+        self.ended, self.acked_ended = [], []  # the reaper, or our next admission, reads the log
         self.open_log()
         self.ensure_group()  # the reaper may have deleted it
         return self.pending_entries()
@@ -287,7 +345,7 @@ class FencedStream:
     def pending_entries(self) -> list[Entry]:
         """The entries pending to this consumer, read again, less those whose acknowledgement
         is already queued for the next commit."""
-        queued = set(self.acks)
+        queued = set(self.acks) | set(self.ended)
         ids = [p["message_id"] for p in self._pending(self.consumer)]
         pipe = self.client.pipeline(transaction=False)
         for entry_id in ids:
@@ -307,61 +365,9 @@ class FencedStream:
         return flagged
 
     def _clear(self) -> None:
+        """After a commit wrote: empty the buffers it wrote."""
         self.outbox, self.acks, self.dead, self.abort_checks = [], [], [], []
         self.progress = self.progress_trim = self.kv_events = None
-
-
-def read_progress_log(
-    client: redis.Redis, config: BusConfig, worker_id: str
-) -> list[ProgressEntry]:
-    """Worker `worker_id`'s progress log, oldest first; a malformed entry is skipped (logged)."""
-    stream = config.progress_stream(worker_id)
-    entries: list[ProgressEntry] = []
-    start: bytes | str = "-"
-    while True:
-        chunk = client.xrange(stream, min=start, count=1000)
-        for entry_id, fields in chunk:
-            try:
-                entries.append(decode((fields or {}).get(ENTRY_FIELD), ProgressEntry))
-            except ProtocolError as exc:
-                logger.warning("%s: skipping progress entry %s: %s", stream, entry_id, exc)
-        if len(chunk) < 1000:
-            return entries
-        start = b"(" + chunk[-1][0]
-
-
-def fence_off(
-    client: redis.Redis, config: BusConfig, worker_id: str, consumer: str, count: int
-) -> tuple[list[Entry], dict[bytes, int]]:
-    """The reaper's claim: up to `count` of the worker's pending entries, else of its unread
-    ones, taken by `consumer` in the MULTI that closes the worker's progress log (its
-    fence: `CLOSED_LOG_ID`), so their old owner can write nothing more about them (a
-    worker that never opened its log has none to close: it has written nothing). Also
-    returns, by entry id, how many times each claimed entry had been delivered to a worker
-    (none for unread ones)."""
-    stream = config.worker_stream(worker_id)
-    try:
-        pipe = client.pipeline(transaction=True)
-        pipe.execute_command("XSETID", config.progress_stream(worker_id), CLOSED_LOG_ID)
-        pipe.set(config.legacy_fence_key(worker_id), secrets.token_hex(8))  # older workers'
-        # Before the claim counts itself: the deliveries to workers that died holding them.
-        pipe.xpending_range(stream, WORKER_GROUP, "-", "+", count=count)
-        pipe.xautoclaim(stream, WORKER_GROUP, consumer, min_idle_time=0, start_id="0-0",
-                        count=count)  # fmt: skip
-        closed, _, pending, claimed = pipe.execute(raise_on_error=False)
-        for result in (pending, claimed):
-            if isinstance(result, Exception):
-                raise result
-        if isinstance(closed, Exception) and client.exists(config.progress_stream(worker_id)):
-            raise closed  # not "no such key": a log that is not a stream
-        _, entries, _ = claimed
-        if entries:
-            return entries, {p["message_id"]: p["times_delivered"] for p in pending}
-        response = client.xreadgroup(WORKER_GROUP, consumer, {stream: ">"}, count=count)
-    except redis.ResponseError as exc:
-        if not is_missing_group(exc):
-            raise
-        # Jobs routed before the worker ever made its group: read them from the start.
-        ensure_group(client, stream, WORKER_GROUP)
-        return fence_off(client, config, worker_id, consumer, count)
-    return (response[0][1] if response else []), {}
+        if self.acked_ended:  # `ended` itself: what was added since is in a later commit
+            self.ended = []
+        self.ack_ended = False

@@ -4,6 +4,8 @@ package that imports torch.
 worker.py          the worker stage: jobs in, the engine loop, tokens out
 token_item.py      what the worker publishes of a running job
 job_intake.py      the thread that reads new jobs off the worker's stream
+job_admission.py   each job read started, refused, set aside or dropped (a Worker mixin)
+job_ends.py        each job's end marked on the log, and its entry acknowledged after its last
 publishing.py      when a busy worker publishes (per interval), and its items and log entry
 progress_log.py    the worker's side of its progress log: the next entry, the trim point
 cached_blocks.py   the blocks the prefix cache holds, and the next KvEvents entry

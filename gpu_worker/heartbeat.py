@@ -67,7 +67,8 @@ class HeartbeatThread(threading.Thread):
         self.worker_id = worker_id
         # What every beat says: who we are and serve, with the load and time of the beat.
         self._beat = Heartbeat(worker_id, stream, model, 0, 0, max_total_tokens,
-                               max_total_tokens, 0, 0.0, attention)  # fmt: skip
+                               max_total_tokens, 0, 0.0, attention,
+                               reads_bundles=True)  # fmt: skip
         self.weights = weights
         self.on_stall = on_stall or _exit_hung
         self.load = Load(0, 0, max_total_tokens, 0)

@@ -9,11 +9,17 @@ back with more ids than it carries (rebuilt from the log after a restart) logs t
 again first, so the entries of the previous life can go.
 After a restart or a failed step the jobs are admitted again from the log: until they are,
 nothing is trimmed (`hold`).
+
+A job that ended is marked so in the entry of its last publish (`end`: ProgressEntry's
+``done``), and stays held until its acknowledgement is written, which may be a later commit
+(bus/fenced_stream.py): until then a reader of the log must find the mark, and the entry
+that names the job.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
 from jobs.progress import ProgressEntry
 from jobs.wire import encode
@@ -31,6 +37,8 @@ class ProgressLog:
         self._first_entry: dict[str, bytes] = {}  # of each job this life holds
         self._in_flight: list[str] = []  # rids of the entry being written, without a first
         self._slots: dict[str, int] = {}  # each held job's slot number (jobs/progress.py)
+        self._done: dict[str, int | str] = {}  # of the next entry: the jobs that ended
+        self._ended: set[str] = set()  # held until their acknowledgement is written
         self._next_slot = 0
         self._last_entry: bytes | None = None
         self._next_trim = 0.0
@@ -54,15 +62,23 @@ class ProgressLog:
 
     def take(self) -> bytes | None:
         """The next entry's payload (None: nothing to log); `written` says where it went."""
-        if not self._segments:
+        if not self._segments and not self._done:
             return None
         self._in_flight = [rid for rid in self._segments if rid not in self._first_entry]
         named = set(self._in_flight)
         slots = [ProgressEntry.slot(self._slot_of(rid), start, ids, rid if rid in named else None)
                  for rid, (start, ids) in self._segments.items()]  # fmt: skip
-        payload = encode(ProgressEntry(self.worker_id, slots=slots))
-        self._segments = {}
+        payload = encode(ProgressEntry(self.worker_id, slots=slots, done=[*self._done.values()]))
+        self._segments, self._done = {}, {}
         return payload
+
+    def end(self, rid: str) -> None:
+        """The job ended: say so in the next entry, and hold it until `forget` (its
+        acknowledgement is written)."""
+        self._segments.pop(rid, None)
+        named = rid in self._first_entry  # by a written entry, which stays while it is held
+        self._done[rid] = self._slots[rid] if named else rid
+        self._ended.add(rid)
 
     def _slot_of(self, rid: str) -> int:
         """The job's slot for this life: never given to another job of this life, so an
@@ -86,24 +102,31 @@ class ProgressLog:
         self._first_entry.pop(rid, None)
         self._segments.pop(rid, None)
         self._slots.pop(rid, None)
+        self._ended.discard(rid)
 
     def hold(self) -> None:
-        """Every job is dropped, to be admitted again from the log: keep it all until then."""
+        """Every job is dropped, to be admitted again from the log: keep it all until then
+        (those that ended only wait for their acknowledgement: they stay as they are)."""
         self._segments.clear()
-        self._first_entry.clear()
+        for rid in list(self._done):  # ends not yet written: those jobs run again
+            self.forget(rid)
+        self._done.clear()
+        self._first_entry = {rid: e for rid, e in self._first_entry.items() if rid in self._ended}
         self.holding = True
 
-    def trim_point(self) -> bytes | None:
+    def trim_point(self, acked: Collection[str] = ()) -> bytes | None:
         """The id below which the log may go (XTRIM MINID), at most once per trim interval,
         and at once when the last job this life holds ended (an idle worker publishes no
-        more, so its log would keep them until its next job)."""
+        more, so its log would keep them until its next job). `acked`: jobs that ended whose
+        acknowledgements the commit that trims writes, which need not be held then."""
         now = time.monotonic()
         if self.holding or self._last_entry is None:
             return None
-        idle = not self._first_entry and self._trimmed_to != self._last_entry
+        held = [entry for rid, entry in self._first_entry.items() if rid not in acked]
+        idle = not held and self._trimmed_to != self._last_entry
         if now < self._next_trim and not idle:
             return None
         self._next_trim = now + self.trim_interval_s
-        point = min(self._first_entry.values(), key=_id_order) if self._first_entry else None
+        point = min(held, key=_id_order) if held else None
         self._trimmed_to = point or self._last_entry
         return self._trimmed_to

@@ -31,15 +31,17 @@ from collections.abc import Callable
 import redis
 
 from bus.effects import Outbound
-from bus.fenced_stream import Entry, FencedStream, read_progress_log
+from bus.fence_off import read_progress_log
+from bus.fenced_stream import Entry, FencedStream
 from gpu_worker.cached_blocks import watch_prefix_cache
 from gpu_worker.heartbeat import Load
+from gpu_worker.job_ends import JobEnds
 from gpu_worker.progress_log import ProgressLog
 from gpu_worker.token_item import RunningJob, aborted_item, finish_of, token_item
 from gpu_worker.weights_update import WeightsUpdates
 from gpu_worker.worker_metrics import WorkerMetrics
 from jobs.kv_events import KvEvents
-from jobs.progress import rebuild
+from jobs.progress import ended_jobs, rebuild
 from jobs.protocol import TokenBatch, TokenItem, TokenizedRequest, encode
 from runtime.config import BusConfig
 
@@ -57,6 +59,7 @@ class Publisher:
         self.metrics = metrics
         self.finished = finished  # the worker's: a job's last item is queued
         self.log = ProgressLog(worker_id, config.trim_interval_s)
+        self.ends = JobEnds(bus, self.log)  # each job's end: marked on the log, then acked
         self._gained: dict[str, None] = {}  # rids with tokens not yet published, in order
         self._last = 0.0  # monotonic time of the last publish
         self._aborts_checked = time.monotonic()  # and of the last read of aborts
@@ -94,8 +97,10 @@ class Publisher:
         if len(self._routes) > 2 * len(jobs) + 64:
             self._routes = {rid: route for rid, route in self._routes.items() if rid in jobs}
         self.publish_items([self.item(jobs[rid]) for rid in gained if rid in jobs], step)
+        self.bus.ack_ended = not jobs  # ran dry: no later commit to wait for (fenced_stream.py)
         self.bus.progress = self.log.take()
-        self.bus.progress_trim = self.log.trim_point()
+        acked = self.ends.acked_with(self.bus.ack_ended)
+        self.bus.progress_trim = self.log.trim_point(acked)
         self.bus.kv_events = self._kv_events(load)
         self._finished_since = False
         self._last = time.monotonic()
@@ -136,7 +141,6 @@ class Publisher:
                           job.tag, job.text_only)  # fmt: skip
         if req.finished:
             self._finished_since = True
-            self.log.forget(req.rid)
             item.finish = finish_of(req, job.queue_seconds)
             item.finish.weights_version = self.weights.version if self.weights else None
             route = self._routes.pop(req.rid, None)
@@ -150,7 +154,6 @@ class Publisher:
     def publish_aborted(self, job: TokenizedRequest, progress: list[int], step: int) -> None:
         """The last item of a job aborted on its way to the engine: its stream ends with
         "abort" (whoever aborted it may still be reading: POST /v1/abort, Client.abort)."""
-        self.log.forget(job.rid)
         item = aborted_item(job, len(progress))
         self.metrics.finished(item.finish)
         self.publish_items([item], step)
@@ -158,6 +161,7 @@ class Publisher:
     def committed(self, written: bool) -> None:
         """The bus's commit wrote what was queued (False: it was fenced, and wrote nothing)."""
         self.log.written(self.bus.progress_written if written else None)
+        self.ends.committed(written)
         if not written and self.blocks is not None:
             self.blocks.resend()  # the changes were not written: say everything next time
 
@@ -168,6 +172,7 @@ class Publisher:
         generated again; nothing is trimmed until the jobs are admitted again."""
         self._gained.clear()
         self.log.hold()
+        self.ends.dropped()
 
     def handed_back(self, entries: list[Entry]) -> list[Entry]:
         """Entries handed to us again: their progress is read from our log at admission."""
@@ -189,17 +194,21 @@ class Publisher:
             if job.route_reason is not None:
                 self._routes[job.rid] = (job.route_reason, job.expected_cached or 0)
 
-    def progress(self, jobs: list[tuple[bytes, TokenizedRequest]]) -> dict[str, list[int]]:
+    def progress(self, jobs: list[tuple[bytes, TokenizedRequest]]) -> dict[str, list[int] | None]:
         """Each job's published output: what it carries (from workers that died holding it),
         and for one handed back, what our own log holds beyond that. Those extra ids are
-        logged again in our next publish, so our log may go below its older entries."""
-        carried = {job.rid: list(job.progress or []) for _, job in jobs}
+        logged again in our next publish, so our log may go below its older entries. None:
+        the log says the job ended (only its acknowledgement was not written)."""
+        carried: dict[str, list[int] | None] = {job.rid: list(job.progress or [])
+                                                for _, job in jobs}  # fmt: skip
         self._note_routes([job for _, job in jobs])
         mine = [job.rid for entry_id, job in jobs if entry_id in self._taken_back]
         if not mine:
             return carried
-        rebuilt = rebuild(read_progress_log(self.client, self.config, self.worker_id),
-                          carried, mine)  # fmt: skip
+        log = read_progress_log(self.client, self.config, self.worker_id)
+        done = ended_jobs(log)
+        rebuilt = rebuild(log, carried, [rid for rid in mine if rid not in done])
+        carried.update(dict.fromkeys(done.intersection(mine)))
         for rid, ids in rebuilt.items():
             start = len(carried[rid])
             self.log.log(rid, start, ids[start:])

@@ -2,17 +2,18 @@
 
     python -m gpu_worker --redis-url unix:///tmp/redis.sock --model smollm2-135m-instruct
 
-The loop is the engine's (receive, schedule, forward, sample, process results) with Redis
-at its two ends. Jobs arrive on this worker's own stream ``<p>:worker:<id>``, where the
-router stage routes them, and a thread of their own reads them (gpu_worker/job_intake.py:
-a command per arrival, not per publish). While there is work the worker publishes at most
-every ``publish_interval_ms`` (gpu_worker/publishing.py): one TokenBatch to ``<p>:tokens``
-with every request's tokens since the last publish, and an entry of its progress log, in one
-commit that also carries the acknowledgements of finished jobs and, at most every
-``abort_check_interval_ms``, a read of its jobs' aborts (bus/aborts.py). So the bus
-costs one round trip per publish, whatever the batch size and however many steps it covers.
-The heartbeat has a thread of its own (gpu_worker/heartbeat.py), so a long step never makes
-a live worker look dead. Forming batches stays here: a round trip per step would cost more.
+The loop is the engine's (receive, schedule, forward, sample, process results) with Redis at
+its two ends. Jobs arrive on this worker's own stream ``<p>:worker:<id>``, a router batch's
+in one entry (their ends: gpu_worker/job_ends.py), read by a thread of their own
+(gpu_worker/job_intake.py: a command per arrival, not per publish). While there is work the
+worker publishes at most every ``publish_interval_ms`` (gpu_worker/publishing.py): an entry
+of its progress log with a TokenBatch of every request's tokens since the last publish, in a
+commit that may also carry the acknowledgements of ended jobs (bus/fenced_stream.py says
+when) and, at most every ``abort_check_interval_ms``, a read of its jobs' aborts
+(bus/aborts.py): one round trip a publish, whatever the batch size and however many steps it
+covers. The heartbeat has a thread of its own (gpu_worker/heartbeat.py), so a long step
+never makes a live worker look dead. Forming batches stays here: a round trip per step would
+cost more.
 
 The worker does not detokenize: requests with stop strings keep a TextStream to find them,
 the rest leave text to the detokenizer (stages/detokenizer/incremental.py), with a window.
@@ -31,7 +32,8 @@ the deliveries of a previous life under this id), is set aside: dead-lettered, w
 reply.
 
 New weights (gpu_worker/weights_update.py): admit nothing, let what runs finish, swap, resume.
-Jobs become engine requests here, their tokens items in publishing.py; the CLI is cli.py.
+Jobs become engine requests in job_admission.py, their tokens items in publishing.py; the CLI
+is cli.py.
 """
 
 from __future__ import annotations
@@ -43,21 +45,18 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from bus.effects import dead_letter_fields, reply
 from bus.fenced_stream import Entry, Fenced, FencedStream
 from bus.reconnect import ReconnectingLoop
-from gpu_worker.grammar_waits import GrammarWaits, Waiting
+from gpu_worker.grammar_waits import GrammarWaits
 from gpu_worker.heartbeat import HeartbeatThread, Load
+from gpu_worker.job_admission import JobAdmission
 from gpu_worker.job_intake import JobIntake
 from gpu_worker.probation import Probation
 from gpu_worker.publishing import Publisher
 from gpu_worker.scheduling.req import Req
-from gpu_worker.token_item import RunningJob, stop_window
+from gpu_worker.token_item import RunningJob
 from gpu_worker.weights_update import WeightsUpdates, split_aborts
 from gpu_worker.worker_metrics import WorkerMetrics
-from jobs.job_failures import failure_reply, malformed_reply, too_many_deliveries
-from jobs.protocol import ENTRY_FIELD, Abort, ErrorReply, ProtocolError, TokenizedRequest, decode
-from jobs.request_bounds import request_bounds
 from jobs.weights import initial_version
 from observability.metrics import ProcessMetrics, start_publisher
 from runtime.config import BusConfig
@@ -68,7 +67,7 @@ if TYPE_CHECKING:  # or a SyntheticEngine (gpu_worker/synthetic_engine.py), with
 logger = logging.getLogger(__name__)
 
 
-class Worker:
+class Worker(JobAdmission):
     def __init__(
         self, engine: Engine, client: redis.Redis, config: BusConfig, worker_id: str, model: str,
         weights: WeightsUpdates | None = None,  # default: `model`'s, with no update yet
@@ -102,6 +101,7 @@ class Worker:
                               runner.cpu_kernels is not None)  # fmt: skip
         self.publisher = Publisher(client, config, worker_id, self.bus, self.metrics,
                                    self._finished, self.scheduler, self.weights)  # fmt: skip
+        self.ends = self.publisher.ends  # gpu_worker/job_ends.py
         self._publisher = None
 
     # ---- the loop ------------------------------------------------------------------------
@@ -201,147 +201,19 @@ class Worker:
                           self.scheduler.num_retractions)  # fmt: skip
         return load
 
-    # ---- jobs in -------------------------------------------------------------------------
-
-    def _admit(self, entries: list[Entry]) -> None:
-        try:
-            self._admit_jobs(entries)
-        finally:
-            self.publisher.admitted(entries)
-
-    def _admit_jobs(self, entries: list[Entry]) -> None:
-        jobs: list[tuple[bytes, TokenizedRequest]] = []
-        for entry_id, fields in entries:
-            if fields is None:  # deleted by hand while pending (the bus never trims those)
-                self._set_aside(entry_id, None, "deleted from the stream while pending", None)
-                continue
-            payload = fields.get(ENTRY_FIELD)
-            try:
-                message = decode(payload, TokenizedRequest, Abort)
-            except ProtocolError as exc:
-                self._set_aside(entry_id, payload, str(exc), malformed_reply(payload, exc))
-                continue
-            if isinstance(message, Abort):
-                self._abort(message.rid, entry_id)
-                continue
-            failures = self._failures(entry_id, message)
-            if failures >= self.config.max_deliveries:
-                answer = (message.reply_to, too_many_deliveries(message.rid, failures))
-                self._set_aside(entry_id, payload, f"failed {failures} times", answer)
-            else:
-                jobs.append((entry_id, message))
-        self.admitted += len(jobs)
-        if not jobs:
-            return
-        # A job aborted while on its way here is dropped on arrival (see bus/aborts.py); one
-        # with progress was begun by a worker that died, and continues after it.
-        aborted = self.client.mget([self.config.abort_key(job.rid) for _, job in jobs])
-        progress = self.publisher.progress(jobs)
-        for (entry_id, job), abort_flag in zip(jobs, aborted, strict=True):
-            if abort_flag is not None:
-                self.bus.acks.append(entry_id)
-                self.publisher.publish_aborted(job, progress[job.rid], self.steps)
-            else:
-                self._start(entry_id, job, progress[job.rid])
-
-    def _failures(self, entry_id: bytes, job: TokenizedRequest) -> int:
-        """How often a worker failed on this job: died holding it (the reaper's count, then a
-        previous life's under this id) or raised in a step while it was in the engine."""
-        died = (job.attempts or 0) + self.bus.previous_deliveries.pop(entry_id, 0)
-        return died + self.probation.strikes.get(job.rid, 0)
-
-    def _set_aside(
-        self, entry_id: bytes, payload: bytes | None, reason: str,
-        answer: tuple[str, ErrorReply] | None,
-    ) -> None:  # fmt: skip
-        """Acknowledge an entry that will not run, dead-letter it, and answer its requester."""
-        logger.warning("worker %s: setting %s aside: %s", self.worker_id, entry_id, reason)
-        self.bus.acks.append(entry_id)
-        self.bus.dead.append(dead_letter_fields(self.bus.stream, entry_id, reason, payload))
-        if answer is not None:
-            self.probation.forget(answer[1].rid)
-            self.publisher.log.forget(answer[1].rid)
-            self.bus.outbox.append(reply(self.config, *answer))
-
-    def _start(
-        self, entry_id: bytes, job: TokenizedRequest, generated: list[int],
-        compiled: bool = False,
-    ) -> None:  # fmt: skip
-        if job.rid in self.jobs or job.rid in self.grammar_waits:
-            logger.warning("worker %s: duplicate job %s ignored", self.worker_id, job.rid)
-            self.bus.acks.append(entry_id)
-            return
-        try:
-            # The request normaliser's defaults (OpenAI's missing max_tokens: all that fit).
-            params = self.engine.sampling_params(job.sampling, len(job.input_ids))
-            compiling = None if compiled else self.engine.grammars.compile_soon(params)
-            if compiling is not None:  # admitted once compiled, by `_turn`
-                deadline = time.monotonic() + request_bounds().grammar_compile_timeout_s
-                self.grammar_waits.park(Waiting(entry_id, job, generated, *compiling, deadline))
-                return
-            req = self.engine.build_request(job.rid, job.input_ids, params, detokenize=False,
-                                            output_ids=generated, pooling=job.pooling)  # fmt: skip
-            req.tenant = job.tenant or ""
-            req.weight = job.weight or 1.0
-            req.priority = job.priority or 0  # the job's, beside its sampling
-        except Exception as exc:  # whatever one job's content raises is its own error
-            self._refuse(entry_id, job, exc)
-            return
-        window = stop_window(params.stop)
-        running = RunningJob(req, job.reply_to, entry_id, window, reported=len(generated),
-                             created=None if generated else job.created, tag=job.tag,
-                             reply_version=job.v, bundle=bool(job.bundle_replies),
-                             text_only=bool(job.text_only))  # fmt: skip
-        self.jobs[job.rid] = running
-        if generated:
-            self.metrics.migrated_in.inc()
-            logger.info("worker %s: resuming %s after %d tokens", self.worker_id, job.rid,
-                        len(generated))  # fmt: skip
-        if not self.probation.hold(job.rid, req):
-            self.scheduler.add_request(req)
-
-    def _refuse(self, entry_id: bytes, job: TokenizedRequest, exc: Exception) -> None:
-        """Acknowledge a job that will not run, with the error reply for what it raised."""
-        self.bus.acks.append(entry_id)
-        self.probation.forget(job.rid)
-        self.publisher.log.forget(job.rid)
-        answer = failure_reply(job.rid, exc, f"worker {self.worker_id}", checking=True)
-        if answer.status >= 500:
-            logger.exception("worker %s: admitting %s failed", self.worker_id, job.rid)
-            payload = f"{type(exc).__name__}: {exc}"[:1000]
-            self.bus.dead.append(dead_letter_fields(self.bus.stream, entry_id, payload, None))
-        self.bus.outbox.append(reply(self.config, job.reply_to, answer))
-
-    def _abort(self, rid: str, entry_id: bytes | None = None) -> None:
-        if entry_id is not None:  # an Abort entry: acknowledged with what the abort writes
-            self.bus.acks.append(entry_id)
-        waiting = self.grammar_waits.pop(rid)
-        if waiting is not None:  # never reached the engine
-            self.bus.acks.append(waiting.entry_id)
-            self.publisher.publish_aborted(waiting.job, waiting.progress, self.steps)
-            return
-        held = self.probation.forget(rid)
-        if held is not None:  # never reached the engine: end it as the engine would have
-            self.scheduler.add_request(held)
-        req = self.scheduler.abort_request(rid)
-        if req is not None and rid in self.jobs:
-            self.publisher.publish_items([self.publisher.item(self.jobs[rid])], self.steps)
-
     # ---- results out ---------------------------------------------------------------------
 
     def _step_or_recover(self) -> list[Entry]:
         """One step; if it raises, start the engine's state afresh and return every job's
         entry, to admit again from its progress (the module docstring says why)."""
-        written = len(self.bus.outbox), len(self.bus.acks), len(self.bus.dead)
+        written = self.bus.queued()
         try:
             self._step()
             return []
         except Exception:
             logger.exception("worker %s: a step failed with %d jobs in the engine; admitting "
                              "them again", self.worker_id, len(self.jobs))  # fmt: skip
-            # What the failed step queued describes a state that is dropped now.
-            del self.bus.outbox[written[0] :], self.bus.acks[written[1] :]
-            del self.bus.dead[written[2] :]
+            self.bus.drop_since(written)  # what it queued describes a state now dropped
             stepping = self.scheduler.stepping
             self.probation.strike(self.jobs if stepping is None else stepping)
             self.jobs.clear()
@@ -371,9 +243,9 @@ class Worker:
                 self.metrics.queue_time.observe(job.queue_seconds)
 
     def _finished(self, job: RunningJob) -> None:
-        """The job's last item is queued: acknowledge its entry with it, and forget it."""
+        """Its last item is queued, marking it ended on the log: its ack may wait (`ack_later`)."""
         self.probation.forget(job.req.rid)
-        self.bus.acks.append(job.entry_id)
+        self.ends.ended(job.entry_id, job.req.rid)
         del self.jobs[job.req.rid]
 
     def _shutdown(self) -> None:

@@ -1,7 +1,8 @@
 """The job contract: what a request is on the wire and the rules it must keep. No torch,
 no Redis; of the project it imports only runtime/ (its settings).
 
-protocol.py            every message kind and `decode`; re-exports the next two's kinds
+protocol.py            every message kind and `decode`; re-exports the next three's kinds
+heartbeat.py           `Heartbeat`: a worker's load and what it serves, under a key with a TTL
 requests.py            the jobs: `GenerateRequest`, `TokenizedRequest`, `Abort`, their
                        version (`v`) and where `priority` travels
 token_records.py       a worker's `TokenItem` and `Finish`, records by name (wire version 2)

@@ -20,7 +20,7 @@ entry about a job may be trimmed (gpu_worker/progress_log.py).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,17 +41,24 @@ class ProgressEntry(Message):
     the first entry about the job of that life (the log is never trimmed above it while the
     job is held) and any entry after one that was not written. A rid per job per publish was
     the largest part of these entries (~34 bytes to a few ids). ``segments`` (rid -> [start,
-    packed ids]) is the form before slots, still read; an entry may hold both."""
+    packed ids]) is the form before slots, still read; an entry may hold both.
+
+    ``done``: the jobs that ended with this publish, each by its slot, or by its rid where
+    no entry named it yet. Their acknowledgements may follow in a later commit
+    (bus/fenced_stream.py), so a job found pending whose log says it ended is acknowledged,
+    not run again (`ended_jobs`)."""
 
     KIND = "progress"
     COMPRESSIBLE = True
-    FIELDS = {"worker_id": wire.STR, "segments": wire.MAP, "v": wire.INT, "slots": wire.LIST}
-    OPTIONAL = frozenset({"v", "segments", "slots"})
+    FIELDS = {"worker_id": wire.STR, "segments": wire.MAP, "v": wire.INT, "slots": wire.LIST,
+              "done": wire.LIST}  # fmt: skip
+    OPTIONAL = frozenset({"v", "segments", "slots", "done"})
 
     worker_id: str
     segments: dict[str, list[Any]] = field(default_factory=dict)
     v: int = wire.WIRE_VERSION
     slots: list[list[Any]] = field(default_factory=list)
+    done: list[Any] = field(default_factory=list)
 
     @staticmethod
     def segment(start: int, ids: list[int]) -> list[Any]:
@@ -89,6 +96,20 @@ class ProgressEntry(Message):
             if rid is not None:
                 yield rid, start, ids
 
+    def ended_rids(self, names: dict[int, str]) -> list[str]:
+        """The rids of ``done``, slots resolved by `names` (as `spans` left them); raises
+        `ProtocolError` for a malformed one. A slot no entry named is skipped (see `spans`)."""
+        rids = []
+        for job in self.done:
+            if isinstance(job, str):
+                rids.append(job)
+            elif isinstance(job, int) and not isinstance(job, bool):
+                if job in names:
+                    rids.append(names[job])
+            else:
+                raise ProtocolError(f"progress done: {job!r} is neither a slot nor a rid")
+        return rids
+
 
 def _start(start: Any, job: str | int) -> int:
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
@@ -116,13 +137,7 @@ def rebuild(
     wanted = set(known if rids is None else rids)
     ids = {rid: list(known.get(rid, ())) for rid in wanted}
     gaps: set[str] = set()
-    names: dict[int, str] = {}  # slot -> rid, as the entries read so far name them
-    for entry in entries:
-        try:
-            spans = list(entry.spans(names))
-        except ProtocolError as exc:
-            logger.warning("progress of %s: skipping an entry: %s", entry.worker_id, exc)
-            continue
+    for entry, spans, _ in _read(entries):
         for rid, start, new in spans:
             if rid not in ids or rid in gaps:
                 continue
@@ -135,3 +150,24 @@ def rebuild(
             del have[start:]
             have += new
     return ids
+
+
+def ended_jobs(entries: Iterable[ProgressEntry]) -> set[str]:
+    """The rids of the jobs the log says ended (``done``)."""
+    return {rid for _, _, done in _read(entries) for rid in done}
+
+
+def _read(
+    entries: Iterable[ProgressEntry],
+) -> Iterator[tuple[ProgressEntry, list[tuple[str, int, list[int]]], list[str]]]:
+    """Each entry with its spans and ended rids, its slots named by the entries before it; a
+    malformed entry is skipped (logged)."""
+    names: dict[int, str] = {}  # slot -> rid, as the entries read so far name them
+    for entry in entries:
+        try:
+            spans = list(entry.spans(names))
+            done = entry.ended_rids(names)
+        except ProtocolError as exc:
+            logger.warning("progress of %s: skipping an entry: %s", entry.worker_id, exc)
+            continue
+        yield entry, spans, done

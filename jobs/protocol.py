@@ -9,13 +9,17 @@ Streams (names from ``BusConfig``; ``<p>`` is the prefix, ``streamserve`` by def
 
   <p>:requests       GenerateRequest   text, chat or token-id jobs; read by the tokenizer
   <p>:tokenized      TokenizedRequest  token-id jobs; read by the router
-  <p>:worker:<id>    TokenizedRequest  routed jobs, and Abort; read by that worker
-                     | Abort
-  <p>:tokens         TokenBatch        one per engine step; read by the detokenizer
+  <p>:worker:<id>    TokenizedRequest  routed jobs (one bundle entry per router batch for
+                     | Abort           a worker that reads bundles), and aborts; read by
+                                       that worker
+  <p>:tokens         TokenBatch        what older workers publish, and a word that a log
+                                       opened; read by the detokenizers
   <p>:reply:<id>     TextDelta         what the request's ``reply_to`` names; TextDeltas
                      | TextDeltas      bundles the deltas of one detokenizer batch for the
                      | ErrorReply      jobs that asked for it (``bundle_replies``)
-  <p>:progress:<id>  ProgressEntry     a worker's progress log (jobs/progress.py)
+  <p>:progress:<id>  ProgressEntry     a worker's progress log (jobs/progress.py), each
+                     + TokenBatch      entry with its publish's TokenBatch (field ``t``);
+                                       read by the detokenizers too
   <p>:kv-events      KvEvents          blocks the workers' prefix caches stored and removed
                                        (jobs/kv_events.py); read by every router replica
   <p>:dead-letter    (fields: source, entry_id, reason, payload)
@@ -33,6 +37,7 @@ from typing import Any
 
 import msgpack
 
+from jobs.heartbeat import Heartbeat
 from jobs.kv_events import KvEvents
 from jobs.progress import ProgressEntry
 from jobs.requests import MAX_TAG, Abort, GenerateRequest, TokenizedRequest, check_tag
@@ -44,7 +49,6 @@ from jobs.wire import (
     BYTES,
     DEFLATED_MARK,
     ENTRY_FIELD,
-    FLOAT,
     IDS,
     INT,
     JOBS_FIELD,
@@ -321,37 +325,6 @@ class ErrorReply(Message):
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
-
-
-@dataclass
-class Heartbeat(Message):
-    """A worker's load, stored under its heartbeat key with a TTL (not on a stream)."""
-
-    KIND = "heartbeat"
-    FIELDS = {
-        "worker_id": STR, "stream": STR, "model": STR, "running": INT, "waiting": INT,
-        "free_kv_tokens": INT, "total_kv_tokens": INT, "admitted": INT, "time": FLOAT,
-        "attention": STR, "weights_version": STR, "weights_target": STR, "weights_error": STR,
-    }  # fmt: skip
-    # Workers from before they were added leave them out.
-    OPTIONAL = frozenset({"attention", "weights_version", "weights_target", "weights_error"})
-
-    worker_id: str
-    stream: str
-    model: str
-    running: int
-    waiting: int
-    free_kv_tokens: int
-    total_kv_tokens: int
-    admitted: int  # jobs read from its stream since it started
-    time: float
-    # What serves attention, e.g. "flashinfer (self-check passed: ...), CUDA graphs"
-    attention: str | None = None
-    # The weights it serves (jobs/weights.py), the version it is draining for and loading
-    # (None: not updating), and why its last update failed ("<version>: <reason>").
-    weights_version: str | None = None
-    weights_target: str | None = None
-    weights_error: str | None = None
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {

@@ -23,7 +23,7 @@ from typing import Any
 
 import redis
 
-from jobs.protocol import ENTRY_FIELD, ProtocolError, TokenizedRequest, decode
+from jobs.protocol import ProtocolError, TokenizedRequest, decode, job_payloads
 from runtime.cluster import shard_configs
 from runtime.config import BusConfig
 from runtime.embedded_server import EmbeddedRedis
@@ -243,13 +243,17 @@ def worker_holding(client: redis.Redis, config: BusConfig, rid: str) -> str:
         stream = config.worker_stream(worker_id)
         pending = {p["message_id"] for p in client.xpending_range(stream, "worker", "-", "+", 1000)}
         for entry_id, fields in client.xrange(stream):
-            if entry_id in pending and (job := _job_of(fields)) is not None and job.rid == rid:
+            if entry_id in pending and rid in _rids_of(fields):
                 return worker_id
     raise LookupError(f"no worker holds {rid}")
 
 
-def _job_of(fields: dict[bytes, bytes]) -> TokenizedRequest | None:
-    try:
-        return decode(fields[ENTRY_FIELD], TokenizedRequest)
-    except (KeyError, ProtocolError):  # an Abort, or not a job
-        return None
+def _rids_of(fields: dict[bytes, bytes]) -> set[str]:
+    """The rids of the jobs an entry holds: one, or a router batch's bundle of them."""
+    rids = set()
+    for payload in job_payloads(fields):
+        try:
+            rids.add(decode(payload, TokenizedRequest).rid)
+        except ProtocolError:  # an Abort, or not a job
+            pass
+    return rids

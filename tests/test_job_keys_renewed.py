@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
-from bus.fenced_stream import read_progress_log
+from bus.fence_off import read_progress_log
 from gpu_worker import Engine
 from gpu_worker.worker import Worker
 from jobs.progress import rebuild

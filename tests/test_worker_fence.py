@@ -9,7 +9,8 @@ import pytest
 import redis
 
 from bus.effects import Outbound
-from bus.fenced_stream import WORKER_GROUP, Fenced, FencedStream, fence_off, read_progress_log
+from bus.fence_off import fence_off, read_progress_log
+from bus.fenced_stream import WORKER_GROUP, Fenced, FencedStream
 from jobs.progress import ProgressEntry
 from jobs.protocol import ENTRY_FIELD, Abort, TokenizedRequest, encode
 from runtime.config import BusConfig

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from bus.actor import Actor
-from bus.fenced_stream import read_progress_log
+from bus.fence_off import read_progress_log
 from bus.reconnect import ensure_group
 from gpu_worker import Engine
 from gpu_worker.worker import Worker

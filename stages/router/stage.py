@@ -26,6 +26,10 @@ prefix follow its first job, and those of other prefixes spread. Why each job we
 did, and the cached tokens expected there, travel with the job (its ``route_reason`` and
 ``expected_cached``, which the worker reports in its Finish) and are counted in the router's
 metrics (stages/router/router_metrics.py).
+
+A batch's jobs for one worker go in one bundle entry on its stream when its heartbeat says it
+reads bundles (``reads_bundles``; older workers get an entry per job): one XADD per worker per
+batch, where an XADD per job was the largest per-request cost left on the bus (issue 27).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class WorkerLoad:
     queued: int  # running + waiting + routed but not yet read by the worker
     free_kv_tokens: int
     routed: int = 0  # jobs routed to it since it started, by every router replica
+    reads_bundles: bool = False  # a batch's jobs for it go in one entry (bus/effects.py)
 
 
 def newest_load(beat: Heartbeat, reading: LoadReading | None) -> LoadReading:
@@ -89,7 +94,8 @@ def live_workers(
         in_transit = max(0, liveness.routed.get(worker_id, 0) - load.admitted)
         queued = load.running + load.waiting + in_transit
         loads.append(WorkerLoad(worker_id, beat.stream, queued, load.free_kv_tokens,
-                                liveness.routed.get(worker_id, 0)))  # fmt: skip
+                                liveness.routed.get(worker_id, 0),
+                                bool(beat.reads_bundles)))  # fmt: skip
     return loads
 
 
@@ -146,7 +152,7 @@ class RouterStage:
                 self.index.expect(worker.worker_id, hashes)
             self.metrics.decided(choice, len(ids))
             job.route_reason, job.expected_cached = choice.reason, choice.expected_cached
-            outputs.append(Outbound(worker.stream, job))
+            outputs.append(Outbound(worker.stream, job, bundle=worker.reads_bundles))
             routed[worker.worker_id] = routed.get(worker.worker_id, 0) + 1
         # One count per worker per batch, not one per job.
         outputs += [IncrHash(self.config.routed_key(), w, n) for w, n in routed.items()]

@@ -4,8 +4,10 @@ A worker leaves every job it was handed pending on its stream (``<p>:worker:<id>
 the job finishes, and logs the tokens it publishes on its progress stream
 (``<p>:progress:<id>``, jobs/progress.py) in the commit that publishes them
 (bus/fenced_stream.py). So when its heartbeat lapses — it was killed, it crashed, or SIGTERM
-stopped it — its stream holds exactly the jobs it had not finished, and its log exactly what
-their clients were sent.
+stopped it — its stream holds the jobs it had not finished, and its log exactly what their
+clients were sent. A job may still be pending after it ended (its acknowledgement may wait
+for a later commit): the log's entry with its last tokens marks it ended (jobs/progress.py
+``done``), and such a job is acknowledged and not moved.
 
 Each router replica runs a reaper thread. For a worker whose heartbeat is gone
 (bus/liveness.py: its id still in the workers set, its heartbeat key expired) on two looks a
@@ -25,9 +27,9 @@ to another, but dead-lettered with an error reply to its requester.
 
 A worker taken for dead may be alive (paused, or cut off from Redis for longer than the
 TTL). So each claim goes in one MULTI that closes the worker's progress log, which every
-commit of the worker writes first and which then refuses it (`fence_off`,
-bus/fenced_stream.py): once a job is claimed, its old worker can publish nothing more, and
-the progress the next worker resumes from is final.
+commit of the worker writes first and which then refuses it (bus/fence_off.py): once a job
+is claimed, its old worker can publish nothing more, and the progress the next worker
+resumes from is final.
 """
 
 from __future__ import annotations
@@ -46,19 +48,22 @@ from bus.effects import (
     write_dead_letters,
     write_outputs,
 )
-from bus.fenced_stream import LOG_READERS_GROUP, WORKER_GROUP, fence_off, read_progress_log
+from bus.fence_off import fence_off, read_progress_log
+from bus.fenced_stream import LOG_READERS_GROUP, WORKER_GROUP
 from bus.liveness import read_liveness
 from bus.reconnect import REDIS_TRANSIENT
 from bus.stream_trim import parse_id
 from jobs.job_failures import malformed_reply, too_many_deliveries
-from jobs.progress import ProgressEntry, rebuild
+from jobs.progress import ProgressEntry, ended_jobs, rebuild
 from jobs.protocol import (
     ENTRY_FIELD,
+    JOBS_FIELD,
     TOKENS_FIELD,
     Abort,
     ProtocolError,
     TokenizedRequest,
     decode,
+    job_payloads,
 )
 from observability.metrics import ProcessMetrics
 from runtime.config import BusConfig
@@ -143,26 +148,19 @@ class WorkerReaper:
             self._log = read_progress_log(self.client, self.config, worker_id)
         pipe = self.client.pipeline(transaction=True)
         moving: list[TokenizedRequest] = []
+        ended = ended_jobs(self._log)  # only their acknowledgements were not written
         for entry_id, fields in entries:
-            payload = (fields or {}).get(ENTRY_FIELD)
-            if payload is None:
+            if fields is None:
                 continue  # trimmed while pending
-            try:
-                message = decode(payload, TokenizedRequest, Abort)
+            try:  # one job, or a router batch's bundle (jobs/wire.py), refused whole
+                payloads = job_payloads(fields)
             except ProtocolError as exc:
-                self._set_aside(pipe, stream, entry_id, payload, str(exc),
-                                malformed_reply(payload, exc))  # fmt: skip
+                self._set_aside(pipe, stream, entry_id, fields.get(JOBS_FIELD), str(exc), None)
                 continue
-            if isinstance(message, Abort):
-                continue  # its job, if still here, is moved and meets the abort flag there
-            message.attempts = (message.attempts or 0) + deliveries.get(entry_id, 0)
-            if message.attempts >= self.config.max_deliveries:
-                answer = too_many_deliveries(message.rid, message.attempts)
-                self._set_aside(pipe, stream, entry_id, payload,
-                                f"its workers died {message.attempts} times holding it",
-                                (message.reply_to, answer))  # fmt: skip
-                continue
-            moving.append(message)
+            for payload in payloads:
+                message = self._job(pipe, stream, entry_id, payload, deliveries.get(entry_id, 0))
+                if message is not None and message.rid not in ended:
+                    moving.append(message)
         carried = {job.rid: list(job.progress or []) for job in moving}
         progress = rebuild(self._log, carried)
         for job in moving:
@@ -179,7 +177,29 @@ class WorkerReaper:
             logger.warning("reaper: moved %d jobs off %s to live workers", moved, stream)
         return len(entries)
 
-    def _set_aside(self, pipe: Any, stream: str, entry_id: bytes, payload: bytes,
+    def _job(self, pipe: Any, stream: str, entry_id: bytes, payload: bytes | None,
+             deliveries: int) -> TokenizedRequest | None:  # fmt: skip
+        """The job to move, with one more attempt for each time a worker died holding it;
+        None for an Abort (its job, if still here, is moved and meets the abort flag there)
+        and for a job set aside (malformed, or its workers died too often holding it)."""
+        try:
+            message = decode(payload, TokenizedRequest, Abort)
+        except ProtocolError as exc:
+            self._set_aside(pipe, stream, entry_id, payload, str(exc),
+                            malformed_reply(payload, exc))  # fmt: skip
+            return None
+        if isinstance(message, Abort):
+            return None
+        message.attempts = (message.attempts or 0) + deliveries
+        if message.attempts >= self.config.max_deliveries:
+            answer = too_many_deliveries(message.rid, message.attempts)
+            self._set_aside(pipe, stream, entry_id, payload,
+                            f"its workers died {message.attempts} times holding it",
+                            (message.reply_to, answer))  # fmt: skip
+            return None
+        return message
+
+    def _set_aside(self, pipe: Any, stream: str, entry_id: bytes, payload: bytes | None,
                    reason: str, answer: tuple[str, Any] | None) -> None:  # fmt: skip
         """Dead-letter a job instead of moving it, and answer its requester."""
         logger.warning("reaper: setting %s aside: %s", entry_id, reason)
