@@ -8,6 +8,15 @@ transformers' fast tokenizer loaded from the same folder (tests/test_stage_token
 The model argument is resolved as the GPU worker's loader resolves it (runtime/model_files.py):
 a random:<shape> model has no tokenizer (None) and takes token ids only, a GGUF file's
 tokenizer is converted once in a child process and cached, and a folder needs tokenizer.json.
+
+The `tokenizers` library runs a batch call (``decode_batch``, ``encode_batch``) on a thread
+pool of one thread per core. A stage's batches are small (a detokenizer's: a few ids for
+each of a publish's requests), so those threads cost more CPU than they save, waking and
+spinning: on a 16-core Xeon the detokenizer spent 17-20 CPU-µs a token under load against
+7-8 on a 2-core host, and its batch work alone 6.95 µs a token against 1.65 without the
+pool (`benchmarks/NOTES.md`, 2026-11-26 evening). A stage scales by replicas, a core each,
+so this turns the pool off (``TOKENIZERS_PARALLELISM=false``) unless the environment says
+otherwise.
 """
 
 from __future__ import annotations
@@ -31,6 +40,9 @@ from jobs.chat_messages import template_error, template_input
 from runtime.model_files import build_once, cached_folder, default_cache_dir, resolve_model
 
 logger = logging.getLogger(__name__)
+
+# Before any batch call: read by the library at each one (the module docstring says why).
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Part of the cache key: bump when the cached folder's layout or the conversion changes.
 _FORMAT_VERSION = 1
