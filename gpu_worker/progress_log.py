@@ -122,11 +122,13 @@ class ProgressLog:
         now = time.monotonic()
         if self.holding or self._last_entry is None:
             return None
-        held = [entry for rid, entry in self._first_entry.items() if rid not in acked]
+        held = self._first_entry  # a copy only when the worker ran dry (`acked`): rarely
+        if acked:
+            held = {rid: entry for rid, entry in held.items() if rid not in acked}
         idle = not held and self._trimmed_to != self._last_entry
         if now < self._next_trim and not idle:
             return None
         self._next_trim = now + self.trim_interval_s
-        point = min(held, key=_id_order) if held else None
+        point = min(held.values(), key=_id_order) if held else None
         self._trimmed_to = point or self._last_entry
         return self._trimmed_to
