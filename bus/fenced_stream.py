@@ -4,10 +4,11 @@ A worker reads jobs from its stream ``<p>:worker:<id>`` in the consumer group ``
 (`WORKER_GROUP`), where the router stage routes them. What a worker writes (its outputs, the
 acknowledgements of its jobs, dead letters, an entry of its progress log) waits in the
 buffers of its `FencedStream` until the next `commit`, one atomic script call
-(bus/scripted_multi.py): while there is work the bus costs one round trip per publish
-(gpu_worker/worker.py publishes at most every ``publish_interval_ms``). New jobs are read
-blocking (`read_blocking`), by a thread of the worker's own (gpu_worker/job_intake.py); a
-commit can carry a non-blocking read instead, for a worker driven turn by turn.
+(bus/scripted_multi.py), or the log entry's XADD alone when that is all it writes (most
+commits of a busy worker: `ack_later`): while there is work the bus costs one round trip per
+publish (gpu_worker/worker.py publishes at most every ``publish_interval_ms``). New jobs are
+read blocking (`read_blocking`), by a thread of the worker's own (gpu_worker/job_intake.py);
+a commit can carry a non-blocking read instead, for a worker driven turn by turn.
 
 A worker publishes its tokens in its progress log ``<p>:progress:<id>``: the commit's log
 entry holds its TokenBatch (field ``t``) beside the progress (``m``, jobs/progress.py), and
