@@ -94,6 +94,7 @@ class WorkerReaper:
         self.stop = stop
         self._seen_dead: set[str] = set()
         self._log: list[ProgressEntry] | None = None  # of the worker being reaped
+        self._ended: set[str] = set()  # the jobs its log says ended, read with it
         self.moved = 0  # jobs put back on the tokenized stream
         metrics = metrics or ProcessMetrics("router", consumer, enabled=False)
         self.migrated_out = metrics.counter(
@@ -146,9 +147,9 @@ class WorkerReaper:
             return 0
         if self._log is None:  # final: the worker can write nothing since the fence changed
             self._log = read_progress_log(self.client, self.config, worker_id)
+            self._ended = ended_jobs(self._log)  # only their acknowledgements were not written
         pipe = self.client.pipeline(transaction=True)
         moving: list[TokenizedRequest] = []
-        ended = ended_jobs(self._log)  # only their acknowledgements were not written
         for entry_id, fields in entries:
             if fields is None:
                 continue  # trimmed while pending
@@ -159,7 +160,7 @@ class WorkerReaper:
                 continue
             for payload in payloads:
                 message = self._job(pipe, stream, entry_id, payload, deliveries.get(entry_id, 0))
-                if message is not None and message.rid not in ended:
+                if message is not None and message.rid not in self._ended:
                     moving.append(message)
         carried = {job.rid: list(job.progress or []) for job in moving}
         progress = rebuild(self._log, carried)
