@@ -16,6 +16,7 @@ from bus.actor import Actor, stop_on_signals
 from observability.metrics import start_publisher
 from runtime.cluster import EXIT_SHARD_MOVED, is_slot_moved
 from runtime.config import BusConfig
+from runtime.gc_tuning import settle_heap
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ def run_stage(
         start_reaper_thread(config, actor.consumer, stop, actor.metrics.process)
         stage.use_metrics(actor.metrics.process)
     publisher = start_publisher(client, config, actor.metrics.process)
+    settle_heap()
     try:
         actor.run()
     except redis.ResponseError as exc:

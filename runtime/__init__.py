@@ -9,4 +9,5 @@ model_files.py      a `--model` argument resolved to its files (worker and token
 gguf_header.py      a GGUF file's header metadata, read key by key without loading it
 context_length.py   the model's context length, from config.json or the GGUF header
 task_cancel.py      asyncio tasks cancelled until they end (a lost cancellation stops no shutdown)
+gc_tuning.py        the garbage collector's settings for a long-running stage process
 """

@@ -30,6 +30,7 @@ from jobs.request_normaliser import ModelLimits
 from observability.metrics import start_publisher
 from runtime.config import BusConfig
 from runtime.context_length import context_length_if_known
+from runtime.gc_tuning import settle_heap
 from runtime.task_cancel import cancel_and_wait
 from stages.ingress.api import admin_weights, handlers, service_endpoints
 from stages.ingress.api.embeddings import embeddings
@@ -289,4 +290,5 @@ def run(
             loop.add_signal_handler(signum, stop.set)
         await serve(app, host=host, port=port, stop=stop)
 
+    settle_heap()
     asyncio.run(main())
