@@ -60,10 +60,13 @@ class _Noop:
     def inc(self, *_args: Any) -> None:
         pass
 
-    dec = set = observe = observe_many = inc
+    dec = set = observe = observe_many = observe_later = flush = inc
 
 
 NOOP = _Noop()
+
+
+HELD_CALLS = 64  # `WeightedHistogram.observe_later` calls held at most before a flush
 
 
 class WeightedHistogram(Histogram):
@@ -81,6 +84,35 @@ class WeightedHistogram(Histogram):
         self._sum.inc(amount * count)
         # The first bucket whose upper bound is >= amount, as `observe` finds it.
         self._buckets[bisect.bisect_left(self._upper_bounds, amount)].inc(count)
+
+    def observe_later(self, amount: float, count: int) -> None:
+        """`observe_many`, held in plain counters until `flush` (called by the same thread),
+        or until `HELD_CALLS` calls are held: the locks are taken once per flush, not twice
+        per call (a stream's every delta observes; those locks were 3% of the ingress)."""
+        if count <= 0:
+            return
+        self._held[bisect.bisect_left(self._upper_bounds, amount)] += count
+        self._held_sum += amount * count
+        self._held_calls += 1
+        if self._held_calls >= HELD_CALLS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Add what `observe_later` holds to the histogram (what a scrape reads)."""
+        if not self._held_calls:
+            return
+        self._raise_if_not_observable()
+        self._sum.inc(self._held_sum)
+        for bucket, count in zip(self._buckets, self._held, strict=True):
+            if count:
+                bucket.inc(count)
+        self._held = [0] * len(self._held)
+        self._held_sum, self._held_calls = 0.0, 0
+
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._held = [0] * len(self._upper_bounds)
+        self._held_sum, self._held_calls = 0.0, 0
 
 
 class ProcessMetrics:

@@ -10,6 +10,7 @@ import msgpack
 from jobs.wire import DEFLATED_MARK
 from observability.deployment_metrics import deployment_registry, render
 from observability.metrics import (
+    HELD_CALLS,
     NOOP,
     MetricsPublisher,
     ProcessMetrics,
@@ -98,6 +99,29 @@ def test_observing_many_at_once_equals_observing_each():
     labelled = ProcessMetrics("ingress", "c").histogram("x_seconds", "X.", buckets, ["kind"])
     labelled.labels("a").observe_many(0.05, 2)
     assert [s.value for s in labelled.collect()[0].samples if s.name.endswith("_count")] == [2]
+
+
+def test_observations_held_for_later_reach_the_histogram_at_a_flush():
+    buckets = (0.01, 0.05, 0.1, 1.0)
+    one_by_one = ProcessMetrics("ingress", "a").histogram("gap_seconds", "Gaps.", buckets)
+    held = ProcessMetrics("ingress", "b").histogram("gap_seconds", "Gaps.", buckets)
+
+    def counts(histogram):
+        return [(s.name, s.value) for s in histogram.collect()[0].samples]
+
+    empty = counts(held)
+    for amount, count in [(0.0, 4), (0.05, 3), (0.07, 1), (0.5, 2), (7.0, 5), (0.2, 0)]:
+        for _ in range(count):
+            one_by_one.observe(amount)
+        held.observe_later(amount, count)
+    assert counts(held) == empty  # nothing a scrape sees until the flush
+    held.flush()
+    assert counts(held) == counts(one_by_one)
+    held.flush()  # nothing held: nothing added twice
+    assert counts(held) == counts(one_by_one)
+    for _ in range(HELD_CALLS):  # past HELD_CALLS calls it flushes by itself
+        held.observe_later(0.02, 1)
+    assert dict(counts(held))["streamserve:gap_seconds_count"] == 15 + HELD_CALLS
 
 
 def test_a_large_snapshot_is_stored_deflated_and_a_plain_one_still_reads(redis_client, redis_url):

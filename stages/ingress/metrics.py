@@ -49,6 +49,13 @@ class IngressMetrics:
         their sum is the time from its first token to its last."""
         if first:
             self.ttft.observe(seconds)
-            self.itl.observe_many(0.0, tokens - 1)
+            self.itl.observe_later(0.0, tokens - 1)
             return
-        self.itl.observe_many(seconds / tokens, tokens)
+        self.itl.observe_later(seconds / tokens, tokens)
+
+    def request_ended(self, seconds: float) -> None:
+        """A request's last token, `seconds` after its arrival: its end-to-end latency, and
+        every inter-token latency held so far (`token_times` holds them: a request's are all
+        in the histogram once it ended)."""
+        self.e2e.observe(seconds)
+        self.itl.flush()

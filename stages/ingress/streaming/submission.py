@@ -352,7 +352,7 @@ class Submission:
                 metrics.token_times(False, now - last, delta.count)
             self._last_token_at[delta.rid] = now
         if delta.finish is not None:
-            metrics.e2e.observe(now - self._arrived)
+            metrics.request_ended(now - self._arrived)
 
     def timing(self, finishes: list[Finish | None]) -> dict[str, float]:
         """The request's figures so far, in seconds, over its sub-requests: queue time (the
