@@ -89,6 +89,8 @@ class QueueDepth:
         self._lock = asyncio.Lock()
 
     async def depth(self) -> int:
+        if time.monotonic() - self._read_at < self.interval_s:
+            return self._depth  # read lately: no lock to take (most calls, under load)
         async with self._lock:
             if time.monotonic() - self._read_at >= self.interval_s:
                 self._depth = await queue_depth(self.client, self.config)
@@ -121,6 +123,8 @@ class WorkerHealth:
     async def liveness(self, fresh: bool = False) -> Liveness:
         """The workers as the last read saw them, read again if `fresh` or older than
         `interval_s`."""
+        if not fresh and time.monotonic() - self._checked_at < self.interval_s:
+            return self._liveness  # read lately: no lock to take (most calls, under load)
         async with self._lock:  # one read at a time; the others get its answer
             if fresh or time.monotonic() - self._checked_at >= self.interval_s:
                 self._liveness = await read_liveness_async(self.client, self.config)

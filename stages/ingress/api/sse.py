@@ -33,8 +33,12 @@ _MARK = "\x00text\x00"  # stands for a chunk's text in its cached encoding
 WRITE_NOW_BUFFER = 16 * 1024
 
 
+# One encoder for every call: json.dumps with options builds a new one each time.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def encode_json(data: Any) -> bytes:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    return _ENCODER.encode(data).encode()
 
 
 class _EventStreamResponse(web.StreamResponse):
