@@ -212,6 +212,8 @@ def openai_sampling(data: dict[str, Any]) -> dict[str, Any]:
     if schema is not None:
         sampling["json_schema"] = schema
     for name, param in OPENAI_SAMPLING.items():
+        if name not in data:
+            continue  # most are (field would say None): a request names a few of ~30
         value = field(data, name, *param.kind.json)
         if value is not None:
             # A value that means null: vLLM's top_k: -1 is no top-k.
