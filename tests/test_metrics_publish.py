@@ -65,7 +65,7 @@ def test_metrics_off_are_no_ops_and_publish_nothing(redis_client, redis_url):
     assert counter is NOOP
     counter.labels("x").inc(3)
     process.histogram("step_seconds", "Steps.", (0.1, 1.0)).observe(0.5)
-    process.histogram("itl_seconds", "Gaps.", (0.1, 1.0)).observe_many(0.5, 3)
+    process.histogram("itl_seconds", "Gaps.", (0.1, 1.0)).observe_later(0.5, 3)
     assert process.families() == []
     assert start_publisher(redis_client, config, process) is None
 
@@ -93,11 +93,13 @@ def test_observing_many_at_once_equals_observing_each():
     for amount, count in [(0.0, 4), (0.05, 3), (0.07, 1), (0.5, 2), (7.0, 5), (0.2, 0)]:
         for _ in range(count):
             one_by_one.observe(amount)
-        at_once.observe_many(amount, count)
+        at_once.observe_later(amount, count)
+    at_once.flush()
     samples = [(s.name, s.labels, s.value) for s in one_by_one.collect()[0].samples]
     assert samples == [(s.name, s.labels, s.value) for s in at_once.collect()[0].samples]
     labelled = ProcessMetrics("ingress", "c").histogram("x_seconds", "X.", buckets, ["kind"])
-    labelled.labels("a").observe_many(0.05, 2)
+    labelled.labels("a").observe_later(0.05, 2)
+    labelled.labels("a").flush()
     assert [s.value for s in labelled.collect()[0].samples if s.name.endswith("_count")] == [2]
 
 
