@@ -67,14 +67,8 @@ def is_terminal(message: Message) -> bool:
 
 def lost_bus_reply(rid: str, exc: Exception) -> ErrorReply:
     """What a waiting request gets when its replies can no longer be read."""
-    return ErrorReply(
-        rid,
-        503,
-        f"lost the connection to Redis: {exc}",
-        "service_unavailable",
-        None,
-        "redis_unavailable",
-    )
+    return ErrorReply(rid, 503, f"lost the connection to Redis: {exc}", "service_unavailable",
+                      None, "redis_unavailable")  # fmt: skip
 
 
 class ReplyRouter:
@@ -253,28 +247,33 @@ class AsyncReplyReader(_StreamReader):
                 logger.warning("%s: could not delete the reply stream: %s", self.stream, exc)
 
     async def _run(self) -> None:
-        failures = 0
-        while not self._closing:
-            try:
-                response = await self.client.xread(**self._router.read_args())
-                failures = 0
-            except REDIS_TRANSIENT as exc:
-                delay = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
-                failures += 1
-                logger.warning(
-                    "%s: Redis unreachable (%s); retrying in %.1f s", self.stream, exc, delay
-                )
-                self._fail_all(exc)
-                await asyncio.sleep(delay)
-                continue
-            except Exception as exc:  # a dead reader would leave every request hanging
-                logger.exception("%s: reading replies failed", self.stream)
-                self._fail_all(exc)
-                await asyncio.sleep(RECONNECT_BACKOFF_S[-1])
-                continue
-            self._hand_out(self._router.route(stream_entries(response)))
-            if self.trim:
-                await self._trim()
+        # Its reads hold a connection of their own (given back at the end): one taken from
+        # the pool for each XREAD paid the pool's lock, connection check and release.
+        client, failures = self.client.client(), 0
+        try:
+            while not self._closing:
+                try:
+                    response = await client.xread(**self._router.read_args())
+                    failures = 0
+                except REDIS_TRANSIENT as exc:
+                    delay = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
+                    failures += 1
+                    logger.warning(
+                        "%s: Redis unreachable (%s); retrying in %.1f s", self.stream, exc, delay
+                    )
+                    self._fail_all(exc)
+                    await asyncio.sleep(delay)
+                    continue
+                except Exception as exc:  # a dead reader would leave every request hanging
+                    logger.exception("%s: reading replies failed", self.stream)
+                    self._fail_all(exc)
+                    await asyncio.sleep(RECONNECT_BACKOFF_S[-1])
+                    continue
+                self._hand_out(self._router.route(stream_entries(response)))
+                if self.trim:
+                    await self._trim(client)
+        finally:
+            await client.aclose()
 
     def _hand_out(self, routed: list[tuple[str, Reply]]) -> None:
         self._after_read = after = []
@@ -300,12 +299,12 @@ class AsyncReplyReader(_StreamReader):
             if queue is not None:
                 queue.put_nowait(lost_bus_reply(rid, exc))
 
-    async def _trim(self) -> None:
+    async def _trim(self, client: aredis.Redis) -> None:
         trim_to = self._router.trim_point()
         if trim_to is None:
             return
         try:
-            await self.client.xtrim(self.stream, minid=trim_to, approximate=True)
+            await client.xtrim(self.stream, minid=trim_to, approximate=True)
         except REDIS_TRANSIENT:
             pass  # the next read reports it
 
