@@ -26,6 +26,7 @@ from batch_store.input_file import ENDPOINTS
 from cli.run_stage import STAGES
 from cli.weights import add_arguments as weights_arguments
 from cli.worker_command import GPU_CHECK_MODULE, worker_command
+from runtime import event_loop
 from runtime.config import BusConfig
 from runtime.model_files import DEFAULT_MODEL
 
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                            "--model", args.model, *extra])  # fmt: skip
     try:
         config = BusConfig.from_env(**({"redis_url": args.redis_url} if args.redis_url else {}))
+        event_loop.loop_name()  # a bad STREAMSERVE_EVENT_LOOP stops here, not in a child
     except ValueError as exc:
         parser.error(str(exc))
     if args.command == "up":

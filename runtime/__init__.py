@@ -10,4 +10,5 @@ gguf_header.py      a GGUF file's header metadata, read key by key without loadi
 context_length.py   the model's context length, from config.json or the GGUF header
 task_cancel.py      asyncio tasks cancelled until they end (a lost cancellation stops no shutdown)
 gc_tuning.py        the garbage collector's settings for a long-running stage process
+event_loop.py       the event loop an asyncio process runs on: uvloop where installed
 """

@@ -28,6 +28,7 @@ from bus.reconnect import REDIS_TRANSIENT
 from bus.replies import AsyncReplyReader
 from jobs.request_normaliser import ModelLimits
 from observability.metrics import start_publisher
+from runtime import event_loop
 from runtime.config import BusConfig
 from runtime.context_length import context_length_if_known
 from runtime.gc_tuning import settle_heap
@@ -291,4 +292,4 @@ def run(
         await serve(app, host=host, port=port, stop=stop)
 
     settle_heap()
-    asyncio.run(main())
+    event_loop.run(main())
