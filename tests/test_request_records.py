@@ -90,3 +90,51 @@ def test_an_ingress_starting_on_a_server_without_msetex_sets_each_key():
         client.close()
         loop.run_until_complete(writes.client.aclose())
     loop.close()
+
+
+def test_a_turns_starts_and_ends_share_one_round_trip_and_the_shard_writes_one_at_a_time():
+    """Ends go after the starts' EXEC in the same round trip; starts asked while a round
+    trip is under way (here, held by a paused server) go together in the next MULTI."""
+    loop = asyncio.new_event_loop()
+    with EmbeddedRedis() as server:
+        config = BusConfig(redis_url=server.url)
+        client = redis.Redis.from_url(server.url)
+        writes = RequestWrites(aredis.Redis.from_url(server.url), config, ModelLimits())
+        _turn(loop, writes, ["a", "b"])
+
+        async def start_c_ending_a_and_b() -> None:
+            writes.end("a", [], {})
+            writes.end("b", [], {})
+            await _start(writes, "c")
+
+        client.config_resetstat()
+        loop.run_until_complete(start_c_ending_a_and_b())
+        calls = _calls(client)
+        assert calls["cmdstat_multi"] == 1 and calls["cmdstat_del"] == 1
+        assert client.exists(config.request_key("a"), config.request_key("b")) == 0
+        _records(client, config, ["c"])
+
+        async def starts_in_three_turns_one_held() -> None:
+            first = asyncio.ensure_future(_start(writes, "d"))
+            await asyncio.sleep(0.05)  # its round trip waits for the paused server
+            later = []
+            for name in ("e", "f"):  # a turn each
+                later.append(asyncio.ensure_future(_start(writes, name)))
+                await asyncio.sleep(0.01)
+            client.client_unpause()
+            await asyncio.gather(first, *later)
+
+        client.config_resetstat()
+        client.client_pause(5000, all=False)  # writes wait; CONFIG and CLIENT do not
+        loop.run_until_complete(starts_in_three_turns_one_held())
+        calls = _calls(client)
+        assert calls["cmdstat_multi"] == 2 and calls["cmdstat_exec"] == 2
+        _records(client, config, ["d", "e", "f"])
+        client.close()
+        loop.run_until_complete(writes.client.aclose())
+    loop.close()
+
+
+async def _start(writes: RequestWrites, name: str) -> None:
+    await writes.start(name, f"1 {name}".encode(), [GenerateRequest(f"{name}-0", REPLY,
+                                                                    input_ids=[1])])  # fmt: skip
