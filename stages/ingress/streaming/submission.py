@@ -121,7 +121,7 @@ class Submission:
             self.reader.start()
             return self
         try:
-            if self.tenant is not None:
+            if self.tenant is not None and self.tenant.limited:  # no slots to take else
                 await self.state.tenant_limits.admit(self.tenant, list(self.index))
                 for rid in self.index:
                     self.state.running_tenants[rid] = self.tenant
