@@ -18,6 +18,7 @@ stream_trim.py    trimming a stream only below what every group has read and ack
 aborts.py         abort flags: all an abort writes; the worker holding the job reads them
 client.py         direct Redis jobs: `Client` and `AsyncClient`
 replies.py        reading a reply stream, in order, for many requests at once
+reply_router.py   what a reply stream's readers share: whose each entry is, where to read next
 reply_order.py    one request's replies put back in output order
 reply_tags.py     the short tags a reply stream's reader gives its jobs, mapped back to rids
 access.py         the credentials a process is given, checked at start-up

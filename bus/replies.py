@@ -2,8 +2,8 @@
 
 An entry holds one message, or a TextDeltas bundle of the deltas one detokenizer batch had
 for this stream (jobs that asked for ``bundle_replies``, as the ingress and `Client` do):
-the router takes a bundle apart and files each delta as if it came alone, named by its rid
-or by the tag its job was given (bus/reply_tags.py).
+the router (bus/reply_router.py) takes a bundle apart and files each delta as if it came
+alone, named by its rid or by the tag its job was given (bus/reply_tags.py).
 
 A frontend (an ingress replica, a direct client) owns one reply stream, named in the
 ``reply_to`` of every job it submits. Detokenizer replicas race, so the deltas of one request
@@ -37,26 +37,17 @@ import redis
 import redis.asyncio as aredis
 
 from bus.reconnect import RECONNECT_BACKOFF_S, REDIS_TRANSIENT
-from bus.reply_order import Reply, ReplyOrderer
-from bus.reply_tags import ReplyTags
-from jobs.protocol import (
-    ENTRY_FIELD,
-    ErrorReply,
-    Message,
-    ProtocolError,
-    TextDelta,
-    TextDeltas,
-    decode,
+from bus.reply_order import Reply
+from bus.reply_router import (
+    BLOCK_MS,
+    READ_COUNT,
+    ReplyRouter,
+    raw_stream_entries,
+    stream_entries,
 )
+from jobs.protocol import ErrorReply, Message, TextDelta
 
 logger = logging.getLogger(__name__)
-
-READ_COUNT = 1024  # one XREAD drains a busy stream; entries are small
-# XREAD returns as soon as a reply lands, so this bounds only how long a stop can take, and
-# how often an idle reader asks Redis (once a second).
-BLOCK_MS = 1000
-TRIM_INTERVAL_S = 1.0
-START_ID = "0-0"
 
 
 def is_terminal(message: Message) -> bool:
@@ -69,106 +60,6 @@ def lost_bus_reply(rid: str, exc: Exception) -> ErrorReply:
     """What a waiting request gets when its replies can no longer be read."""
     return ErrorReply(rid, 503, f"lost the connection to Redis: {exc}", "service_unavailable",
                       None, "redis_unavailable")  # fmt: skip
-
-
-class ReplyRouter:
-    """The sans-I/O core of both readers: what to read next, and whose each entry is.
-
-    It keeps per-rid orderers for the requests a reader serves, says where and how long the
-    next XREAD reads (`read_args`) and how far the stream may be trimmed (`trim_point`); the
-    readers only make those calls and hand each rid its released messages.
-    """
-
-    def __init__(self, stream: str, *, block_ms: int = BLOCK_MS, count: int = READ_COUNT) -> None:
-        self.stream = stream
-        self.block_ms = block_ms
-        self.count = count
-        self.last_id: bytes | str = START_ID
-        self._next_trim = 0.0
-        self._orderers: dict[str, ReplyOrderer] = {}
-        self._first_entry: dict[str, bytes] = {}  # of each request still running
-        self.tags = ReplyTags()  # the requests' short names on this stream (bus/reply_tags.py)
-
-    def register(self, rid: str) -> None:
-        self._orderers[rid] = ReplyOrderer()
-        self.tags.expect(rid)
-
-    def tag(self, rid: str) -> int:
-        """A tag for registered `rid`, to put in its job before submitting it."""
-        return self.tags.give(rid)
-
-    def unregister(self, rid: str) -> None:
-        self._orderers.pop(rid, None)
-        self._first_entry.pop(rid, None)
-        self.tags.forget(rid)
-
-    def rids(self) -> list[str]:
-        return list(self._orderers)
-
-    def read_args(self, remaining: float | None = None) -> dict[str, Any]:
-        """XREAD's arguments for the entries after the last one routed; it blocks for at most
-        `block_ms`, or the `remaining` seconds a caller still waits if fewer."""
-        block = self.block_ms
-        if remaining is not None:
-            block = max(1, min(block, int(remaining * 1000)))
-        return {"streams": {self.stream: self.last_id}, "count": self.count, "block": block}
-
-    def trim_point(self) -> bytes | str | None:
-        """The id to trim the stream to, at most once per TRIM_INTERVAL_S.
-
-        Entries already routed are dead weight, but those of a request still running are its
-        history: if this reader dies, another replays them to resume the request's stream
-        (stages/ingress/streaming/resume.py). So the stream is trimmed up to the first entry of the
-        oldest running request, or to the last entry read when none runs.
-        """
-        now = time.monotonic()
-        if now < self._next_trim or self.last_id == START_ID:
-            return None
-        self._next_trim = now + TRIM_INTERVAL_S
-        if self._first_entry:
-            return min(self._first_entry.values(), key=_id_order)
-        return self.last_id
-
-    def route(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[tuple[str, Reply]]:
-        """(rid, message) for every message now released, in order; finished rids forgotten."""
-        out: list[tuple[str, Reply]] = []
-        for entry_id, fields in entries:
-            self.last_id = entry_id
-            try:
-                message = decode((fields or {}).get(ENTRY_FIELD), TextDelta, ErrorReply,
-                                 TextDeltas)  # fmt: skip
-            except ProtocolError as exc:
-                logger.warning("%s: dropping malformed reply %s: %s", self.stream, entry_id, exc)
-                continue
-            if isinstance(message, TextDeltas):
-                for delta in message.deltas:
-                    for named_in, named in self.tags.name(entry_id, delta):
-                        self._file(named_in, named, out)
-            else:
-                self._file(entry_id, message, out)
-        return out
-
-    def _file(self, entry_id: bytes, message: Reply, out: list[tuple[str, Reply]]) -> None:
-        orderer = self._orderers.get(message.rid)
-        if orderer is None:
-            return  # a late reply to a request nobody waits for any more
-        self._first_entry.setdefault(message.rid, entry_id)
-        out.extend([(message.rid, released) for released in orderer.push(message)])
-        if orderer.done:
-            self.unregister(message.rid)
-
-
-def _id_order(entry_id: bytes) -> tuple[int, ...]:
-    return tuple(int(part) for part in entry_id.split(b"-"))
-
-
-def stream_entries(response: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    """The entries of a one-stream XREAD reply (RESP2 gives a list, RESP3 a dict)."""
-    if not response:
-        return []
-    if isinstance(response, dict):
-        return next(iter(response.values()))[0] if response else []
-    return response[0][1]
 
 
 class _StreamReader:
@@ -247,13 +138,21 @@ class AsyncReplyReader(_StreamReader):
                 logger.warning("%s: could not delete the reply stream: %s", self.stream, exc)
 
     async def _run(self) -> None:
-        # Its reads hold a connection of their own (given back at the end): one taken from
-        # the pool for each XREAD paid the pool's lock, connection check and release.
-        client, failures = self.client.client(), 0
+        # Its reads hold a connection of their own (given back at the end), and go through
+        # it rather than the client: the pool's lock and check per read, and the client's
+        # command machinery and reply parsing, were a quarter of what a read cost.
+        connection, failures = None, 0
         try:
             while not self._closing:
                 try:
-                    response = await client.xread(**self._router.read_args())
+                    if connection is None:
+                        connection = await self.client.connection_pool.get_connection()
+                    args = self._router.read_args()
+                    await connection.send_command(
+                        "XREAD", "COUNT", args["count"], "BLOCK", args["block"],
+                        "STREAMS", self.stream, self._router.last_id, check_health=False,
+                    )  # fmt: skip
+                    entries = raw_stream_entries(await connection.read_response())
                     failures = 0
                 except REDIS_TRANSIENT as exc:
                     delay = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
@@ -269,11 +168,12 @@ class AsyncReplyReader(_StreamReader):
                     self._fail_all(exc)
                     await asyncio.sleep(RECONNECT_BACKOFF_S[-1])
                     continue
-                self._hand_out(self._router.route(stream_entries(response)))
+                self._hand_out(self._router.route(entries))
                 if self.trim:
-                    await self._trim(client)
+                    await self._trim()
         finally:
-            await client.aclose()
+            if connection is not None:
+                await self.client.connection_pool.release(connection)
 
     def _hand_out(self, routed: list[tuple[str, Reply]]) -> None:
         self._after_read = after = []
@@ -299,12 +199,12 @@ class AsyncReplyReader(_StreamReader):
             if queue is not None:
                 queue.put_nowait(lost_bus_reply(rid, exc))
 
-    async def _trim(self, client: aredis.Redis) -> None:
+    async def _trim(self) -> None:
         trim_to = self._router.trim_point()
         if trim_to is None:
             return
         try:
-            await client.xtrim(self.stream, minid=trim_to, approximate=True)
+            await self.client.xtrim(self.stream, minid=trim_to, approximate=True)
         except REDIS_TRANSIENT:
             pass  # the next read reports it
 

@@ -9,7 +9,9 @@ import threading
 import pytest
 import redis.asyncio as aredis
 
-from bus.replies import AsyncReplyReader, ReplyOrderer, ReplyReader, ReplyRouter
+from bus.replies import AsyncReplyReader, ReplyReader
+from bus.reply_order import ReplyOrderer
+from bus.reply_router import ReplyRouter
 from jobs.protocol import ENTRY_FIELD, ErrorReply, Finish, TextDelta, encode
 
 FINISH = Finish("stop", None, 3, 4).to_wire()

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 
 from bus.actor import Inbound
-from bus.replies import ReplyRouter
+from bus.reply_router import ReplyRouter
 from bus.reply_tags import MAX_UNNAMED, ReplyTags
 from jobs.protocol import ENTRY_FIELD, TextDelta, TextDeltas, TokenBatch, decode
 from jobs.requests import GenerateRequest, TokenizedRequest
