@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
@@ -184,16 +183,22 @@ class Submission:
     async def _settle(self, unfinished: set[str]) -> None:
         """Charge the sub-requests aborted as their client went away for what their last
         replies say they used; those not ended within SETTLE_S keep what was charged."""
+        deadline = time.monotonic() + SETTLE_S  # wait_for, not asyncio.timeout: Python 3.10
         try:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(SETTLE_S):
-                    while unfinished:
-                        reply = self._early.popleft() if self._early else await self.queue.get()
-                        if reply is _TIMED_OUT or reply is _NUDGE or isinstance(reply, _Failed):
-                            continue
-                        self._charge_reply(reply)
-                        if is_terminal(reply):
-                            unfinished.discard(reply.rid)
+            while unfinished:
+                if self._early:
+                    reply = self._early.popleft()
+                else:
+                    try:
+                        reply = await asyncio.wait_for(self.queue.get(),
+                                                       deadline - time.monotonic())  # fmt: skip
+                    except asyncio.TimeoutError:
+                        return
+                if reply is _TIMED_OUT or reply is _NUDGE or isinstance(reply, _Failed):
+                    continue
+                self._charge_reply(reply)
+                if is_terminal(reply):
+                    unfinished.discard(reply.rid)
         finally:
             self._unregister()
 
