@@ -55,6 +55,12 @@ def tree_cpu_by_kind(root: int) -> dict[str, float]:
     return dict(totals)
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds so far of process `pid`, every thread (0 once it is gone)."""
+    read = _read(pid)
+    return 0.0 if read is None else read[1]
+
+
 def self_cpu() -> float:
     """CPU seconds so far of this process, every thread."""
     times = os.times()

@@ -52,6 +52,21 @@ def test_the_bus_load_benchmark_measures_a_short_run_of_synthetic_workers(tmp_pa
     assert "| Redis shard |" in table and "| ingress |" in table
 
 
+@pytest.mark.parametrize("relay", [False, True])
+def test_the_http_floor_benchmark_measures_a_bare_servers_cpu_a_request(tmp_path, relay):
+    out = tmp_path / "floor.jsonl"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_http_floor.py"), "--writes", "3",
+         "--interval-ms", "10", "--clients", "4", "--warm-up", "0.5", "--seconds", "1",
+         "--out", str(out), *(["--relay"] if relay else [])],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(out.read_text())
+    assert row["benchmark"] == "http-floor" and row["relay"] is relay and row["writes"] == 3
+    assert row["requests"] > 0 and row["server_us_per_request"] > 0
+
+
 def test_the_prefill_profile_splits_a_prefill_into_matmuls_kernels_and_the_rest(tmp_path):
     out = tmp_path / "profile.jsonl"
     done = subprocess.run(
