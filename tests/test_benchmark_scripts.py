@@ -57,7 +57,7 @@ def test_the_http_floor_benchmark_measures_a_bare_servers_cpu_a_request(tmp_path
     out = tmp_path / "floor.jsonl"
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_http_floor.py"), "--writes", "3",
-         "--interval-ms", "10", "--clients", "4", "--warm-up", "0.5", "--seconds", "1",
+         "--interval-ms", "10", "--clients", "8", "--warm-up", "0.5", "--seconds", "2",
          "--out", str(out), *(["--relay"] if relay else [])],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
