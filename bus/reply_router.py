@@ -124,7 +124,7 @@ def stream_entries(response: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
     if not response:
         return []
     if isinstance(response, dict):
-        return next(iter(response.values()))[0] if response else []
+        return next(iter(response.values()))[0]
     return response[0][1]
 
 
