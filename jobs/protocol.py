@@ -64,6 +64,7 @@ from jobs.wire import (
     check_field,
     check_version,
     encode,
+    ext_type,
     fields_of,
     inflate,
     job_entries,
@@ -355,7 +356,7 @@ def decode(payload: bytes | None, *accepted: type[Message]) -> Message:
                                 "written plain")  # fmt: skip
         payload = inflate(payload)
     try:
-        data = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        data = msgpack.unpackb(payload, raw=False, strict_map_key=True, ext_hook=ext_type)
     except Exception as exc:  # msgpack raises several unrelated types for bad bytes
         raise ProtocolError(f"not msgpack: {exc}") from None
     if not isinstance(data, dict):

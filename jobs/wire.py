@@ -111,6 +111,13 @@ def pack_ids_narrow(ids: list[int] | tuple[int, ...]) -> bytes | msgpack.ExtType
     return tuple.__new__(msgpack.ExtType, (NARROW_IDS_EXT, packed.tobytes()))
 
 
+def ext_type(code: int, data: bytes) -> msgpack.ExtType:
+    """msgpack's `ext_hook` for the readers of messages: the ExtType its default makes, made
+    as the tuple it is. The default calls ExtType's own __new__, whose checks in Python were
+    half of unpacking a batch of deltas (30: 27 -> 19 us); msgpack gives an int and bytes."""
+    return tuple.__new__(msgpack.ExtType, (code, data))
+
+
 def unpack_ids(data: bytes | msgpack.ExtType) -> list[int]:
     """Token ids from either packing: int32 bytes or a narrow extension (`pack_ids_narrow`)."""
     if isinstance(data, msgpack.ExtType):
