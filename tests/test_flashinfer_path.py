@@ -114,16 +114,20 @@ def test_reference_over_the_page_table_equals_torch_native(page_size, mode):
         torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
 
 
-def test_auto_picks_flashinfer_on_cuda_only_where_it_is_installed(monkeypatch):
+def test_auto_picks_flashinfer_on_cuda_only_where_it_is_installed(monkeypatch, caplog):
     cuda = torch.device("cuda")
     installed = {"flashinfer": True}
     monkeypatch.setattr(
         registry.importlib.util, "find_spec", lambda name: object() if installed[name] else None
     )
     assert resolve_backend_name("auto", cuda, cpu_kernels=False) == "flashinfer"
+    assert resolve_backend_name("auto", torch.device("cpu"), cpu_kernels=True) == "cpu_kernel"
+    assert not caplog.records
     installed["flashinfer"] = False
     assert resolve_backend_name("auto", cuda, cpu_kernels=False) == "torch_native"
-    assert resolve_backend_name("auto", torch.device("cpu"), cpu_kernels=True) == "cpu_kernel"
+    # A CUDA worker without FlashInfer decodes eager, several times slower: said, with the fix.
+    (warning,) = caplog.records
+    assert warning.levelname == "WARNING" and "streamserve[gpu]" in warning.getMessage()
 
 
 def test_flashinfer_needs_cuda_and_says_what_runs_instead():

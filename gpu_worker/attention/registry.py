@@ -45,6 +45,14 @@ def resolve_backend_name(name: str, device: torch.device, cpu_kernels: bool) -> 
         # runner serves it only once it passes its start-up self-check.
         if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
             return "flashinfer"
+        if device.type == "cuda":
+            # torch_native cannot be captured in CUDA graphs: each decode step is hundreds of
+            # launches from Python (SmolLM2-135M on an H200: 20 ms a step, slower than two
+            # CPU cores; with FlashInfer and graphs the pipeline served 8x the tokens/s).
+            logger.warning(
+                "flashinfer-python is not installed: attention torch_native, decoding eager "
+                "(no CUDA graphs), several times slower; pip install 'streamserve[gpu]'"
+            )
         return "torch_native"
     if name in _NEEDS_CPU_KERNELS and not (device.type == "cpu" and cpu_kernels):
         raise ValueError(
