@@ -155,6 +155,21 @@ def test_wire_form_keeps_only_the_fields_given():
     assert wire_sampling({"temperature": 0, "stop": "x"}) == {"temperature": 0, "stop": ["x"]}
 
 
+def test_a_map_of_scalars_checked_again_is_checked_the_same_and_answers_a_copy():
+    # The checks of a map of scalars are kept (jobs/sampling_params.py): a repeat must answer
+    # as the first did, an error again, and a wire form its caller may change.
+    first = wire_sampling({"stop": "x", "max_new_tokens": 5})
+    first["stop"].append("y")
+    first["max_new_tokens"] = 6
+    assert wire_sampling({"stop": "x", "max_new_tokens": 5}) == {"stop": ["x"], "max_new_tokens": 5}
+    for _ in range(2):
+        with pytest.raises(SamplingParamError, match="temperature"):
+            wire_sampling({"temperature": True})  # equal to 1, but not a number here
+        with pytest.raises(SamplingParamError, match="temperature"):
+            wire_sampling({"temperature": -1.0})
+    assert wire_sampling({"temperature": 1}) == {"temperature": 1.0}
+
+
 def test_is_greedy_for_zero_temperature_or_top_k_one():
     assert SamplingParams(temperature=0.0).is_greedy
     assert SamplingParams(top_k=1).is_greedy
