@@ -42,8 +42,8 @@ class BodyTimeout(ApiError, TimeoutError):
 @web.middleware
 async def body_deadline(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Fail the reads of a body not arrived by its deadline (measured from the head's)."""
-    if not request.body_exists:
-        return await handler(request)
+    if not request.body_exists or request.content.is_eof():
+        return await handler(request)  # nothing to wait for: all of it came with the head
     timeout_s = request.app[BODY_TIMEOUT_S] + (request.content_length or 0) / MIN_BODY_BYTES_PER_S
     content = request.content
 
