@@ -22,6 +22,6 @@ reply_router.py   what a reply stream's readers share: whose each entry is, wher
 reply_order.py    one request's replies put back in output order
 reply_tags.py     the short tags a reply stream's reader gives its jobs, mapped back to rids
 access.py         the credentials a process is given, checked at start-up
-async_pool.py     the ingress's asyncio connection pool
+async_pool.py     the ingress's asyncio connection pool, and sends on a connection kept apart
 weights_admin.py  the fleet's weights record set, and each worker's version read
 """

@@ -1,4 +1,5 @@
-"""More concurrent commands than connections wait for one instead of failing."""
+"""More concurrent commands than connections wait for one instead of failing; a kept
+connection's sends (`send_packed`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import redis
 import redis.asyncio as aredis
 
-from bus.async_pool import async_redis
+from bus.async_pool import async_redis, send_packed
 
 CONCURRENT = 40
 
@@ -33,3 +34,30 @@ def test_redis_pys_default_pool_fails_them_instead(redis_url):
     client = aredis.Redis.from_url(redis_url, max_connections=8)
     with pytest.raises(redis.ConnectionError, match="Too many connections"):
         asyncio.run(_hold_connections(client))
+
+
+async def _sends(url: str) -> list:
+    client = async_redis(url, socket_connect_timeout=2, socket_timeout=2)
+    connection = await client.connection_pool.get_connection()
+    try:
+        seen = []
+        # Not yet open: redis-py's send opens it.
+        await send_packed(connection, connection.pack_commands([("SET", "sp", 1), ("GET", "sp")]))
+        seen += [await connection.read_response(), await connection.read_response()]
+        # The server drops it (a restart, an idle timeout): an error, not a hang, then the
+        # same connection opened again by the next send.
+        await client.client_kill_filter(skipme=True, _type="normal")
+        with pytest.raises(redis.ConnectionError):
+            await send_packed(connection, connection.pack_command("GET", "sp"))
+            await connection.read_response()
+        await connection.disconnect()
+        await send_packed(connection, connection.pack_command("GET", "sp"))
+        seen.append(await connection.read_response())
+        return seen
+    finally:
+        await client.connection_pool.release(connection)
+        await client.aclose()
+
+
+def test_send_packed_sends_and_a_dropped_connection_is_an_error(redis_url, redis_client):
+    assert asyncio.run(_sends(redis_url)) == [b"OK", b"1", b"1"]

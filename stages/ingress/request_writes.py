@@ -36,6 +36,7 @@ import redis.asyncio as aredis
 from redis.asyncio.connection import Connection
 
 from bus.aborts import publish_aborts_async
+from bus.async_pool import send_packed
 from bus.effects import add_jobs, reply
 from bus.reconnect import REDIS_TRANSIENT
 from jobs.protocol import ErrorReply, GenerateRequest, encode
@@ -166,11 +167,11 @@ class RequestWrites:
         connection = self._connection
         packed = connection.pack_commands(commands)
         try:
-            await connection.send_packed_command(packed, check_health=False)
+            await send_packed(connection, packed)
             first = await _reply(connection)
         except redis.ConnectionError:
             await connection.disconnect()
-            await connection.send_packed_command(packed, check_health=False)
+            await send_packed(connection, packed)
             first = await _reply(connection)
         return [first, *[await _reply(connection) for _ in commands[1:]]]
 
