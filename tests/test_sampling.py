@@ -10,7 +10,12 @@ import torch
 
 from gpu_worker.sampling.penalties import LogitAdjustments, SamplingRows
 from gpu_worker.sampling.sampler import SamplingBatch, sample
-from jobs.sampling_params import SamplingParamError, SamplingParams, wire_sampling
+from jobs.sampling_params import (
+    SamplingParamError,
+    SamplingParams,
+    _checked_wire_cached,
+    wire_sampling,
+)
 
 VOCAB = 50
 
@@ -168,6 +173,12 @@ def test_a_map_of_scalars_checked_again_is_checked_the_same_and_answers_a_copy()
         with pytest.raises(SamplingParamError, match="temperature"):
             wire_sampling({"temperature": -1.0})
     assert wire_sampling({"temperature": 1}) == {"temperature": 1.0}
+    # A long string (a grammar, a stop string) is checked each time, not kept: whatever
+    # clients send, what is kept stays small.
+    kept = _checked_wire_cached.cache_info().currsize
+    long_stop = "y" * 200
+    assert wire_sampling({"stop": long_stop}) == {"stop": [long_stop]}
+    assert _checked_wire_cached.cache_info().currsize == kept
 
 
 def test_is_greedy_for_zero_temperature_or_top_k_one():
