@@ -7,13 +7,16 @@ with Redis healthy. A blocking pool keeps a bounded number of connections per pr
 (Redis's own limit is shared by every replica) and queues commands beyond it for up to
 `wait_s`; each command holds a connection for about a round trip.
 
-`send_packed` sends on a connection a reader keeps for itself (the ingress's request writes
-and reply reads), without the Task redis-py's send starts for each command.
+`send_packed` sends on a connection a reader keeps for itself (the ingress's request writes,
+reply reads and queue-depth reads), without the Task redis-py's send starts for each
+command; `round_trip` sends commands on one and reads their replies, without the pipeline
+machinery around them.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import redis
 import redis.asyncio as aredis
@@ -63,3 +66,25 @@ async def send_packed(connection: Connection, packed: list[bytes]) -> None:
     except OSError as exc:
         await connection.disconnect(nowait=True)
         raise redis.ConnectionError(f"Error while writing to socket: {exc}") from exc
+
+
+async def round_trip(connection: Connection, commands: list[tuple]) -> list[Any]:
+    """Each command's reply, an error reply as its ResponseError. A connection that fails
+    before its first reply is read is opened again and tried once more: one the server had
+    closed (a restart, an idle timeout) took none of the commands."""
+    packed = connection.pack_commands(commands)
+    try:
+        await send_packed(connection, packed)
+        first = await _reply(connection)
+    except redis.ConnectionError:
+        await connection.disconnect()
+        await send_packed(connection, packed)
+        first = await _reply(connection)
+    return [first, *[await _reply(connection) for _ in commands[1:]]]
+
+
+async def _reply(connection: Connection) -> Any:
+    try:
+        return await connection.read_response()
+    except redis.ResponseError as exc:  # read whole: the next reply follows
+        return exc

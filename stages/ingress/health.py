@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import redis.asyncio as aredis
+from redis.asyncio.connection import Connection
 
+from bus.async_pool import round_trip
 from bus.effects import job_streams
 from bus.liveness import Liveness, read_liveness_async
 from jobs.wire import ProtocolError, job_payloads
@@ -34,7 +37,9 @@ def serving_paths(liveness: Liveness) -> dict[str, str | None]:
     }
 
 
-async def queue_depth(client: aredis.Redis, config: BusConfig) -> int:
+async def queue_depth(
+    client: aredis.Redis, config: BusConfig, connection: Connection | None = None
+) -> int:
     """Jobs waiting for (or held by) the tokenizer and router stages.
 
     A stream keeps entries after they are acknowledged (until MAXLEN trims them), so its
@@ -45,31 +50,55 @@ async def queue_depth(client: aredis.Redis, config: BusConfig) -> int:
     turn's, one tokenizer batch's. So each stream's backlog counts as many jobs a piece as
     its newest entry holds: an estimate (bundles grow and shrink with the load), but of the
     right size, where entries alone let ``max_queue`` admit many times its jobs.
+
+    Read in one round trip on `connection` (one kept for these reads: `QueueDepth`'s), else
+    on one from the pool, with the replies as the server gives them: redis-py's pipeline
+    and reply parsing were half of the read's CPU (210 -> 120 us).
     """
-    streams = job_streams(config)  # the streams whose entries may bundle jobs
-    pipe = client.pipeline(transaction=False)
-    for stream in streams:
-        pipe.xinfo_groups(stream)
-        pipe.xlen(stream)
-        pipe.xrevrange(stream, count=1)
-    results = await pipe.execute(raise_on_error=False)
+    commands = [
+        command
+        for stream in job_streams(config)  # the streams whose entries may bundle jobs
+        for command in (
+            ("XINFO", "GROUPS", stream),
+            ("XLEN", stream),
+            ("XREVRANGE", stream, "+", "-", "COUNT", 1),
+        )  # fmt: skip
+    ]
+    if connection is not None:
+        results = await round_trip(connection, commands)
+    else:
+        connection = await client.connection_pool.get_connection()
+        try:
+            results = await round_trip(connection, commands)
+        finally:
+            await client.connection_pool.release(connection)
     depth = 0
     for groups, length, newest in zip(results[::3], results[1::3], results[2::3], strict=True):
         if isinstance(groups, Exception) or isinstance(length, Exception):
             continue  # no such stream yet: nothing queued
-        entries = length if not groups else max(
-            g["pending"] + (g.get("lag") or 0) for g in groups
-        )  # fmt: skip
+        entries = length if not groups else max(_backlog(group) for group in groups)
         depth += entries * _jobs_per_entry(newest)
     return depth
 
 
-def _jobs_per_entry(newest: object) -> int:
+def _as_map(reply: Any) -> dict:
+    """A map reply as RESP3 gives it, or as RESP2's flat list of keys and values."""
+    return reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2], strict=True))
+
+
+def _backlog(group: Any) -> int:
+    """One XINFO GROUPS row's entries not yet acknowledged: its pending and its lag (None
+    where the server cannot tell)."""
+    row = _as_map(group)
+    return row[b"pending"] + (row.get(b"lag") or 0)
+
+
+def _jobs_per_entry(newest: Any) -> int:
     """How many jobs the stream's newest entry holds (1 for a plain or unreadable one)."""
     if isinstance(newest, Exception) or not newest:
         return 1
     try:
-        return max(1, len(job_payloads(newest[0][1] or {})))
+        return max(1, len(job_payloads(_as_map(newest[0][1] or {}))))
     except ProtocolError:
         return 1
 
@@ -87,13 +116,16 @@ class QueueDepth:
         self._depth = 0
         self._read_at = -float("inf")
         self._lock = asyncio.Lock()
+        self._connection: Connection | None = None  # kept for these reads
 
     async def depth(self) -> int:
         if time.monotonic() - self._read_at < self.interval_s:
             return self._depth  # read lately: no lock to take (most calls, under load)
         async with self._lock:
             if time.monotonic() - self._read_at >= self.interval_s:
-                self._depth = await queue_depth(self.client, self.config)
+                if self._connection is None:
+                    self._connection = await self.client.connection_pool.get_connection()
+                self._depth = await queue_depth(self.client, self.config, self._connection)
                 self._read_at = time.monotonic()
             return self._depth
 

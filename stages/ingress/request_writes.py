@@ -36,7 +36,7 @@ import redis.asyncio as aredis
 from redis.asyncio.connection import Connection
 
 from bus.aborts import publish_aborts_async
-from bus.async_pool import send_packed
+from bus.async_pool import round_trip
 from bus.effects import add_jobs, reply
 from bus.reconnect import REDIS_TRANSIENT
 from jobs.protocol import ErrorReply, GenerateRequest, encode
@@ -159,28 +159,9 @@ class RequestWrites:
         return commands, exec_at
 
     async def _send(self, commands: list[tuple]) -> list[Any]:
-        """Each command's reply, an error reply as its ResponseError. A connection that
-        fails before its first reply is read is opened again and tried once more: one the
-        server had closed (a restart, an idle timeout) took none of the commands."""
         if self._connection is None:
             self._connection = await self.client.connection_pool.get_connection()
-        connection = self._connection
-        packed = connection.pack_commands(commands)
-        try:
-            await send_packed(connection, packed)
-            first = await _reply(connection)
-        except redis.ConnectionError:
-            await connection.disconnect()
-            await send_packed(connection, packed)
-            first = await _reply(connection)
-        return [first, *[await _reply(connection) for _ in commands[1:]]]
-
-
-async def _reply(connection: Connection) -> Any:
-    try:
-        return await connection.read_response()
-    except redis.ResponseError as exc:  # read whole: the next reply follows
-        return exc
+        return await round_trip(self._connection, commands)
 
 
 Start = tuple[str, bytes, Sequence[GenerateRequest], "asyncio.Future[None]"]
