@@ -5,8 +5,9 @@ A worker is alive while its heartbeat key exists (it expires ``heartbeat_ttl_s``
 last beat), as bus/liveness.py reads it. Admission reads the workers at most once per
 ``interval_s``: every request asking would cost a round trip for a figure that changes once
 a second. /health reads them fresh, once, for both its count and its attention paths. The
-queue's depth is read at most every `QUEUE_CHECK_INTERVAL_S` (four commands a request, else),
-adding what this replica queued since: a bound that lags the other replicas by that much.
+queue's depth is read at most every `QUEUE_CHECK_INTERVAL_S` (three commands a job stream,
+which every request would pay else), adding what this replica queued since: a bound that lags
+the other replicas by that much.
 """
 
 from __future__ import annotations
