@@ -66,6 +66,9 @@ async def send_packed(connection: Connection, packed: list[bytes]) -> None:
     except OSError as exc:
         await connection.disconnect(nowait=True)
         raise redis.ConnectionError(f"Error while writing to socket: {exc}") from exc
+    except BaseException:  # cancelled mid-send: the next round trip must not read its replies
+        await connection.disconnect(nowait=True)
+        raise
 
 
 async def round_trip(connection: Connection, commands: list[tuple]) -> list[Any]:

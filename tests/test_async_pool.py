@@ -9,7 +9,7 @@ import pytest
 import redis
 import redis.asyncio as aredis
 
-from bus.async_pool import async_redis, send_packed
+from bus.async_pool import async_redis, round_trip, send_packed
 
 CONCURRENT = 40
 
@@ -61,3 +61,27 @@ async def _sends(url: str) -> list:
 
 def test_send_packed_sends_and_a_dropped_connection_is_an_error(redis_url, redis_client):
     assert asyncio.run(_sends(redis_url)) == [b"OK", b"1", b"1"]
+
+
+async def _cancelled_then_again(url: str) -> list:
+    client = async_redis(url, socket_connect_timeout=2, socket_timeout=5)
+    connection = await client.connection_pool.get_connection()
+    try:
+        await round_trip(connection, [("SET", "rt", 1)])
+        await client.client_pause(400)  # the next reply waits: cancel the round trip then
+        waiting = asyncio.create_task(round_trip(connection, [("GET", "rt")]))
+        await asyncio.sleep(0.1)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        # Its GET's reply must not be read as the next round trip's.
+        return await round_trip(connection, [("INCR", "rt"), ("GET", "rt"), ("HGET", "rt", "x")])
+    finally:
+        await client.connection_pool.release(connection)
+        await client.aclose()
+
+
+def test_a_round_trip_cancelled_midway_leaves_the_connection_in_step(redis_url, redis_client):
+    incr, get, wrong_type = asyncio.run(_cancelled_then_again(redis_url))
+    assert (incr, get) == (2, b"2")
+    assert isinstance(wrong_type, redis.ResponseError)  # an error reply is a value, in place
