@@ -38,9 +38,7 @@ def serving_paths(liveness: Liveness) -> dict[str, str | None]:
     }
 
 
-async def queue_depth(
-    client: aredis.Redis, config: BusConfig, connection: Connection | None = None
-) -> int:
+async def queue_depth(connection: Connection, config: BusConfig) -> int:
     """Jobs waiting for (or held by) the tokenizer and router stages.
 
     A stream keeps entries after they are acknowledged (until MAXLEN trims them), so its
@@ -52,9 +50,9 @@ async def queue_depth(
     its newest entry holds: an estimate (bundles grow and shrink with the load), but of the
     right size, where entries alone let ``max_queue`` admit many times its jobs.
 
-    Read in one round trip on `connection` (one kept for these reads: `QueueDepth`'s), else
-    on one from the pool, with the replies as the server gives them: redis-py's pipeline
-    and reply parsing were half of the read's CPU (210 -> 120 us).
+    Read in one round trip on `connection` (one kept for these reads: `QueueDepth`'s), the
+    replies as the server gives them: redis-py's pipeline and reply parsing were half of the
+    read's CPU (210 -> 120 us).
     """
     commands = [
         command
@@ -65,14 +63,7 @@ async def queue_depth(
             ("XREVRANGE", stream, "+", "-", "COUNT", 1),
         )  # fmt: skip
     ]
-    if connection is not None:
-        results = await round_trip(connection, commands)
-    else:
-        connection = await client.connection_pool.get_connection()
-        try:
-            results = await round_trip(connection, commands)
-        finally:
-            await client.connection_pool.release(connection)
+    results = await round_trip(connection, commands)
     depth = 0
     for groups, length, newest in zip(results[::3], results[1::3], results[2::3], strict=True):
         if isinstance(groups, Exception) or isinstance(length, Exception):
@@ -126,7 +117,7 @@ class QueueDepth:
             if time.monotonic() - self._read_at >= self.interval_s:
                 if self._connection is None:
                     self._connection = await self.client.connection_pool.get_connection()
-                self._depth = await queue_depth(self.client, self.config, self._connection)
+                self._depth = await queue_depth(self._connection, self.config)
                 self._read_at = time.monotonic()
             return self._depth
 
