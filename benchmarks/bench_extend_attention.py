@@ -1,13 +1,15 @@
-"""The extend (prefill) attention kernel alone, this tree's against another revision's.
+"""The extend (prefill) attention kernel alone, this tree's against another revision's, or
+this tree's on AMX tiles against its AVX512-BF16 path.
 
-    python benchmarks/bench_extend_attention.py [--base e8eacf5] [--dtype bfloat16]
+    python benchmarks/bench_extend_attention.py [--base e8eacf5 | --amx] [--dtype bfloat16]
         [--runs 9] [--threads 1]
 
 Builds the CPU kernels of `--base` (from `git show`) and of the working tree into two
-libraries in a temporary folder, then times `extend_attention` on one prefill chunk of
+libraries in a temporary folder (with `--amx`: the tree's alone, run with its AMX tiles off
+and on; the CPU must have AMX), then times `extend_attention` on one prefill chunk of
 SmolLM2-135M's attention shape (9 query heads, 3 kv heads, head_dim 64): fresh prompts of
 32-512 tokens, as mixed-64's, to about 2,000 tokens, the first continuing a 300-token prefix,
-its keys scattered over the pool. Base and tree alternate, `--runs` times each, in one
+its keys scattered over the pool. The two alternate, `--runs` times each, in one
 process; prints both medians and how far the outputs are apart and from a float64
 reference. A wall-clock micro-benchmark: on a shared machine the figures are indicative.
 """
@@ -36,10 +38,20 @@ HEADS, KV_HEADS, HEAD_DIM, PREFIX = 9, 3, 64, 300
 
 def build(folder: Path, target: Path) -> cpu_kernels.CpuKernels:
     """The library from the kernel sources in `folder`, as cpu_kernels builds it."""
-    sources = [str(folder / path.name) for path in cpu_kernels.SOURCES]
-    command = ["gcc", *cpu_kernels.CFLAGS, *sources, "-o", str(target), "-lm"]
-    subprocess.run(command, check=True)
+    cpu_kernels.compile_library("gcc", target, folder)
     return cpu_kernels.CpuKernels(ctypes.CDLL(str(target)))
+
+
+class Toggled:
+    """One library run with its AMX tiles off or on, as the timing loop calls a library."""
+
+    def __init__(self, library: cpu_kernels.CpuKernels, amx: bool) -> None:
+        self.library, self.amx = library, amx
+
+    def extend_attention(self, *args) -> bool:
+        if self.library.use_amx(self.amx) != self.amx:
+            raise SystemExit("--amx: this CPU (or its kernels' build) has no AMX tiles")
+        return self.library.extend_attention(*args)
 
 
 def checkout_kernels(revision: str, folder: Path) -> None:
@@ -94,6 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", default="HEAD", help="the revision to compare with")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--amx", action="store_true", help="AMX tiles off (base) against on")
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1)
     options = parser.parse_args()
@@ -101,11 +114,13 @@ def main() -> None:
     args = make_chunk(getattr(torch, options.dtype))
     with tempfile.TemporaryDirectory() as scratch:
         base_folder = Path(scratch)
-        checkout_kernels(options.base, base_folder)
-        libraries = {
-            "base": build(base_folder, base_folder / "base.so"),
-            "tree": build(ROOT / "gpu_worker/kernels", base_folder / "tree.so"),
-        }  # loaded: the folder may go
+        tree = build(ROOT / "gpu_worker/kernels", base_folder / "tree.so")
+        if options.amx:
+            libraries = {"base": Toggled(tree, False), "tree": Toggled(tree, True)}
+        else:
+            checkout_kernels(options.base, base_folder)
+            libraries = {"base": build(base_folder, base_folder / "base.so"), "tree": tree}
+        # loaded: the folder may go
     outputs = {name: torch.empty(args[0].shape, dtype=args[0].dtype) for name in libraries}
     times: dict[str, list[float]] = {name: [] for name in libraries}
     for _ in range(options.runs):

@@ -10,6 +10,7 @@ the whole. "rest" is what is left: the embedding, copies, Python per layer and t
 scheduler (and residual adds on torch, where a hook keeps a layer from fusing its add into
 the next norm). Prints one JSON line per round (seconds per part, and
 `outside_matmuls_s`: everything but the matmuls, issue 30's figure) and a table on stderr.
+`--no-amx` keeps extend attention off AMX tiles on a CPU that has them (the before figure).
 Run alone on the machine: the parts are wall-clock times.
 """
 
@@ -27,6 +28,7 @@ from benchmarks.engine_args import engine_parser, parse_engine_args  # noqa: E40
 from benchmarks.jsonl import emit, machine  # noqa: E402
 from cli.workloads import WORKLOADS, make_workload  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
+from gpu_worker.kernels import cpu_kernels  # noqa: E402
 from gpu_worker.kernels.cpu_kernels import CpuKernels  # noqa: E402
 from gpu_worker.models import layers  # noqa: E402
 
@@ -73,6 +75,9 @@ def main() -> None:
     parser.add_argument("--workload", default="mixed-64", choices=WORKLOADS)
     parser.add_argument("--seed", type=int, default=0, help="the workload's prompts")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--no-amx", action="store_true", help="extend attention off AMX tiles where it has them"
+    )
     args = parse_engine_args(parser)
     timers = Timers()
     timers.wrap(layers.Linear, "forward", "matmuls")
@@ -80,6 +85,8 @@ def main() -> None:
         timers.wrap(CpuKernels, name, part)
     workload = make_workload(args.workload, args.seed)
     engine = Engine(model=args.model, dtype=args.dtype)
+    kernels = cpu_kernels.load()
+    amx = kernels is not None and kernels.use_amx(not args.no_amx)
     params = [{"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}] * len(workload.prompts)
     engine.generate(input_ids=workload.prompts[:2], sampling_params=params[:2])  # warm-up
     for round_ in range(args.rounds):
@@ -96,6 +103,7 @@ def main() -> None:
             "seed": args.seed,
             "round": round_,
             "dtype": args.dtype,
+            "amx_attention": amx,
             "prompt_tokens": sum(len(p) for p in workload.prompts),
             "wall_s": round(wall, 3),
             "outside_matmuls_s": round(wall - timers.seconds["matmuls"], 3),

@@ -17,6 +17,7 @@ from gpu_worker.memory.kv_pool import TokenToKVPool
 from gpu_worker.models.layers import RMSNorm
 from gpu_worker.models.random_shapes import RANDOM_SHAPES, fill_random_weights
 from gpu_worker.models.rotary import RotaryEmbedding, apply_rotary
+from tests.extend_chunks import EXTEND_SHAPES, extend_case, reference_extend
 
 
 @pytest.fixture(scope="module")
@@ -82,57 +83,20 @@ def test_paged_decode_attention_matches_reference(kernels, dtype, head_dim, head
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
 
 
-def _reference_extend(q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, scale):
-    """Causal attention of each request's new queries over its slots, in float64."""
-    kv_heads, out, start = k_cache.shape[0], [], 0
-    requests = zip(rows.tolist(), prefix_lens.tolist(), extend_lens.tolist(), strict=True)
-    for row, prefix, new in requests:
-        slots = table[row, : prefix + new]
-        keys, values = k_cache[:, slots].double(), v_cache[:, slots].double()
-        queries = q[start : start + new].double()  # [new, heads, dim]
-        queries = queries.view(new, kv_heads, -1, q.shape[-1]).permute(1, 2, 0, 3)
-        scores = torch.einsum("kgnd,kmd->kgnm", queries, keys) * scale
-        seen = torch.arange(prefix + new)[None, :] <= (prefix + torch.arange(new))[:, None]
-        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
-        attended = torch.einsum("kgnm,kmd->kgnd", probs, values)
-        out.append(attended.permute(2, 0, 1, 3).reshape(new, q.shape[1], q.shape[2]))
-        start += new
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "head_dim,heads,kv_heads",
-    [(64, 9, 3), (64, 8, 8), (64, 8, 2), (128, 16, 2), (16, 4, 2), (80, 4, 1), (64, 32, 4)],
-)
+@pytest.mark.parametrize("head_dim,heads,kv_heads", EXTEND_SHAPES)
 def test_extend_attention_matches_reference(kernels, dtype, head_dim, heads, kv_heads):
-    rng = random.Random(head_dim * heads)
-    torch.manual_seed(heads)
-    slots = 4000
-    k_cache = torch.randn(kv_heads, slots, head_dim, dtype=dtype)
-    v_cache = torch.randn(kv_heads, slots, head_dim, dtype=dtype)
-    table = torch.tensor([rng.sample(range(slots), 700) for _ in range(6)])
-    # Fresh prompts and chunk continuations, lengths on and off the 8-query and 32-key blocks.
-    prefix_lens = torch.tensor([0, 0, 40, 300, 0, 17])
-    extend_lens = torch.tensor([1, 37, 8, 65, 256, 3])
-    rows = torch.tensor(rng.sample(range(6), 6))
-    tokens = int(extend_lens.sum())
-    # q as the model hands it over: a column slice of the fused qkv output.
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
-    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
-    out = torch.empty(tokens, heads, head_dim, dtype=dtype)
-    handled = kernels.extend_attention(
-        q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, 0.125, out
-    )
+    args = extend_case(dtype, head_dim, heads, kv_heads)
+    out = torch.empty(args[0].shape, dtype=dtype)
+    handled = kernels.extend_attention(*args, out)
     if heads // kv_heads > 8 or not kernels.avx512:
         # More query heads per kv head than the kernel holds, or a CPU without AVX-512: the
         # caller attends on the torch path (test_engine_with_kernels_equals_engine_without).
         assert not handled
         return
-        return
     assert handled
-    expected = _reference_extend(q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, 0.125)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    expected = reference_extend(*args)
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
 
 

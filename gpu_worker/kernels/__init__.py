@@ -1,9 +1,12 @@
 """Kernels for the engine that PyTorch does not provide in the form a CPU decode step needs.
 
-cpu_kernels.py       compiling the C files below at first use, and their Python entry points
-attention.c          decode attention over the paged pool
-extend_attention.c   prefill (extend) attention over the paged pool
-layers.c             Linear and RMSNorm
-sampling.c           greedy argmax
-common.h             what the C files share
+cpu_kernels.py            compiling the C files below at first use, and their Python entry points
+amx_check.py              the start-up check of extend attention on AMX tiles
+attention.c               decode attention over the paged pool
+extend_attention.c        prefill (extend) attention over the paged pool
+extend_attention_bf16.h   its bfloat16 products on AVX512-BF16
+extend_attention_amx.h    its bfloat16 products on AMX tiles
+layers.c                  Linear and RMSNorm
+sampling.c                greedy argmax
+common.h                  what the C files share
 """

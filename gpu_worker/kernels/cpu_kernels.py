@@ -1,7 +1,8 @@
-"""The CPU kernels (attention.c, extend_attention.c with its bfloat16 half
-extend_attention_bf16.h, layers.c, sampling.c and common.h beside this file): built once per
-machine into one library with the system C compiler, cached, and called through ctypes with
-the tensors' data pointers.
+"""The CPU kernels (attention.c, extend_attention.c with its bfloat16 and AMX halves
+extend_attention_bf16.h and extend_attention_amx.h, layers.c, sampling.c and common.h beside
+this file): built once per machine into one library with the system C compiler, cached, and
+called through ctypes with the tensors' data pointers. Where it runs extend attention on AMX
+tiles, amx_check.py checks them against the AVX512-BF16 path once loaded.
 
 Why C and ctypes rather than a torch C++ extension: the files need no torch headers, so it
 compiles in about a second where an extension takes a minute on two cores; and it is built
@@ -20,6 +21,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -29,11 +31,15 @@ from runtime.model_files import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
+_HERE = Path(__file__).parent
 SOURCES = [
     Path(__file__).with_name(name)
     for name in ("attention.c", "extend_attention.c", "layers.c", "sampling.c")
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "extend_attention_bf16.h")]
+HEADERS = [
+    Path(__file__).with_name(name)
+    for name in ("common.h", "extend_attention_bf16.h", "extend_attention_amx.h")
+]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # linear_small_m handles at most this many rows (MAX_SMALL_M in layers.c).
 MAX_SMALL_M = 8
@@ -47,7 +53,8 @@ class CpuKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         # Built with -march=native: without AVX-512 the extend attention and silu_and_mul
         # kernels refuse and their callers keep torch's ops.
-        self.avx512 = bool(library.kernel_features() & 1)
+        features = library.kernel_features()
+        self.avx512, self.avx512_bf16 = bool(features & 1), bool(features & 2)
         self._attention = library.paged_decode_attention
         self._attention.restype = _int
         self._attention.argtypes = [
@@ -60,6 +67,11 @@ class CpuKernels:
             _ptr, _int, _i64, _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr,
             _i64, _i64, _i64, _i64, _f32, _ptr, _int,
         ]  # fmt: skip
+        # Absent from libraries of revisions before it (bench_extend_attention loads those).
+        self._amx = getattr(library, "extend_attention_amx", None)
+        if self._amx is not None:
+            self._amx.restype = _int
+            self._amx.argtypes = [_int]
         self._linear = library.linear_small_m
         self._linear.restype = _int
         self._linear.argtypes = [_ptr, _int, _i64, _i64, _ptr, _int, _i64, _ptr, _int, _ptr, _int]
@@ -150,6 +162,11 @@ class CpuKernels:
         if status != 0:
             raise RuntimeError(f"extend_attention failed with status {status}")
         return True
+
+    def use_amx(self, enable: bool) -> bool:
+        """Whether bfloat16 extend attention may run on AMX tiles; returns whether it now
+        does (the CPU has AMX, the library was built for it and Linux granted the tiles)."""
+        return self._amx is not None and bool(self._amx(int(enable)))
 
     def write_kv(
         self,
@@ -268,11 +285,26 @@ def load() -> CpuKernels | None:
         )
         return None
     try:
-        return CpuKernels(ctypes.CDLL(str(_build(compiler))))
+        kernels = CpuKernels(ctypes.CDLL(str(_build(compiler))))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or error
         logger.warning("could not build the CPU kernels (%s): serving with torch ops", detail)
         return None
+    from gpu_worker.kernels.amx_check import check_amx
+
+    check_amx(kernels)
+    return kernels
+
+
+def compile_library(
+    compiler: str, target: Path, folder: Path | None = None, defines: Sequence[str] = ()
+) -> None:
+    """Builds the kernel sources in `folder` (default: beside this file) into `target`, with
+    `defines` as -D flags (STREAMSERVE_EMULATE_AMX: the tests' build of the AMX path)."""
+    sources = [str((folder or _HERE) / path.name) for path in SOURCES]
+    flags = [f"-D{define}" for define in defines]
+    command = [compiler, *CFLAGS, *flags, *sources, "-o", str(target), "-lm"]
+    subprocess.run(command, check=True, capture_output=True, text=True)
 
 
 def _build(compiler: str) -> Path:
@@ -287,12 +319,7 @@ def _build(compiler: str) -> Path:
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        subprocess.run(
-            [compiler, *CFLAGS, *map(str, SOURCES), "-o", str(partial), "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
+        compile_library(compiler, partial)
         partial.replace(target)
     finally:
         partial.unlink(missing_ok=True)
