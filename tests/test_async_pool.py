@@ -4,6 +4,7 @@ connection's sends (`send_packed`)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import redis
@@ -85,3 +86,26 @@ def test_a_round_trip_cancelled_midway_leaves_the_connection_in_step(redis_url, 
     incr, get, wrong_type = asyncio.run(_cancelled_then_again(redis_url))
     assert (incr, get) == (2, b"2")
     assert isinstance(wrong_type, redis.ResponseError)  # an error reply is a value, in place
+
+
+async def _later_reply_late(url: str) -> tuple:
+    client = async_redis(url, socket_connect_timeout=2, socket_timeout=0.3)
+    connection = await client.connection_pool.get_connection()
+    try:
+        # PING answers at once; BLPOP holds its reply for 2 s, past the socket timeout.
+        started = time.monotonic()
+        with pytest.raises(redis.TimeoutError):
+            await round_trip(connection, [("PING",), ("BLPOP", "never-pushed", 2)])
+        waited = time.monotonic() - started
+        # The late reply must not be read as the next round trip's: a fresh connection.
+        again = await round_trip(connection, [("SET", "late", 1), ("GET", "late")])
+        return waited, again
+    finally:
+        await client.connection_pool.release(connection)
+        await client.aclose()
+
+
+def test_replies_after_the_first_are_bounded_by_the_socket_timeout(redis_url, redis_client):
+    waited, again = asyncio.run(_later_reply_late(redis_url))
+    assert waited < 1.5
+    assert again == [b"OK", b"1"]  # replies as the server gives them
