@@ -7,14 +7,16 @@ import random
 import torch
 
 # (head_dim, heads, kv_heads): SmolLM2's and Llama's shapes, one kv head per query head, 96
-# (a last tile group of 32 dimensions), dimensions off 32 (16, 80: no AMX tiles), groups
-# past what the kernel holds (64, 32, 4).
+# (a last tile group of 32 dimensions), 256 (more query steps than the AMX path holds in
+# tiles), dimensions off 32 (16, 80: no AMX tiles), groups past what the kernel holds
+# (64, 32, 4).
 EXTEND_SHAPES = [
     (64, 9, 3),
     (64, 8, 8),
     (64, 8, 2),
     (128, 16, 2),
     (96, 6, 2),
+    (256, 4, 2),
     (16, 4, 2),
     (80, 4, 1),
     (64, 32, 4),

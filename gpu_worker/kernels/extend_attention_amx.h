@@ -101,24 +101,47 @@ static void amx_release(void) { _tile_release(); }
 #endif
 
 #if defined(HAVE_AMX)
+/* One 32-key block's scores into tiles 0-1: the queries' k-step `step` (32 dimensions) is
+ * in tile `qt`, and the block's keys for it go through tiles 4-5. */
+#define SCORE_STEP(qt, step)                                                                   \
+    do {                                                                                       \
+        TILE_LOAD(4, block + (step) * AMX_KEY_STEP * KEY_BLOCK, KEY_BLOCK * 4);                \
+        TILE_LOAD(5, block + (step) * AMX_KEY_STEP * KEY_BLOCK + 32, KEY_BLOCK * 4);           \
+        TILE_DP(0, qt, 4);                                                                     \
+        TILE_DP(1, qt, 5);                                                                     \
+    } while (0)
+
 /* scores[r][0 .. blocks * 32) for the 16 query rows of one head (bfloat16 [16][head_dim])
  * against the packed key blocks, with each row's max over the keys it sees (seen[i])
- * folded into top[i][16] while the block is in L1. Tiles: 0-1 sums, 2 queries, 4-5 keys. */
+ * folded into top[i][16] while the block is in L1. Tiles: 0-1 sums, 4-5 keys, and the
+ * queries, held in 2, 3, 6 and 7 for the whole call up to 128 dimensions (they were
+ * loaded again for every block), loaded per block into 2 past that. */
 static void scores_tile_rows(const uint16_t *q, int64_t head_dim, const uint16_t *kp,
                              int64_t blocks, float *scores, int64_t score_stride,
                              const int64_t *seen, float *top) {
+    const int64_t steps = head_dim / AMX_KEY_STEP;
+    const int held = steps <= 4;
+    if (held) {
+        TILE_LOAD(2, q, head_dim * 2);
+        if (steps > 1) TILE_LOAD(3, q + AMX_KEY_STEP, head_dim * 2);
+        if (steps > 2) TILE_LOAD(6, q + 2 * AMX_KEY_STEP, head_dim * 2);
+        if (steps > 3) TILE_LOAD(7, q + 3 * AMX_KEY_STEP, head_dim * 2);
+    }
     for (int64_t kb = 0; kb < blocks; kb++) {
         const uint16_t *block = kp + kb * head_dim * KEY_BLOCK;
         float *dst = scores + kb * KEY_BLOCK;
         TILE_ZERO(0);
         TILE_ZERO(1);
-        for (int64_t d0 = 0; d0 < head_dim; d0 += AMX_KEY_STEP) {
-            TILE_LOAD(2, q + d0, head_dim * 2);
-            /* 16 dimension pairs from d0: rows of 32 keys x 2, the block's halves 16 keys in */
-            TILE_LOAD(4, block + d0 * KEY_BLOCK, KEY_BLOCK * 4);
-            TILE_LOAD(5, block + d0 * KEY_BLOCK + 32, KEY_BLOCK * 4);
-            TILE_DP(0, 2, 4);
-            TILE_DP(1, 2, 5);
+        if (held) {
+            SCORE_STEP(2, 0);
+            if (steps > 1) SCORE_STEP(3, 1);
+            if (steps > 2) SCORE_STEP(6, 2);
+            if (steps > 3) SCORE_STEP(7, 3);
+        } else {
+            for (int64_t step = 0; step < steps; step++) {
+                TILE_LOAD(2, q + step * AMX_KEY_STEP, head_dim * 2);
+                SCORE_STEP(2, step);
+            }
         }
         TILE_STORE(0, dst, score_stride * 4);
         TILE_STORE(1, dst + 16, score_stride * 4);
