@@ -32,13 +32,9 @@ from runtime.model_files import default_cache_dir
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = [
-    Path(__file__).with_name(name)
-    for name in ("attention.c", "extend_attention.c", "layers.c", "sampling.c")
-]
+SOURCES = [_HERE / name for name in ("attention.c", "extend_attention.c", "layers.c", "sampling.c")]
 HEADERS = [
-    Path(__file__).with_name(name)
-    for name in ("common.h", "extend_attention_bf16.h", "extend_attention_amx.h")
+    _HERE / name for name in ("common.h", "extend_attention_bf16.h", "extend_attention_amx.h")
 ]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # linear_small_m handles at most this many rows (MAX_SMALL_M in layers.c).
