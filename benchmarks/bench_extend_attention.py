@@ -38,7 +38,7 @@ HEADS, KV_HEADS, HEAD_DIM, PREFIX = 9, 3, 64, 300
 
 def build(folder: Path, target: Path) -> cpu_kernels.CpuKernels:
     """The library from the kernel sources in `folder`, as cpu_kernels builds it."""
-    cpu_kernels.compile_library("gcc", target, folder)
+    cpu_kernels.compile_library(cpu_kernels.find_compiler() or "gcc", target, folder)
     return cpu_kernels.CpuKernels(ctypes.CDLL(str(target)))
 
 

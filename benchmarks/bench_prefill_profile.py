@@ -29,7 +29,6 @@ from benchmarks.jsonl import emit, machine  # noqa: E402
 from cli.workloads import WORKLOADS, make_workload  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
 from gpu_worker.kernels import cpu_kernels  # noqa: E402
-from gpu_worker.kernels.cpu_kernels import CpuKernels  # noqa: E402
 from gpu_worker.models import layers  # noqa: E402
 
 # The kernels a prefill calls, by the part of the table they count in.
@@ -82,7 +81,7 @@ def main() -> None:
     timers = Timers()
     timers.wrap(layers.Linear, "forward", "matmuls")
     for name, part in KERNEL_PARTS.items():
-        timers.wrap(CpuKernels, name, part)
+        timers.wrap(cpu_kernels.CpuKernels, name, part)
     workload = make_workload(args.workload, args.seed)
     engine = Engine(model=args.model, dtype=args.dtype)
     kernels = cpu_kernels.load()

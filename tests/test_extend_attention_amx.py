@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import shutil
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ def _emulated(tmp_path_factory, *defines: str) -> cpu_kernels.CpuKernels:
     if native is None or not native.avx512_bf16:
         pytest.skip("the emulated AMX path runs on the AVX512-BF16 kernels: this CPU has none")
     target = tmp_path_factory.mktemp("amx") / "emulated.so"
-    compiler = shutil.which("cc") or shutil.which("gcc")
+    compiler = cpu_kernels.find_compiler()
     cpu_kernels.compile_library(compiler, target, defines=["STREAMSERVE_EMULATE_AMX", *defines])
     return cpu_kernels.CpuKernels(ctypes.CDLL(str(target)))
 

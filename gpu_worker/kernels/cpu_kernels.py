@@ -273,7 +273,7 @@ def load() -> CpuKernels | None:
     if os.environ.get("STREAMSERVE_CPU_KERNELS", "1") == "0":
         logger.info("CPU kernels off (STREAMSERVE_CPU_KERNELS=0): serving with torch ops")
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         logger.warning(
             "no C compiler found (set CC or install gcc): decode runs on PyTorch's generic "
@@ -290,6 +290,11 @@ def load() -> CpuKernels | None:
 
     check_amx(kernels)
     return kernels
+
+
+def find_compiler() -> str | None:
+    """The C compiler the kernels are built with: CC, else cc, else gcc (None: none)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def compile_library(
