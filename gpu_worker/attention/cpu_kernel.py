@@ -51,7 +51,8 @@ class CpuKernelAttnBackend(TorchNativeAttnBackend):
             return
         lens = forward_batch.seq_lens_cpu
         self._seq_lens = torch.tensor(lens, dtype=torch.int64)
-        work = sum(lens) * self.kv_pool.num_kv_heads
+        # Keys, not keys x kv heads: where head_dim is 64 a work item covers every kv head.
+        work = sum(lens)
         chunk = -(-work // (CHUNKS_PER_THREAD * torch.get_num_threads()))
         chunk = -(-chunk // CHUNK_ALIGN) * CHUNK_ALIGN
         self._chunk = min(MAX_CHUNK, max(MIN_CHUNK, chunk))

@@ -31,14 +31,28 @@ static inline __attribute__((always_inline)) void load_row_d64(
 
 /* One chunk of keys for a group of G query heads with head_dim 64, every running sum in
  * registers: with them in memory each key's update waited on the last one's store, and
- * fewer rows were in flight than the memory system can serve. */
+ * fewer rows were in flight than the memory system can serve. The key pass also asks, into
+ * L2, for the same slot's value row and for its key row of the next kv head (next_k; NULL
+ * after the last), which this work item reads next: three runs of the pool streamed side by
+ * side, where reading one at a time held decode attention to ~16 GB/s on two cores of a
+ * host that streams 45 (the engine's own calls replayed: 0.71 -> 0.59 ms; benchmarks/NOTES.md,
+ * 2026-11-27 (later)). */
+static inline void prefetch_row_l2(const void *head, int dtype, int64_t offset) {
+    const char *p = (const char *)head + offset * (dtype == DT_F32 ? 4 : 2);
+    __builtin_prefetch(p, 0, 2);
+    __builtin_prefetch(p + 64, 0, 2);
+    if (dtype == DT_F32) __builtin_prefetch(p + 128, 0, 2), __builtin_prefetch(p + 192, 0, 2);
+}
+
 static inline __attribute__((always_inline)) void attend_chunk_d64(
     const float (*qf)[MAX_HEAD_DIM], const void *k_head, const void *v_head, int dtype,
     const int64_t *slots, int64_t stride, int64_t n, float *scores, int64_t chunk, const int G,
-    float *state, int64_t state_stride)
+    float *state, int64_t state_stride, const void *next_k)
 {
     for (int64_t j = 0; j < n; j++) {
         __m512 k[4];
+        if (next_k) prefetch_row_l2(next_k, dtype, slots[j] * stride);
+        prefetch_row_l2(v_head, dtype, slots[j] * stride);
         load_row_d64(k_head, dtype, slots, stride, j, n, k);
         for (int g = 0; g < G; g++) {
             __m512 d = _mm512_mul_ps(k[0], _mm512_loadu_ps(qf[g]));
@@ -96,13 +110,21 @@ int paged_decode_attention(
         return -2;
     }
 
+#if defined(__AVX512F__)
+    /* head_dim 64, up to 4 query heads a kv head: a work item is a chunk of every kv head,
+     * attended head after head, each prefetching the next (attend_chunk_d64). */
+    const int all_heads = head_dim == 64 && group <= 4;
+#else
+    const int all_heads = 0;
+#endif
+    const int64_t item_heads = all_heads ? 1 : num_kv_heads; /* work items per key chunk */
 #pragma omp parallel
     {
         float qf[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
         float *scores = malloc((size_t)(group * chunk) * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_chunks * num_kv_heads; item++) {
-            const int64_t global_chunk = item / num_kv_heads, kvh = item % num_kv_heads;
+        for (int64_t item = 0; item < num_chunks * item_heads; item++) {
+            const int64_t global_chunk = item / item_heads, kvh = item % item_heads;
             int64_t lo = 0, hi = bs; /* the request whose chunks include global_chunk */
             while (hi - lo > 1) {
                 const int64_t mid = (lo + hi) / 2;
@@ -113,6 +135,29 @@ int paged_decode_attention(
             const int64_t stop = start + chunk < seq_lens[b] ? start + chunk : seq_lens[b];
             const int64_t n = stop - start;
             const int64_t *slots = req_to_token + req_pool_indices[b] * table_stride + start;
+#if defined(__AVX512F__)
+            if (all_heads) {
+                const size_t elem = kv_dtype == DT_F32 ? 4 : 2;
+                for (int64_t h = 0; h < num_kv_heads; h++) {
+                    const char *kh = (const char *)k_cache + h * kv_head_stride * elem;
+                    const char *vh = (const char *)v_cache + h * kv_head_stride * elem;
+                    const int last = h + 1 == num_kv_heads;
+                    const void *nk = last ? NULL : kh + kv_head_stride * elem;
+                    for (int64_t g = 0; g < group; g++) {
+                        load_f32(q, q_dtype, b * q_row_stride + (h * group + g) * head_dim, head_dim, qf[g]);
+                        for (int64_t d = 0; d < head_dim; d++) qf[g][d] *= scale;
+                    }
+                    float *st = partial + ((global_chunk * num_heads) + h * group) * state;
+                    switch (group) { /* a constant G per call: registers */
+                        case 1: attend_chunk_d64(qf, kh, vh, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 1, st, state, nk); break;
+                        case 2: attend_chunk_d64(qf, kh, vh, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 2, st, state, nk); break;
+                        case 3: attend_chunk_d64(qf, kh, vh, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 3, st, state, nk); break;
+                        default: attend_chunk_d64(qf, kh, vh, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 4, st, state, nk); break;
+                    }
+                }
+                continue;
+            }
+#endif
             const int64_t head0 = kvh * group;
             const void *k_head = (const char *)k_cache + kvh * kv_head_stride * (kv_dtype == DT_F32 ? 4 : 2);
             const void *v_head = (const char *)v_cache + kvh * kv_head_stride * (kv_dtype == DT_F32 ? 4 : 2);
@@ -120,18 +165,6 @@ int paged_decode_attention(
                 load_f32(q, q_dtype, b * q_row_stride + (head0 + g) * head_dim, head_dim, qf[g]);
                 for (int64_t d = 0; d < head_dim; d++) qf[g][d] *= scale;
             }
-#if defined(__AVX512F__)
-            if (head_dim == 64 && group <= 4) { /* a constant G per call: registers */
-                float *st = partial + ((global_chunk * num_heads) + head0) * state;
-                switch (group) {
-                    case 1: attend_chunk_d64(qf, k_head, v_head, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 1, st, state); break;
-                    case 2: attend_chunk_d64(qf, k_head, v_head, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 2, st, state); break;
-                    case 3: attend_chunk_d64(qf, k_head, v_head, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 3, st, state); break;
-                    default: attend_chunk_d64(qf, k_head, v_head, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 4, st, state); break;
-                }
-                continue;
-            }
-#endif
             for (int64_t g = 0; g < group; g++) memset(acc[g], 0, (size_t)head_dim * sizeof(float));
             /* scores[g][j] = q_g . k_j */
             const int64_t row_bytes = head_dim * (kv_dtype == DT_F32 ? 4 : 2);
