@@ -8,13 +8,21 @@
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 
-/* Slots are indirect, so the hardware prefetcher cannot follow them: ask for rows ahead. */
+/* Slots are indirect, so the hardware prefetcher cannot follow them: ask for rows ahead,
+ * into L1 for the pass under way, or into L2 for one this work item reads after it. */
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8
 #endif
-static inline void prefetch_row(const void *base, int dtype, int64_t offset, int64_t bytes) {
+static inline void prefetch_row(const void *base, int dtype, int64_t offset, int64_t bytes,
+                                int into_l2) {
     const char *p = (const char *)base + offset * (dtype == DT_F32 ? 4 : 2);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+    for (int64_t b = 0; b < bytes; b += 64) {
+        if (into_l2) __builtin_prefetch(p + b, 0, 2);
+        else __builtin_prefetch(p + b, 0, 3);
+    }
+}
+static inline const void *kv_head(const void *cache, int dtype, int64_t h, int64_t head_stride) {
+    return (const char *)cache + h * head_stride * (dtype == DT_F32 ? 4 : 2);
 }
 
 #if defined(__AVX512F__)
@@ -24,7 +32,7 @@ static inline __attribute__((always_inline)) void load_row_d64(
     const void *head, int dtype, const int64_t *slots, int64_t stride, int64_t j, int64_t n,
     __m512 row[4])
 {
-    if (j + PREFETCH_ROWS < n) prefetch_row(head, dtype, slots[j + PREFETCH_ROWS] * stride, 128);
+    if (j + PREFETCH_ROWS < n) prefetch_row(head, dtype, slots[j + PREFETCH_ROWS] * stride, 128, 0);
     const int64_t off = slots[j] * stride;
     for (int i = 0; i < 4; i++) row[i] = load16(head, dtype, off + 16 * i);
 }
@@ -37,13 +45,6 @@ static inline __attribute__((always_inline)) void load_row_d64(
  * side, where reading one at a time held decode attention to ~16 GB/s on two cores of a
  * host that streams 45 (the engine's own calls replayed: 0.71 -> 0.59 ms; benchmarks/NOTES.md,
  * 2026-11-27 (later)). */
-static inline void prefetch_row_l2(const void *head, int dtype, int64_t offset) {
-    const char *p = (const char *)head + offset * (dtype == DT_F32 ? 4 : 2);
-    __builtin_prefetch(p, 0, 2);
-    __builtin_prefetch(p + 64, 0, 2);
-    if (dtype == DT_F32) __builtin_prefetch(p + 128, 0, 2), __builtin_prefetch(p + 192, 0, 2);
-}
-
 static inline __attribute__((always_inline)) void attend_chunk_d64(
     const float (*qf)[MAX_HEAD_DIM], const void *k_head, const void *v_head, int dtype,
     const int64_t *slots, int64_t stride, int64_t n, float *scores, int64_t chunk, const int G,
@@ -51,8 +52,9 @@ static inline __attribute__((always_inline)) void attend_chunk_d64(
 {
     for (int64_t j = 0; j < n; j++) {
         __m512 k[4];
-        if (next_k) prefetch_row_l2(next_k, dtype, slots[j] * stride);
-        prefetch_row_l2(v_head, dtype, slots[j] * stride);
+        const int64_t row_bytes = 64 * (dtype == DT_F32 ? 4 : 2);
+        if (next_k) prefetch_row(next_k, dtype, slots[j] * stride, row_bytes, 1);
+        prefetch_row(v_head, dtype, slots[j] * stride, row_bytes, 1);
         load_row_d64(k_head, dtype, slots, stride, j, n, k);
         for (int g = 0; g < G; g++) {
             __m512 d = _mm512_mul_ps(k[0], _mm512_loadu_ps(qf[g]));
@@ -83,9 +85,72 @@ static inline __attribute__((always_inline)) void attend_chunk_d64(
 }
 #endif
 
-/* Work item (request b, kv head, key chunk c) -> partial softmax state per query head of the
- * group: max score m, sum of exp l, and acc = sum_j exp(s_j - m) v_j, combined afterwards
- * (split-K, as flash-decoding does, so one long request still uses every thread). */
+/* One chunk of keys for a group of G query heads of any head_dim (the path attend_chunk_d64
+ * does not take): the same partial softmax state, its value sums in L1 accumulators. */
+static inline __attribute__((always_inline)) void attend_chunk_any(
+    const float (*qf)[MAX_HEAD_DIM], const void *k_head, const void *v_head, int dtype,
+    const int64_t *slots, int64_t stride, int64_t n, int64_t head_dim, int64_t group,
+    float *scores, int64_t chunk, float (*acc)[MAX_HEAD_DIM], float *row, float *state,
+    int64_t state_stride)
+{
+    for (int64_t g = 0; g < group; g++) memset(acc[g], 0, (size_t)head_dim * sizeof(float));
+    /* scores[g][j] = q_g . k_j */
+    const int64_t row_bytes = head_dim * (dtype == DT_F32 ? 4 : 2);
+    for (int64_t j = 0; j < n; j++) {
+        if (j + PREFETCH_ROWS < n) prefetch_row(k_head, dtype, slots[j + PREFETCH_ROWS] * stride, row_bytes, 0);
+#if defined(__AVX512F__)
+        if (head_dim % 16 == 0) {
+            /* Registers, not a row buffer: the group's dot products are independent
+             * chains the core overlaps, ending in one tree reduction each. */
+            __m512 dots[MAX_GROUP];
+            for (int64_t g = 0; g < group; g++) dots[g] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < head_dim; d += 16) {
+                const __m512 kv = load16(k_head, dtype, slots[j] * stride + d);
+                for (int64_t g = 0; g < group; g++)
+                    dots[g] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(qf[g] + d), dots[g]);
+            }
+            for (int64_t g = 0; g < group; g++) scores[g * chunk + j] = _mm512_reduce_add_ps(dots[g]);
+            continue;
+        }
+#endif
+        load_f32(k_head, dtype, slots[j] * stride, head_dim, row);
+        for (int64_t g = 0; g < group; g++) scores[g * chunk + j] = dot_f32(qf[g], row, head_dim);
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * chunk;
+        const float m = max_f32(s, n);
+        state[g * state_stride] = m;
+        state[g * state_stride + 1] = exp_shifted_sum(s, n, m);
+    }
+    /* acc[g] = sum_j p[g][j] v_j, in L1-resident accumulators */
+    for (int64_t j = 0; j < n; j++) {
+        if (j + PREFETCH_ROWS < n) prefetch_row(v_head, dtype, slots[j + PREFETCH_ROWS] * stride, row_bytes, 0);
+#if defined(__AVX512F__)
+        if (head_dim % 16 == 0) {
+            for (int64_t d = 0; d < head_dim; d += 16) {
+                const __m512 vv = load16(v_head, dtype, slots[j] * stride + d);
+                for (int64_t g = 0; g < group; g++)
+                    _mm512_storeu_ps(acc[g] + d, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * chunk + j]), vv, _mm512_loadu_ps(acc[g] + d)));
+            }
+            continue;
+        }
+#endif
+        load_f32(v_head, dtype, slots[j] * stride, head_dim, row);
+        for (int64_t g = 0; g < group; g++) {
+            const float p = scores[g * chunk + j];
+            float *a = acc[g];
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) a[d] += p * row[d];
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        memcpy(state + g * state_stride + 2, acc[g], (size_t)head_dim * sizeof(float));
+}
+
+/* Work item (request b, key chunk c; one kv head, or all of them where attend_chunk_d64
+ * runs) -> partial softmax state per query head: max score m, sum of exp l, and
+ * acc = sum_j exp(s_j - m) v_j, combined afterwards (split-K, as flash-decoding does, so one
+ * long request still uses every thread). */
 int paged_decode_attention(
     const void *q, int q_dtype, int64_t q_row_stride, /* [bs, num_heads, head_dim], rows strided */
     const void *k_cache, const void *v_cache, int kv_dtype,
@@ -135,90 +200,31 @@ int paged_decode_attention(
             const int64_t stop = start + chunk < seq_lens[b] ? start + chunk : seq_lens[b];
             const int64_t n = stop - start;
             const int64_t *slots = req_to_token + req_pool_indices[b] * table_stride + start;
-#if defined(__AVX512F__)
-            if (all_heads) {
-                const size_t elem = kv_dtype == DT_F32 ? 4 : 2;
-                for (int64_t h = 0; h < num_kv_heads; h++) {
-                    const char *kh = (const char *)k_cache + h * kv_head_stride * elem;
-                    const char *vh = (const char *)v_cache + h * kv_head_stride * elem;
-                    const int last = h + 1 == num_kv_heads;
-                    const void *nk = last ? NULL : kh + kv_head_stride * elem;
-                    for (int64_t g = 0; g < group; g++) {
-                        load_f32(q, q_dtype, b * q_row_stride + (h * group + g) * head_dim, head_dim, qf[g]);
-                        for (int64_t d = 0; d < head_dim; d++) qf[g][d] *= scale;
-                    }
-                    float *st = partial + ((global_chunk * num_heads) + h * group) * state;
-                    switch (group) { /* a constant G per call: registers */
-                        case 1: attend_chunk_d64(qf, kh, vh, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 1, st, state, nk); break;
-                        case 2: attend_chunk_d64(qf, kh, vh, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 2, st, state, nk); break;
-                        case 3: attend_chunk_d64(qf, kh, vh, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 3, st, state, nk); break;
-                        default: attend_chunk_d64(qf, kh, vh, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 4, st, state, nk); break;
-                    }
-                }
-                continue;
-            }
-#endif
-            const int64_t head0 = kvh * group;
-            const void *k_head = (const char *)k_cache + kvh * kv_head_stride * (kv_dtype == DT_F32 ? 4 : 2);
-            const void *v_head = (const char *)v_cache + kvh * kv_head_stride * (kv_dtype == DT_F32 ? 4 : 2);
-            for (int64_t g = 0; g < group; g++) {
-                load_f32(q, q_dtype, b * q_row_stride + (head0 + g) * head_dim, head_dim, qf[g]);
-                for (int64_t d = 0; d < head_dim; d++) qf[g][d] *= scale;
-            }
-            for (int64_t g = 0; g < group; g++) memset(acc[g], 0, (size_t)head_dim * sizeof(float));
-            /* scores[g][j] = q_g . k_j */
-            const int64_t row_bytes = head_dim * (kv_dtype == DT_F32 ? 4 : 2);
-            for (int64_t j = 0; j < n; j++) {
-                if (j + PREFETCH_ROWS < n) prefetch_row(k_head, kv_dtype, slots[j + PREFETCH_ROWS] * kv_slot_stride, row_bytes);
-#if defined(__AVX512F__)
-                if (head_dim % 16 == 0) {
-                    /* Registers, not a row buffer: the group's dot products are independent
-                     * chains the core overlaps, ending in one tree reduction each. */
-                    __m512 dots[MAX_GROUP];
-                    for (int64_t g = 0; g < group; g++) dots[g] = _mm512_setzero_ps();
-                    for (int64_t d = 0; d < head_dim; d += 16) {
-                        const __m512 kv = load16(k_head, kv_dtype, slots[j] * kv_slot_stride + d);
-                        for (int64_t g = 0; g < group; g++)
-                            dots[g] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(qf[g] + d), dots[g]);
-                    }
-                    for (int64_t g = 0; g < group; g++) scores[g * chunk + j] = _mm512_reduce_add_ps(dots[g]);
-                    continue;
-                }
-#endif
-                load_f32(k_head, kv_dtype, slots[j] * kv_slot_stride, head_dim, row);
-                for (int64_t g = 0; g < group; g++) scores[g * chunk + j] = dot_f32(qf[g], row, head_dim);
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float *s = scores + g * chunk;
-                const float m = max_f32(s, n);
-                float *st = partial + ((global_chunk * num_heads) + head0 + g) * state;
-                st[0] = m;
-                st[1] = exp_shifted_sum(s, n, m);
-            }
-            /* acc[g] = sum_j p[g][j] v_j, in L1-resident accumulators */
-            for (int64_t j = 0; j < n; j++) {
-                if (j + PREFETCH_ROWS < n) prefetch_row(v_head, kv_dtype, slots[j + PREFETCH_ROWS] * kv_slot_stride, row_bytes);
-#if defined(__AVX512F__)
-                if (head_dim % 16 == 0) {
-                    for (int64_t d = 0; d < head_dim; d += 16) {
-                        const __m512 vv = load16(v_head, kv_dtype, slots[j] * kv_slot_stride + d);
-                        for (int64_t g = 0; g < group; g++)
-                            _mm512_storeu_ps(acc[g] + d, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * chunk + j]), vv, _mm512_loadu_ps(acc[g] + d)));
-                    }
-                    continue;
-                }
-#endif
-                load_f32(v_head, kv_dtype, slots[j] * kv_slot_stride, head_dim, row);
+            /* Every kv head where a work item covers them all, else the item's own. */
+            const int64_t first_head = all_heads ? 0 : kvh, end_head = all_heads ? num_kv_heads : kvh + 1;
+            for (int64_t h = first_head; h < end_head; h++) {
+                const void *k_head = kv_head(k_cache, kv_dtype, h, kv_head_stride);
+                const void *v_head = kv_head(v_cache, kv_dtype, h, kv_head_stride);
                 for (int64_t g = 0; g < group; g++) {
-                    const float p = scores[g * chunk + j];
-                    float *a = acc[g];
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * row[d];
+                    load_f32(q, q_dtype, b * q_row_stride + (h * group + g) * head_dim, head_dim, qf[g]);
+                    for (int64_t d = 0; d < head_dim; d++) qf[g][d] *= scale;
                 }
+                float *st = partial + ((global_chunk * num_heads) + h * group) * state;
+#if defined(__AVX512F__)
+                if (all_heads) {
+                    const void *next_k = h + 1 < num_kv_heads ? kv_head(k_cache, kv_dtype, h + 1, kv_head_stride) : NULL;
+                    switch (group) { /* a constant G per call: registers */
+                        case 1: attend_chunk_d64(qf, k_head, v_head, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 1, st, state, next_k); break;
+                        case 2: attend_chunk_d64(qf, k_head, v_head, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 2, st, state, next_k); break;
+                        case 3: attend_chunk_d64(qf, k_head, v_head, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 3, st, state, next_k); break;
+                        default: attend_chunk_d64(qf, k_head, v_head, kv_dtype, slots, kv_slot_stride, n, scores, chunk, 4, st, state, next_k); break;
+                    }
+                    continue;
+                }
+#endif
+                attend_chunk_any(qf, k_head, v_head, kv_dtype, slots, kv_slot_stride, n, head_dim,
+                                 group, scores, chunk, acc, row, st, state);
             }
-            for (int64_t g = 0; g < group; g++)
-                memcpy(partial + ((global_chunk * num_heads) + head0 + g) * state + 2, acc[g],
-                       (size_t)head_dim * sizeof(float));
         }
         free(scores);
 
