@@ -154,6 +154,11 @@ def cpu_has_native_bfloat16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (oneDNN's bfloat16 matmuls run on them)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 def _require_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")

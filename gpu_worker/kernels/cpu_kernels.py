@@ -1,8 +1,9 @@
 """The CPU kernels (attention.c, extend_attention.c with its bfloat16 and AMX halves
-extend_attention_bf16.h and extend_attention_amx.h, layers.c, sampling.c and common.h beside
-this file): built once per machine into one library with the system C compiler, cached, and
-called through ctypes with the tensors' data pointers. Where it runs extend attention on AMX
-tiles, amx_check.py checks them against the AVX512-BF16 path once loaded.
+extend_attention_bf16.h and extend_attention_amx.h, gemm_bf16.c, layers.c, sampling.c and
+common.h beside this file): built once per machine into one library with the system C
+compiler, cached, and called through ctypes with the tensors' data pointers. Where it runs
+extend attention on AMX tiles, amx_check.py checks them against the AVX512-BF16 path once
+loaded.
 
 Why C and ctypes rather than a torch C++ extension: the files need no torch headers, so it
 compiles in about a second where an extension takes a minute on two cores; and it is built
@@ -32,7 +33,10 @@ from runtime.model_files import default_cache_dir
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / name for name in ("attention.c", "extend_attention.c", "layers.c", "sampling.c")]
+SOURCES = [
+    _HERE / name
+    for name in ("attention.c", "extend_attention.c", "gemm_bf16.c", "layers.c", "sampling.c")
+]
 HEADERS = [
     _HERE / name for name in ("common.h", "extend_attention_bf16.h", "extend_attention_amx.h")
 ]
@@ -68,6 +72,17 @@ class CpuKernels:
         if self._amx is not None:
             self._amx.restype = _int
             self._amx.argtypes = [_int]
+        # Absent likewise from older revisions' libraries.
+        self._gemm = getattr(library, "gemm_bf16", None)
+        if self._gemm is not None:
+            self._gemm.restype = _int
+            self._gemm.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
+            self._gemm_pack = library.gemm_bf16_pack
+            self._gemm_pack.restype = _int
+            self._gemm_pack.argtypes = [_ptr, _i64, _i64, _ptr]
+            self._gemm_supported = library.gemm_bf16_supported
+            self._gemm_supported.restype = _int
+            self._gemm_supported.argtypes = [_i64, _i64]
         self._linear = library.linear_small_m
         self._linear.restype = _int
         self._linear.argtypes = [_ptr, _int, _i64, _i64, _ptr, _int, _i64, _ptr, _int, _ptr, _int]
@@ -201,6 +216,35 @@ class CpuKernels:
             raise RuntimeError(f"linear_small_m failed with status {status}")
         return out
 
+    def pack_gemm_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """`weight` [N, K] bfloat16 in gemm_bf16's layout (gemm_bf16.c), or None where that
+        kernel does not take its shape or this CPU has no AVX512-BF16."""
+        n, k = weight.shape
+        if weight.dtype != torch.bfloat16 or self._gemm is None or not self._gemm_supported(n, k):
+            return None
+        weight = weight.detach().contiguous()
+        packed = torch.empty_like(weight)
+        if self._gemm_pack(weight.data_ptr(), n, k, packed.data_ptr()) != 0:
+            return None
+        return packed
+
+    def gemm(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, K] bfloat16 @ W^T + bias, W packed by `pack_gemm_weight` (packed's shape)."""
+        x = x.contiguous()
+        n, k = packed.shape
+        assert x.dtype == torch.bfloat16 and x.shape[1] == k
+        assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
+        out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
+        status = self._gemm(
+            x.data_ptr(), x.shape[0], k, packed.data_ptr(), n,
+            None if bias is None else bias.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"gemm_bf16 failed with status {status}")
+        return out
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """transformers' LlamaRMSNorm of x [rows, hidden] (x and weight of one dtype)."""
         x = x.contiguous()
@@ -302,7 +346,8 @@ def compile_library(
 ) -> None:
     """Builds the kernel sources in `folder` (default: beside this file) into `target`, with
     `defines` as -D flags (STREAMSERVE_EMULATE_AMX: the tests' build of the AMX path)."""
-    sources = [str((folder or _HERE) / path.name) for path in SOURCES]
+    # A revision's folder holds the sources it had (bench_extend_attention builds older ones).
+    sources = [str(f) for path in SOURCES if (f := (folder or _HERE) / path.name).exists()]
     flags = [f"-D{define}" for define in defines]
     command = [compiler, *CFLAGS, *flags, *sources, "-o", str(target), "-lm"]
     subprocess.run(command, check=True, capture_output=True, text=True)
