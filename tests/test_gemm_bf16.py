@@ -60,11 +60,9 @@ def test_shapes_it_does_not_take_stay_with_the_caller(kernels):
 
 
 @pytest.mark.parametrize("amx", [False, True])
-def test_a_linear_computes_from_the_packed_rows_on_the_kernel_except_with_amx(
-    kernels, monkeypatch, amx
-):
-    """Few rows take the small-M kernel, more take gemm_bf16; where the CPU has AMX tiles
-    (oneDNN multiplies on those) the weight is packed for oneDNN and gemm_bf16 is unused."""
+def test_a_linear_computes_every_row_count_on_the_kernel_except_with_amx(kernels, monkeypatch, amx):
+    """Every row count takes gemm_bf16; where the CPU has AMX tiles (oneDNN multiplies on
+    those) the weight is packed for oneDNN, and a few rows take the small-M kernel."""
     monkeypatch.setattr(layers, "cpu_has_amx", lambda: amx)
     calls = []
     gemm = type(kernels).gemm
@@ -77,7 +75,7 @@ def test_a_linear_computes_from_the_packed_rows_on_the_kernel_except_with_amx(
         calls.clear()
         x = torch.randn(rows, 96, dtype=torch.bfloat16)
         got = layer(x)
-        assert bool(calls) == (not amx and rows >= PACKED_GEMM_FROM_ROWS), rows
+        assert bool(calls) == (not amx), rows
         want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
         torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-1)
     attach_cpu_kernels(layer, None)  # detached: plain torch, no packed copy kept
