@@ -1,0 +1,104 @@
+"""The bfloat16 matmuls a model's layers make, per row count: gemm_bf16 against oneDNN's
+packed GEMM and the few-row kernel, with every layer's weights coming from memory.
+
+    python benchmarks/bench_gemm.py [--model-shape smollm2-135m] [--rows 1,2,8,16,32,56,64,256]
+
+Builds the layers' weights of a `random:` shape (gpu_worker/models/random_shapes.py: the
+qkv, o, gate_up and down projections of every layer, ~212 MB for SmolLM2-135M, more than
+any cache), and times one pass over all of them for each row count and path, the paths
+alternated, the median of --runs. Prints one JSON line per (rows, path): milliseconds a pass,
+GFLOPS, and GB/s of weights read. A path this CPU does not have (gemm_bf16 without
+AVX512-BF16) is left out. Run alone on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.jsonl import emit, machine  # noqa: E402
+from gpu_worker.kernels import cpu_kernels  # noqa: E402
+from gpu_worker.kernels.cpu_kernels import MAX_SMALL_M  # noqa: E402
+from gpu_worker.models.layers import PACKING_ROWS_HINT  # noqa: E402
+from gpu_worker.models.random_shapes import RANDOM_SHAPES  # noqa: E402
+
+
+def layer_shapes(config: dict) -> list[tuple[int, int]]:
+    """(out, in) features of one decoder layer's four projections."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim", hidden // heads)
+    kv = config.get("num_key_value_heads", heads) * head_dim
+    inter = config["intermediate_size"]
+    return [(heads * head_dim + 2 * kv, hidden), (hidden, heads * head_dim),
+            (2 * inter, hidden), (hidden, inter)]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-shape", default="smollm2-135m", choices=sorted(RANDOM_SHAPES))
+    parser.add_argument("--rows", default="1,2,8,16,32,56,64,256")
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    kernels = cpu_kernels.load()
+    config = RANDOM_SHAPES[args.model_shape]
+    shapes = layer_shapes(config)
+    torch.manual_seed(0)
+    weights = [
+        [torch.randn(n, k, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
+        for _ in range(config["num_hidden_layers"])
+    ]
+    paths = {
+        "onednn": [
+            [torch.ops.mkldnn._reorder_linear_weight(w, PACKING_ROWS_HINT) for w in ws]
+            for ws in weights
+        ],  # fmt: skip
+    }
+    gemm = kernels and [[kernels.pack_gemm_weight(w) for w in ws] for ws in weights]
+    if gemm and all(p is not None for ws in gemm for p in ws):
+        paths["gemm_bf16"] = gemm
+    if kernels is not None:
+        paths["small_m"] = weights
+    weight_bytes = sum(w.numel() * 2 for ws in weights for w in ws)
+    flops_per_row = sum(2 * n * k for n, k in shapes) * len(weights)
+
+    def one_pass(path: str, x: dict[int, torch.Tensor]) -> float:
+        start = time.perf_counter()
+        for layer in paths[path]:
+            for w, (_, k) in zip(layer, shapes, strict=True):
+                if path == "onednn":
+                    torch.ops.mkldnn._linear_pointwise(x[k], w, None, "none", [], "")
+                elif path == "gemm_bf16":
+                    kernels.gemm(x[k], w, None)
+                else:
+                    kernels.linear(x[k], w, None)
+        return time.perf_counter() - start
+
+    for rows in (int(r) for r in args.rows.split(",")):
+        x = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in shapes}
+        chosen = [p for p in paths if p != "small_m" or rows <= MAX_SMALL_M]
+        times: dict[str, list[float]] = {p: [] for p in chosen}
+        for _ in range(2):  # warm-up
+            for path in chosen:
+                one_pass(path, x)
+        for _ in range(args.runs):
+            for path in chosen:
+                times[path].append(one_pass(path, x))
+        for path in chosen:
+            seconds = statistics.median(times[path])
+            emit({"benchmark": "gemm", "model_shape": args.model_shape, "rows": rows,
+                  "path": path, "ms": round(seconds * 1e3, 2),
+                  "gflops": round(rows * flops_per_row / seconds / 1e9),
+                  "weights_gb_s": round(weight_bytes / seconds / 1e9, 1),
+                  "threads": torch.get_num_threads(), **machine()}, args.out)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
