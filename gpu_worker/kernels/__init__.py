@@ -6,7 +6,7 @@ attention.c               decode attention over the paged pool
 extend_attention.c        prefill (extend) attention over the paged pool
 extend_attention_bf16.h   its bfloat16 products on AVX512-BF16
 extend_attention_amx.h    its bfloat16 products on AMX tiles
-gemm_bf16.c               bfloat16 matmuls of decode's row counts, on AVX512-BF16
+gemm_bf16.c               bfloat16 matmuls on AVX512-BF16 (oneDNN's weakest at decode's rows)
 layers.c                  Linear and RMSNorm
 sampling.c                greedy argmax
 common.h                  what the C files share

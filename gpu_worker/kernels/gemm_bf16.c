@@ -1,5 +1,5 @@
-/* A bfloat16 matmul for the rows a decode step has: y[M, N] = x[M, K] W^T (+ bias), on
- * AVX512-BF16 (vdpbf16ps), float32 accumulation, y rounded to bfloat16 once.
+/* A bfloat16 matmul of any row count, made for those a decode step has: y[M, N] = x[M, K]
+ * W^T (+ bias), on AVX512-BF16 (vdpbf16ps), float32 accumulation, y rounded to bfloat16 once.
  *
  * Why not oneDNN's: on SmolLM2's shapes (K = 576 or 1536), with 30 layers' weights coming
  * from DRAM on two Zen 4 cores, oneDNN's packed GEMM ran at 143-354 GFLOPS for 8-64 rows

@@ -75,9 +75,10 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     # The weight in gemm_bf16's layout (gpu_worker/kernels/gemm_bf16.c), where that kernel
     # takes it: it then computes every bfloat16 product, of any row count, in place of
-    # oneDNN (1.2-1.55x its rate at 8-64 rows) and of linear_small_m (1.25x at one row, 2x
-    # at two: 30 SmolLM2 layers from DRAM in 5.9 and 5.3 ms against 7.3 and 11.2), and no
-    # oneDNN copy is kept. Not where the CPU has AMX tiles: oneDNN multiplies on those.
+    # oneDNN (1.2-1.55x its rate at 8-64 rows) and of linear_small_m (1.13x at one row, 1.7x
+    # at two: 30 SmolLM2 layers from DRAM in 7.4 and 7.1 ms against 8.4 and 12.1, in
+    # benchmarks/bench_gemm.py), and no oneDNN copy is kept. Not where the CPU has AMX
+    # tiles: oneDNN multiplies on those.
     gemm_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
