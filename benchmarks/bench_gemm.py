@@ -26,18 +26,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.jsonl import emit, machine  # noqa: E402
 from gpu_worker.kernels import cpu_kernels  # noqa: E402
 from gpu_worker.kernels.cpu_kernels import MAX_SMALL_M  # noqa: E402
+from gpu_worker.models.config import ModelConfig  # noqa: E402
 from gpu_worker.models.layers import PACKING_ROWS_HINT  # noqa: E402
 from gpu_worker.models.random_shapes import RANDOM_SHAPES  # noqa: E402
 
 
-def layer_shapes(config: dict) -> list[tuple[int, int]]:
+def layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     """(out, in) features of one decoder layer's four projections."""
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim", hidden // heads)
-    kv = config.get("num_key_value_heads", heads) * head_dim
-    inter = config["intermediate_size"]
-    return [(heads * head_dim + 2 * kv, hidden), (hidden, heads * head_dim),
-            (2 * inter, hidden), (hidden, inter)]  # fmt: skip
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    return [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
 
 
 def main() -> None:
@@ -48,12 +47,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     kernels = cpu_kernels.load()
-    config = RANDOM_SHAPES[args.model_shape]
+    config = ModelConfig.from_hf_dict(RANDOM_SHAPES[args.model_shape])
     shapes = layer_shapes(config)
     torch.manual_seed(0)
     weights = [
         [torch.randn(n, k, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
-        for _ in range(config["num_hidden_layers"])
+        for _ in range(config.num_hidden_layers)
     ]
     paths = {
         "onednn": [
@@ -61,10 +60,10 @@ def main() -> None:
             for ws in weights
         ],  # fmt: skip
     }
-    gemm = kernels and [[kernels.pack_gemm_weight(w) for w in ws] for ws in weights]
-    if gemm and all(p is not None for ws in gemm for p in ws):
-        paths["gemm_bf16"] = gemm
     if kernels is not None:
+        gemm = [[kernels.pack_gemm_weight(w) for w in ws] for ws in weights]
+        if all(p is not None for ws in gemm for p in ws):
+            paths["gemm_bf16"] = gemm
         paths["small_m"] = weights
     weight_bytes = sum(w.numel() * 2 for ws in weights for w in ws)
     flops_per_row = sum(2 * n * k for n, k in shapes) * len(weights)
