@@ -105,13 +105,14 @@ def attach_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
     """Give every module of `model` that has a kernel path (a `cpu_kernels` attribute) the
     kernels (None detaches), and pack Linears' bfloat16 weights for gemm_bf16, else for
     oneDNN."""
+    gemm = kernels is not None and not cpu_has_amx()  # with AMX, oneDNN's tiles instead
     for module in model.modules():
         if not hasattr(module, "cpu_kernels"):
             continue
         module.cpu_kernels = kernels
         if isinstance(module, Linear):
             module.packed_weight = module.gemm_weight = None
-            if kernels is not None and module.weight.dtype == torch.bfloat16 and not cpu_has_amx():
+            if gemm and module.weight.dtype == torch.bfloat16:
                 module.gemm_weight = kernels.pack_gemm_weight(module.weight)
                 if module.gemm_weight is not None:
                     continue
