@@ -4,8 +4,11 @@ of the same deltas come all at once, and the relay did write it."""
 
 from __future__ import annotations
 
+import json
 import re
+import socket
 import time
+import urllib.parse
 
 import pytest
 
@@ -84,3 +87,47 @@ def test_a_trickled_stream_is_relayed_and_the_same_bytes(ingress, monkeypatch, p
     assert trickled == at_once
     assert trickled.count(b"\n\ndata: ") >= len(PIECES)  # one event a piece with text, usage
     assert sum(relayed) >= 2  # the relay took deltas that came while the handler waited
+
+
+def _raw_stream(ingress, version: str, gap_s: float) -> tuple[bytes, bytes]:
+    """(headers, body) of a trickled chat stream as the socket carried them, over `version`."""
+    body = json.dumps({"model": MODEL, "stream": True, **PATHS["/v1/chat/completions"]})
+    host, port = urllib.parse.urlsplit(ingress.url).netloc.split(":")
+    with Trickle(ingress.config.redis_url, ingress.config, gap_s):
+        with socket.create_connection((host, int(port)), timeout=10) as connection:
+            connection.sendall(
+                f"POST /v1/chat/completions {version}\r\nHost: x\r\nConnection: close\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                f"{body}".encode()
+            )
+            received = b""
+            while chunk := connection.recv(65536):
+                received += chunk
+    headers, _, payload = received.partition(b"\r\n\r\n")
+    return headers, payload
+
+
+def _unchunked(payload: bytes) -> bytes:
+    """A chunked body's data, checking every chunk's framing on the way."""
+    data = b""
+    while True:
+        size_line, _, payload = payload.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            assert payload == b"\r\n"
+            return data
+        assert payload[size : size + 2] == b"\r\n"
+        data, payload = data + payload[:size], payload[size + 2 :]
+
+
+def test_relayed_events_are_framed_as_chunks_over_http11_and_plain_over_http10(ingress):
+    headers, payload = _raw_stream(ingress, "HTTP/1.1", 0.05)
+    assert b"transfer-encoding: chunked" in headers.lower()
+    events = _unchunked(payload)
+    assert events.endswith(b"data: [DONE]\n\n")
+    assert events.count(b"data: ") >= len(PIECES)
+    headers, payload = _raw_stream(ingress, "HTTP/1.0", 0.05)
+    assert b"transfer-encoding" not in headers.lower()
+    assert payload.startswith(b"data: ") and payload.endswith(b"data: [DONE]\n\n")
+    strip = rb'"id":"[^"]*","object":"([^"]*)","created":\d+'
+    assert re.sub(strip, rb"\1", payload) == re.sub(strip, rb"\1", events)
