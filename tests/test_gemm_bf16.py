@@ -60,9 +60,10 @@ def test_shapes_it_does_not_take_stay_with_the_caller(kernels):
 
 
 @pytest.mark.parametrize("amx", [False, True])
-def test_a_linear_computes_every_row_count_on_the_kernel_except_with_amx(kernels, monkeypatch, amx):
+def test_a_linear_computes_its_row_counts_on_the_kernel_and_on_amx_a_few(kernels, monkeypatch, amx):
     """Every row count takes gemm_bf16; where the CPU has AMX tiles (oneDNN multiplies on
-    those) the weight is packed for oneDNN, and a few rows take the small-M kernel."""
+    those) the weight is also packed for oneDNN, which takes PACKED_GEMM_FROM_ROWS rows and
+    more, and gemm_bf16 the fewer."""
     monkeypatch.setattr(layers, "cpu_has_amx", lambda: amx)
     calls = []
     gemm = type(kernels).gemm
@@ -70,12 +71,13 @@ def test_a_linear_computes_every_row_count_on_the_kernel_except_with_amx(kernels
     torch.manual_seed(0)
     layer = Linear(96, 128, bias=True, dtype=torch.bfloat16)
     attach_cpu_kernels(layer, kernels)
-    assert (layer.gemm_weight is None) == amx
+    assert layer.gemm_weight is not None
+    assert (layer.packed_weight is not None) == amx
     for rows in (1, PACKED_GEMM_FROM_ROWS - 1, PACKED_GEMM_FROM_ROWS, 7, 64):
         calls.clear()
         x = torch.randn(rows, 96, dtype=torch.bfloat16)
         got = layer(x)
-        assert bool(calls) == (not amx), rows
+        assert bool(calls) == (not amx or rows < PACKED_GEMM_FROM_ROWS), rows
         want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
         torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-1)
     attach_cpu_kernels(layer, None)  # detached: plain torch, no packed copy kept

@@ -5,8 +5,9 @@ see what they expect; the ModelRunner attaches the kernels (gpu_worker/kernels) 
 
 - Linear: decoding computes one row per request, and for a few rows a matmul is a pass
   over the weight: oneDNN's bf16 GEMV on a plain weight read it at 8-13 GB/s on a host that
-  streams 28 GB/s, the kernel at about 25. For more rows oneDNN's GEMM on weights packed
-  once into its blocked layout is the better one.
+  streams 28 GB/s, the kernel at about 25. gemm_bf16, on a copy of the weights packed once
+  for it, takes every bfloat16 row count where the CPU has AVX512-BF16, except the 3 rows
+  and more that oneDNN multiplies on AMX tiles where the CPU has those.
 - RMSNorm: eight elementwise torch ops, each a pass over the rows, become one.
 """
 
@@ -21,9 +22,10 @@ from gpu_worker.kernels.cpu_kernels import MAX_SMALL_M, CpuKernels
 
 PACKING_ROWS_HINT = 64
 # On packed bfloat16 weights oneDNN streams the weight as fast for 3-8 rows as for one
-# (30 SmolLM2 layers: 10-12 ms at 3-8 rows), while the kernel's cost grows with the rows
-# (8.7 ms at 1, 12 at 2, 15 at 3): the kernel takes 1-2 rows there, up to MAX_SMALL_M in
-# float32 (no packed weight; MKL's sgemm took 2x the kernel's time at 8 rows).
+# (30 SmolLM2 layers: 10-12 ms at 3-8 rows), while a row-at-a-time kernel's cost grows with
+# the rows (8.7 ms at 1, 12 at 2, 15 at 3): below this many rows a kernel takes the product
+# where oneDNN holds a packed copy (gemm_bf16, else the few-row kernel), and the few-row
+# kernel up to MAX_SMALL_M in float32 (no packed weight; MKL's sgemm took 2x its time at 8).
 PACKED_GEMM_FROM_ROWS = 3
 
 
@@ -74,11 +76,15 @@ class Linear(nn.Linear):
     # afterwards need attach_cpu_kernels again.
     packed_weight: torch.Tensor | None = None
     # The weight in gemm_bf16's layout (gpu_worker/kernels/gemm_bf16.c), where that kernel
-    # takes it: it then computes every bfloat16 product, of any row count, in place of
-    # oneDNN (1.2-1.55x its rate at 8-64 rows) and of linear_small_m (1.13x at one row, 1.7x
-    # at two: 30 SmolLM2 layers from DRAM in 7.4 and 7.1 ms against 8.4 and 12.1, in
-    # benchmarks/bench_gemm.py), and no oneDNN copy is kept. Not where the CPU has AMX
-    # tiles: oneDNN multiplies on those.
+    # takes it. Without AMX it computes every bfloat16 product, of any row count, in place
+    # of oneDNN (1.2-1.55x its rate at 8-64 rows) and of linear_small_m (1.13x at one row,
+    # 1.7x at two: 30 SmolLM2 layers from DRAM in 7.4 and 7.1 ms against 8.4 and 12.1, in
+    # benchmarks/bench_gemm.py), and no oneDNN copy is kept. Where the CPU has AMX tiles
+    # oneDNN multiplies on those and keeps its packed copy for 3 rows and more (a Xeon's two
+    # cores: 11.6 ms at 4 rows against gemm_bf16's 16.1, 4.7x at 64), and gemm_bf16 takes
+    # one and two rows (17.1 and 15.7 ms against the few-row kernel's 21.3 and 17.9 and
+    # oneDNN's 22.9 and 15.8): a third copy of the weights there, for one request decoding
+    # 1.14x faster in the engine (benchmarks/NOTES.md, 2026-11-27 (late)).
     gemm_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,9 +95,13 @@ class Linear(nn.Linear):
         passes no bias: it adds its own once, after the all-reduce)."""
         kernels = self.cpu_kernels
         if kernels is not None and x.dim() == 2:
-            if self.gemm_weight is not None and x.dtype == self.weight.dtype:
-                return kernels.gemm(x, self.gemm_weight, bias)
             packed = self.packed_weight is not None and x.dtype == self.weight.dtype
+            if (
+                self.gemm_weight is not None
+                and x.dtype == self.weight.dtype
+                and (not packed or x.shape[0] < PACKED_GEMM_FROM_ROWS)
+            ):
+                return kernels.gemm(x, self.gemm_weight, bias)
             if x.shape[0] <= (PACKED_GEMM_FROM_ROWS - 1 if packed else MAX_SMALL_M):
                 return kernels.linear(x, self.weight, bias)
             if packed:
@@ -103,18 +113,19 @@ class Linear(nn.Linear):
 
 def attach_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
     """Give every module of `model` that has a kernel path (a `cpu_kernels` attribute) the
-    kernels (None detaches), and pack Linears' bfloat16 weights for gemm_bf16, else for
-    oneDNN."""
-    gemm = kernels is not None and not cpu_has_amx()  # with AMX, oneDNN's tiles instead
+    kernels (None detaches), and pack Linears' bfloat16 weights for gemm_bf16, and for
+    oneDNN where gemm_bf16 does not take them or the CPU has AMX tiles (Linear.gemm_weight
+    says which rows each takes)."""
+    onednn_too = cpu_has_amx()  # oneDNN multiplies on the tiles from PACKED_GEMM_FROM_ROWS
     for module in model.modules():
         if not hasattr(module, "cpu_kernels"):
             continue
         module.cpu_kernels = kernels
         if isinstance(module, Linear):
             module.packed_weight = module.gemm_weight = None
-            if gemm and module.weight.dtype == torch.bfloat16:
+            if kernels is not None and module.weight.dtype == torch.bfloat16:
                 module.gemm_weight = kernels.pack_gemm_weight(module.weight)
-                if module.gemm_weight is not None:
+                if module.gemm_weight is not None and not onednn_too:
                     continue
             if (
                 kernels is not None
