@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -189,6 +191,30 @@ def test_kv_pool_round_trip_casts_to_pool_dtype():
     torch.testing.assert_close(k_buf[:, loc], k.to(torch.bfloat16).transpose(0, 1))
     torch.testing.assert_close(v_buf[:, loc], v.to(torch.bfloat16).transpose(0, 1))
     assert not pool.get_kv_buffer(0)[0].any()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_a_cpu_kv_pool_is_zeros_and_takes_memory_only_as_its_slots_are_written():
+    """A 2 GiB pool: every slot reads zero, and only the pages written become resident
+    (the CPU default of 2 GiB was written whole at start-up, ~0.5 s of each worker's)."""
+    before = _resident_bytes()
+    pool = TokenToKVPool(2**20, 16, torch.bfloat16, num_layers=4, num_kv_heads=2,
+                         head_dim=64, device=CPU)  # fmt: skip
+    assert _resident_bytes() - before < 64 * 2**20
+    k, v = pool.get_kv_buffer(3)
+    assert k.is_contiguous() and k.shape == (2, 2**20 + 16, 64) and k.dtype == torch.bfloat16
+    assert not k[:, -1000:].any() and not v[:, :1000].any()
+    loc = torch.tensor([16, 2**20 + 15])
+    values = torch.randn(2, 2, 64)
+    pool.set_kv_buffer(3, loc, values, -values)
+    assert torch.equal(k[:, loc], values.to(torch.bfloat16).transpose(0, 1))
+    assert torch.equal(v[:, loc], (-values).to(torch.bfloat16).transpose(0, 1))
+    assert _resident_bytes() - before < 64 * 2**20
 
 
 def test_kv_pool_bytes_per_token():

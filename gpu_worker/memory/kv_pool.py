@@ -6,6 +6,9 @@ are free and ReqToTokenPool says which slots a request reads.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 
@@ -39,12 +42,8 @@ class TokenToKVPool:
         shape = (num_kv_heads, size + page_size, head_dim)
         # One tensor per layer (not one [layers, ...] tensor) so a layer's buffer is contiguous
         # and attention kernels can take it without a stride argument.
-        self.k_buffer = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
-        self.v_buffer = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
+        self.k_buffer = [zeroed(shape, dtype, self.device) for _ in range(num_layers)]
+        self.v_buffer = [zeroed(shape, dtype, self.device) for _ in range(num_layers)]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
@@ -75,3 +74,17 @@ class TokenToKVPool:
             self.dtype, self.num_layers, self.num_kv_heads, self.head_dim
         )
         return (self.size + self.page_size) * per_token
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of zeros. On CPU it lies in fresh anonymous memory, which the kernel maps
+    to zeroed pages only as they are first written: a pool costs memory as its slots fill,
+    and nothing at start-up. torch.zeros wrote every byte, which for the CPU default of 2
+    GB was ~0.5 s of each worker's start and the whole pool resident before any request;
+    torch.empty would not write it, but what an allocator hands back may hold old bytes,
+    and a kernel that reads a block past a request's keys must find finite values there."""
+    count = math.prod(shape)
+    if device.type != "cpu" or count == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    memory = mmap.mmap(-1, count * dtype.itemsize)  # the tensor keeps it alive
+    return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)
