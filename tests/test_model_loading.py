@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -303,3 +305,19 @@ def test_heads_that_do_not_group_are_rejected() -> None:
     d = HF_CONFIGS["mistral"]().to_dict() | {"num_key_value_heads": 3}
     with pytest.raises(ValueError, match="num_key_value_heads"):
         ModelConfig.from_hf_dict(d)
+
+
+def test_building_a_model_runs_no_op_on_the_meta_device_that_imports_torch_dynamo():
+    """A model is built on the meta device and then allocated (LlamaForCausalLM.empty); an
+    op on meta tensors there (an init, the rotary frequencies) imported torch._dynamo, 0.3-0.4
+    s of every worker's start (it serves nothing on CPU)."""
+    script = (
+        "import sys\n"
+        "from gpu_worker import Engine\n"
+        "Engine('random:tiny-llama', dtype='float32', max_total_tokens=64)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "False"

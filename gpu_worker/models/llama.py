@@ -140,7 +140,10 @@ class LlamaModel(nn.Module):
                 plan.vocab_rows, plan.vocab_range[0], config.hidden_size, dtype
             )
         else:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+            # Given its weight, nn.Embedding skips its normal_ init, which on the meta device
+            # (LlamaForCausalLM.empty) imported torch._dynamo: 1.5 s of a worker's start.
+            weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
+            self.embed_tokens = nn.Embedding(*weight.shape, dtype=dtype, _weight=weight)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, dtype, plan) for i in range(config.num_hidden_layers)
         )

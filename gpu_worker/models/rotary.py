@@ -12,8 +12,11 @@ from torch import nn
 def compute_inv_freq(
     head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None
 ) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] float32, op for op as transformers computes them."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    """Inverse frequencies [head_dim // 2] float32, op for op as transformers computes them;
+    on the CPU, also where a model is built on the meta device (LlamaForCausalLM.empty): an
+    op on meta tensors imported torch._dynamo, 1.5 s of a worker's start."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+    exponents = exponents.to(torch.float32) / head_dim
     inv_freq = 1.0 / (rope_theta**exponents)
     if rope_scaling is None:
         return inv_freq
