@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from gpu_worker import Engine
 from gpu_worker.memory.allocator import PagedTokenAllocator
 from gpu_worker.memory.kv_pool import TokenToKVPool
 from gpu_worker.memory.req_to_token_pool import ReqToTokenPool
@@ -215,6 +216,13 @@ def test_a_cpu_kv_pool_is_zeros_and_takes_memory_only_as_its_slots_are_written()
     assert torch.equal(k[:, loc], values.to(torch.bfloat16).transpose(0, 1))
     assert torch.equal(v[:, loc], (-values).to(torch.bfloat16).transpose(0, 1))
     assert _resident_bytes() - before < 64 * 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="reads Linux's /proc")
+def test_a_cpu_pool_larger_than_the_memory_available_is_refused_at_start():
+    """Taken only as it fills, such a pool would start, and its worker be killed under load."""
+    with pytest.raises(ValueError, match="kv_cache_memory_gb"):
+        Engine("random:tiny-llama", dtype="float32", kv_cache_memory_gb=2**20)
 
 
 def test_kv_pool_bytes_per_token():

@@ -88,3 +88,29 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         return torch.zeros(shape, dtype=dtype, device=device)
     memory = mmap.mmap(-1, count * dtype.itemsize)  # the tensor keeps it alive
     return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)
+
+
+def check_fits_in_memory(nbytes: int) -> None:
+    """Refuse a CPU pool larger than the memory this machine has available: its pages are
+    taken only as slots fill (`zeroed`), so without this such a pool would start and the
+    worker be killed for memory later, under load, with its requests."""
+    available = _available_memory_bytes()
+    if available is not None and nbytes > available:
+        raise ValueError(
+            f"the KV pool would take {nbytes / 2**30:.1f} GiB and this machine has "
+            f"{available / 2**30:.1f} GiB available: lower kv_cache_memory_gb (or "
+            "max_total_tokens)"
+        )
+
+
+def _available_memory_bytes() -> int | None:
+    """Linux's estimate of the memory that can be taken without swapping (MemAvailable),
+    or None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -20,7 +20,7 @@ from gpu_worker.config import EngineConfig
 from gpu_worker.kernels.cpu_kernels import load as load_cpu_kernels
 from gpu_worker.memory.allocator import PagedTokenAllocator
 from gpu_worker.memory.gpu_memory import forward_activation_bytes, plan_gpu_kv_pool
-from gpu_worker.memory.kv_pool import TokenToKVPool
+from gpu_worker.memory.kv_pool import TokenToKVPool, check_fits_in_memory
 from gpu_worker.memory.req_to_token_pool import ReqToTokenPool
 from gpu_worker.model_executor.cpu_malloc import keep_freed_memory_in_heap
 from gpu_worker.model_executor.forward_batch import MAX_PROMPT_LOGIT_ROWS, ForwardBatch
@@ -164,6 +164,8 @@ class ModelRunner:
             tokens = plan.kv_tokens
         else:
             tokens = int(self.config.kv_cache_memory_gb * 2**30 // per_token)
+        if self.device.type == "cpu":
+            check_fits_in_memory(tokens * per_token)
         if self.config.tp > 1:
             from gpu_worker.parallel.group import tp_group
 
