@@ -310,7 +310,7 @@ def test_heads_that_do_not_group_are_rejected() -> None:
 def test_building_a_model_runs_no_op_on_the_meta_device_that_imports_torch_dynamo():
     """A model is built on the meta device and then allocated (LlamaForCausalLM.empty); an
     op on meta tensors there (an init, the rotary frequencies) imported torch._dynamo, 0.3-0.4
-    s of every worker's start (it serves nothing on CPU)."""
+    s of every worker's start."""
     script = (
         "import sys\n"
         "from gpu_worker import Engine\n"

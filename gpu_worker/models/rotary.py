@@ -14,7 +14,7 @@ def compute_inv_freq(
 ) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] float32, op for op as transformers computes them;
     on the CPU, also where a model is built on the meta device (LlamaForCausalLM.empty): an
-    op on meta tensors imported torch._dynamo, 1.5 s of a worker's start."""
+    op on meta tensors imported torch._dynamo, 0.3-0.4 s of a worker's start."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
     exponents = exponents.to(torch.float32) / head_dim
     inv_freq = 1.0 / (rope_theta**exponents)
