@@ -5,8 +5,13 @@ page of TokenToKVPool and is never handed out. A request fills its pages in posi
 so position p of a request lives at offset p % page_size of some page it owns; this is what
 lets the prefix cache share whole pages and lets a request continue in its last page.
 
-Free pages are a device tensor (allocation is slicing, no host sync); the per-page state
-tensor makes a double free detectable with one vectorized check.
+Free pages are a stack of device tensors, runs of pages (allocation is slicing, no host
+sync); a free pushes its pages as one run, so it costs what it frees, not a copy of every
+free page (a pool of millions of pages, as a small model's is, made each free ~20 ms). The
+last run freed is handed out first: a CPU pool's pages are mapped as they are first written
+(gpu_worker/memory/kv_pool.py), and reusing warm pages keeps the worker's memory to what
+it has needed rather than letting it creep to the whole pool. The per-page state tensor
+makes a double free detectable with one vectorized check.
 """
 
 from __future__ import annotations
@@ -34,16 +39,25 @@ class PagedTokenAllocator:
 
     def clear(self) -> None:
         """Every usable page free again (the prefix cache must be reset alongside)."""
-        self.free_pages = torch.arange(
-            1, self.num_pages + 1, dtype=torch.int64, device=self.device
-        )  # [num_free_pages], the next pages to hand out first
+        # Runs of free pages; the last one's first pages are handed out next.
+        self._free_runs = [
+            torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
+        ]
+        self._num_free = self.num_pages
         self.page_state = torch.full(
             (self.num_pages + 1,), _FREE, dtype=torch.int8, device=self.device
         )
         self.page_state[0] = _PADDING
 
+    @property
+    def free_pages(self) -> torch.Tensor:
+        """Every free page, in the order they would be handed out (for inspection)."""
+        if not self._free_runs:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        return torch.cat(self._free_runs[::-1])
+
     def num_free_pages(self) -> int:
-        return len(self.free_pages)
+        return self._num_free
 
     def available_size(self) -> int:
         """Free tokens = free pages * page_size."""
@@ -135,13 +149,28 @@ class PagedTokenAllocator:
             bad = pages[self.page_state[pages] != _ALLOCATED].tolist()
             raise RuntimeError(f"freeing pages that are not allocated (double free?): {bad[:8]}")
         self.page_state[pages] = _FREE
-        self.free_pages = torch.cat([self.free_pages, pages])
+        self._free_runs.append(pages)
+        self._num_free += len(pages)
 
     def _take_pages(self, num_pages: int) -> torch.Tensor | None:
-        if num_pages > len(self.free_pages):
+        if num_pages > self._num_free:
             return None
-        pages = self.free_pages[:num_pages]
-        self.free_pages = self.free_pages[num_pages:]
+        taken: list[torch.Tensor] = []
+        needed = num_pages
+        while needed:
+            run = self._free_runs[-1]
+            if len(run) <= needed:
+                taken.append(self._free_runs.pop())
+                needed -= len(run)
+            else:
+                taken.append(run[:needed])
+                self._free_runs[-1] = run[needed:]
+                needed = 0
+        if not taken:
+            pages = torch.empty(0, dtype=torch.int64, device=self.device)
+        else:
+            pages = taken[0] if len(taken) == 1 else torch.cat(taken)
+        self._num_free -= num_pages
         self.page_state[pages] = _ALLOCATED
         return pages
 
