@@ -18,7 +18,7 @@ from pathlib import Path
 import redis
 
 from runtime.embedded_server import find_server_binary
-from tests.pipeline_harness import free_port
+from tests.pipeline_harness import TEST_SERVER_HZ, free_port
 
 SLOTS = 16384
 
@@ -53,7 +53,8 @@ def running_cluster(tmp_path: Path, primaries: int = 3) -> Iterator[list[str]]:
                 [binary, "--port", str(port), "--cluster-port", str(bus_port),
                  "--bind", "127.0.0.1", "--dir", str(node_dir),
                  "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{index}.conf",
-                 "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+                 "--save", "", "--appendonly", "no", "--protected-mode", "no",
+                 "--hz", str(TEST_SERVER_HZ)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             ))  # fmt: skip
             log.close()

@@ -41,8 +41,10 @@ def default_tokenizer():
 def redis_url():
     """One embedded server for the whole session; tests isolate through `redis_client`."""
     from runtime.embedded_server import EmbeddedRedis
+    from tests.pipeline_harness import tick_fast
 
     with EmbeddedRedis() as server:
+        tick_fast(server.url)
         yield server.url
 
 

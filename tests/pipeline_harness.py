@@ -31,6 +31,18 @@ from stages.router.stage import live_workers
 
 READY_TIMEOUT_S = 300.0
 
+# A blocked read's timeout fires on the server's clock tick (``hz``, 10 by default): a test's
+# BLOCK of 5 ms took 100. The stages' own reads block for a second, where a 100 ms tick does
+# not matter; the tests' short waits add up, so their servers tick at 100 Hz.
+TEST_SERVER_HZ = 100
+
+
+def tick_fast(redis_url: str) -> None:
+    """Set a test's server to tick at TEST_SERVER_HZ."""
+    with redis.Redis.from_url(redis_url) as client:
+        client.config_set("hz", TEST_SERVER_HZ)
+
+
 # Drafts verified whatever this machine's step costs say: the tests check what speculation
 # does, not whether it pays here (on an AVX2-only host in float32 it does not).
 SPECULATIVE_WORKER = ["--dtype=float32", "--speculative=ngram", "--speculative-verify=always"]
@@ -79,6 +91,7 @@ class Pipeline:
     def start(self) -> Pipeline:
         if self.server is not None:
             self.server.start()
+            tick_fast(self.server.url)
         command = [
             sys.executable, "-m", "cli", "up", "--model", self.model,
             "--redis-url", self.redis_url, "--port", str(self.port),
