@@ -31,6 +31,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -130,6 +131,7 @@ class Actor(StaleClaims):
         self.dead_lettered = 0
         self.metrics = StageMetrics(ProcessMetrics(stage.group, self.consumer, config.metrics))
         self.trimmer = StreamTrimmer(client, self.stream, config.trim_interval_s)
+        self._waiting_for_entries = False  # in the blocked read: a stop signal may end it
 
     def run(self) -> None:
         logger.info("%s: consumer %s on %s", self.stage.group, self.consumer, self.stream)
@@ -183,7 +185,13 @@ class Actor(StaleClaims):
         for stream, entry_ids in self._acks.items():
             pipe.xack(stream, self.stage.group, *entry_ids)
         pipe.xreadgroup(*read_args, **read_options)
-        response = pipe.execute(raise_on_error=False)[-1]
+        try:
+            self._waiting_for_entries = True
+            response = pipe.execute(raise_on_error=False)[-1]
+        except _ReadInterrupted:
+            return []  # stopping; the acknowledgements are sent on the way out
+        finally:
+            self._waiting_for_entries = False
         self._acks = {}
         if isinstance(response, redis.ResponseError):
             ours = f"'{self.stream}'" in str(response)
@@ -194,6 +202,13 @@ class Actor(StaleClaims):
         reads = by_stream(response)
         self._read_own = any(stream == self.stream for stream, _ in reads)
         return reads
+
+    def interrupt_read(self) -> None:
+        """From a stop signal's handler: end the read blocked waiting for entries now, not
+        when its block_ms runs out (a stage's stop took up to a second). Only that read:
+        a batch in hand is finished first. redis-py drops the connection the read was on."""
+        if self._waiting_for_entries:
+            raise _ReadInterrupted
 
     def flush_acks(self) -> None:
         """Acknowledge at once what a replayable stage has written and not yet acknowledged."""
@@ -348,12 +363,20 @@ def touch(client: redis.Redis, stream: str, group: str, consumer: str, ids: list
         client.xclaim(stream, group, consumer, min_idle_time=0, message_ids=ids, justid=True)
 
 
-def stop_on_signals(stop: threading.Event) -> None:
-    """SIGTERM and SIGINT end the loop after the batch in hand (main thread only)."""
+class _ReadInterrupted(Exception):
+    """Raised by a stop signal's handler into a read blocked waiting for entries."""
+
+
+def stop_on_signals(stop: threading.Event, wake: Callable[[], None] | None = None) -> None:
+    """SIGTERM and SIGINT end the loop after the batch in hand (main thread only). `wake`,
+    called in the handler once `stop` is set, ends a wait that would see the stop only when
+    it times out (`Actor.interrupt_read`, `JobIntake.wake`)."""
 
     def handler(signum: int, _frame: Any) -> None:
         logger.info("signal %d: stopping after the current batch", signum)
         stop.set()
+        if wake is not None:
+            wake()
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)

@@ -67,6 +67,7 @@ def run_stage(
 
             stage = DetokenizerStage(config, tokenizer)
     actor = Actor(client, config, stage, stop)
+    stop_on_signals(stop, actor.interrupt_read)  # now with a read to end
     if name == "router":
         # Dead workers' jobs move on; the jobs it moves count in the router's metrics.
         start_reaper_thread(config, actor.consumer, stop, actor.metrics.process)

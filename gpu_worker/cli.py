@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     client = redis.Redis.from_url(config.redis_url)
     worker = worker_module.Worker(engine, client, config, worker_id, model, weights)
-    stop_on_signals(worker.stop)
+    stop_on_signals(worker.stop, worker.intake.wake)
     try:
         worker.run()
     except redis.ResponseError as exc:

@@ -70,6 +70,12 @@ class JobIntake:
             return self.bus.read_blocking()
         return self.take(self.bus.config.block_ms / 1000)
 
+    def wake(self) -> None:
+        """End a `take` waiting for arrivals now (a stop: the worker's loop then sees it);
+        safe in a signal handler of the waiting thread, the condition's lock being an RLock."""
+        with self._arrived:
+            self._arrived.notify_all()
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """No read in flight, and what was read dropped: the pending list is read whole."""

@@ -18,8 +18,8 @@ Environment variables read by ``BusConfig.from_env``:
   ingress answers 503 with Retry-After) rather than dropping keys a job needs.
 - ``STREAMSERVE_READ_COUNT``: most entries one ``XREADGROUP`` returns.
 - ``STREAMSERVE_BLOCK_MS``: how long one ``XREADGROUP`` blocks waiting for entries. A new
-  entry ends the wait at once, so this bounds only how often an idle stage polls Redis and
-  how long it takes to notice a stop.
+  entry ends the wait at once, and so does a stop (SIGTERM, SIGINT), so this bounds only how
+  often an idle stage polls Redis.
 - ``STREAMSERVE_CLAIM_IDLE_MS``: how long an entry stays pending before another consumer
   takes it over with ``XAUTOCLAIM``.
 - ``STREAMSERVE_MAX_DELIVERIES``: deliveries after which an entry (or a job whose workers
