@@ -5,16 +5,16 @@ page of TokenToKVPool and is never handed out. A request fills its pages in posi
 so position p of a request lives at offset p % page_size of some page it owns; this is what
 lets the prefix cache share whole pages and lets a request continue in its last page.
 
-Free pages are a stack of device tensors, runs of pages (allocation is slicing, no host
-sync); a free pushes its pages as one run, so it costs what it frees, not a copy of every
-free page (a pool of millions of pages, as a small model's is, made each free ~20 ms). The
-last run freed is handed out first: a CPU pool's pages are mapped as they are first written
-(gpu_worker/memory/kv_pool.py), and reusing warm pages keeps the worker's memory to what
-it has needed rather than letting it creep to the whole pool. The per-page state tensor
-makes a double free detectable with one vectorized check.
+Free pages are a queue of device tensors, runs of pages (allocation is slicing, no host
+sync), handed out in the order they became free: a free appends its pages as one run, so
+it costs what it frees, not a copy of every free page (a pool of millions of pages, as a
+small model's is, made each free ~20 ms). The per-page state tensor makes a double free
+detectable with one vectorized check.
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 
@@ -39,10 +39,10 @@ class PagedTokenAllocator:
 
     def clear(self) -> None:
         """Every usable page free again (the prefix cache must be reset alongside)."""
-        # Runs of free pages; the last one's first pages are handed out next.
-        self._free_runs = [
-            torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
-        ]
+        # Runs of free pages; the first one's first pages are handed out next.
+        self._free_runs = collections.deque(
+            [torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)]
+        )
         self._num_free = self.num_pages
         self.page_state = torch.full(
             (self.num_pages + 1,), _FREE, dtype=torch.int8, device=self.device
@@ -54,7 +54,7 @@ class PagedTokenAllocator:
         """Every free page, in the order they would be handed out (for inspection)."""
         if not self._free_runs:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        return torch.cat(self._free_runs[::-1])
+        return torch.cat(list(self._free_runs))
 
     def num_free_pages(self) -> int:
         return self._num_free
@@ -155,21 +155,20 @@ class PagedTokenAllocator:
     def _take_pages(self, num_pages: int) -> torch.Tensor | None:
         if num_pages > self._num_free:
             return None
+        if num_pages == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
         taken: list[torch.Tensor] = []
         needed = num_pages
         while needed:
-            run = self._free_runs[-1]
+            run = self._free_runs[0]
             if len(run) <= needed:
-                taken.append(self._free_runs.pop())
+                taken.append(self._free_runs.popleft())
                 needed -= len(run)
             else:
                 taken.append(run[:needed])
-                self._free_runs[-1] = run[needed:]
+                self._free_runs[0] = run[needed:]
                 needed = 0
-        if not taken:
-            pages = torch.empty(0, dtype=torch.int64, device=self.device)
-        else:
-            pages = taken[0] if len(taken) == 1 else torch.cat(taken)
+        pages = taken[0] if len(taken) == 1 else torch.cat(taken)
         self._num_free -= num_pages
         self.page_state[pages] = _ALLOCATED
         return pages
