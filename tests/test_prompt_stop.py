@@ -15,6 +15,7 @@ import redis
 from cli.worker_command import worker_command
 from runtime.config import BusConfig
 from stages.router.stage import live_workers
+from tests.worker_thread import wait_until
 
 MODEL = "smollm2-135m-instruct"
 BLOCK_ENV = {"STREAMSERVE_BLOCK_MS": "30000"}
@@ -37,21 +38,14 @@ def _stopped_within(process: subprocess.Popen[bytes]) -> float:
     return time.monotonic() - start
 
 
-def _until(condition, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
 def test_a_stage_waiting_for_entries_stops_at_once(redis_url):
     config = BusConfig(redis_url=redis_url)
     client = redis.Redis.from_url(redis_url)
     stage = _start([sys.executable, "-m", "cli", "stage", "detokenizer", "--model", MODEL,
                     "--redis-url", redis_url])  # fmt: skip
     stream = config.tokens_stream()
-    _until(lambda: client.exists(stream) and client.xinfo_groups(stream), "no consumer group")
-    _until(lambda: client.xinfo_consumers(stream, "detokenizer"), "no consumer")
+    wait_until(lambda: client.exists(stream) and client.xinfo_groups(stream))
+    wait_until(lambda: client.xinfo_consumers(stream, "detokenizer"))
     time.sleep(0.5)  # into its blocked read
     _stopped_within(stage)
     assert stage.returncode == 0, stage.stderr.read().decode()[-2000:]
@@ -62,8 +56,7 @@ def test_a_worker_waiting_for_jobs_stops_at_once_and_says_goodbye(redis_url):
     config = BusConfig(redis_url=redis_url)
     client = redis.Redis.from_url(redis_url)
     worker = _start(worker_command(redis_url, MODEL, ["--worker-id", "w-stop", "--synthetic"]))
-    _until(lambda: [w for w in live_workers(client, config) if w.worker_id == "w-stop"],
-           "the worker did not start")  # fmt: skip
+    wait_until(lambda: [w for w in live_workers(client, config) if w.worker_id == "w-stop"])
     time.sleep(0.5)  # its intake into a blocked read, its loop waiting on the intake
     _stopped_within(worker)
     assert worker.returncode == 0, worker.stderr.read().decode()[-2000:]
