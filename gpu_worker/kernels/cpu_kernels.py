@@ -25,6 +25,7 @@ import tempfile
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,6 +48,19 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
+def _entry(library: ctypes.CDLL, name: str, *argtypes: Any, optional: bool = False) -> Any:
+    """The library's function `name` taking `argtypes` and returning a C int (every kernel
+    returns its status); None for an `optional` one the library lacks."""
+    function = getattr(library, name, None)
+    if function is None:
+        if optional:
+            return None
+        raise AttributeError(f"the CPU kernels library has no {name}")
+    function.restype = _int
+    function.argtypes = list(argtypes)
+    return function
+
+
 class CpuKernels:
     """The loaded library with typed entry points."""
 
@@ -55,60 +69,40 @@ class CpuKernels:
         # kernels refuse and their callers keep torch's ops.
         features = library.kernel_features()
         self.avx512, self.avx512_bf16 = bool(features & 1), bool(features & 2)
-        self._attention = library.paged_decode_attention
-        self._attention.restype = _int
-        self._attention.argtypes = [
+        self._attention = _entry(library, "paged_decode_attention",
             _ptr, _int, _i64, _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _ptr, _ptr,
             _i64, _i64, _i64, _i64, _f32, _i64, _ptr, _int,
-        ]  # fmt: skip
-        self._extend = library.extend_attention
-        self._extend.restype = _int
-        self._extend.argtypes = [
+        )  # fmt: skip
+        self._extend = _entry(library, "extend_attention",
             _ptr, _int, _i64, _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr,
             _i64, _i64, _i64, _i64, _f32, _ptr, _int,
-        ]  # fmt: skip
-        # Absent from libraries of revisions before it (bench_extend_attention loads those).
-        self._amx = getattr(library, "extend_attention_amx", None)
-        if self._amx is not None:
-            self._amx.restype = _int
-            self._amx.argtypes = [_int]
-        # Absent likewise from older revisions' libraries.
-        self._gemm = getattr(library, "gemm_bf16", None)
+        )  # fmt: skip
+        # None from libraries of revisions before them (bench_extend_attention and
+        # bench_gemm load those).
+        self._amx = _entry(library, "extend_attention_amx", _int, optional=True)
+        self._gemm = _entry(library, "gemm_bf16", _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr,
+                            optional=True)  # fmt: skip
         if self._gemm is not None:
-            self._gemm.restype = _int
-            self._gemm.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
-            self._gemm_pack = library.gemm_bf16_pack
-            self._gemm_pack.restype = _int
-            self._gemm_pack.argtypes = [_ptr, _i64, _i64, _ptr]
-            self._gemm_supported = library.gemm_bf16_supported
-            self._gemm_supported.restype = _int
-            self._gemm_supported.argtypes = [_i64, _i64]
-        self._linear = library.linear_small_m
-        self._linear.restype = _int
-        self._linear.argtypes = [_ptr, _int, _i64, _i64, _ptr, _int, _i64, _ptr, _int, _ptr, _int]
-        self._write_kv = library.write_kv
-        self._write_kv.restype = _int
-        self._write_kv.argtypes = [
+            self._gemm_pack = _entry(library, "gemm_bf16_pack", _ptr, _i64, _i64, _ptr)
+            self._gemm_supported = _entry(library, "gemm_bf16_supported", _i64, _i64)
+        self._linear = _entry(library, "linear_small_m",
+            _ptr, _int, _i64, _i64, _ptr, _int, _i64, _ptr, _int, _ptr, _int,
+        )  # fmt: skip
+        self._write_kv = _entry(library, "write_kv",
             _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _int, _i64, _i64,
-        ]  # fmt: skip
-        self._rms_norm = library.rms_norm
-        self._rms_norm.restype = _int
-        self._rms_norm.argtypes = [_ptr, _ptr, _ptr, _int, _i64, _i64, _f32]
-        self._add_rms_norm = library.add_rms_norm
-        self._add_rms_norm.restype = _int
-        self._add_rms_norm.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _f32]
-        self._silu_and_mul = library.silu_and_mul
-        self._silu_and_mul.restype = _int
-        self._silu_and_mul.argtypes = [_ptr, _i64, _ptr, _int, _i64, _i64]
-        self._rotary = library.rotary_inplace
-        self._rotary.restype = _int
-        self._rotary.argtypes = [_ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64]
-        self._argmax = library.argmax_rows
-        self._argmax.restype = _int
-        self._argmax.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
-        self._bitmask = library.apply_token_bitmask
-        self._bitmask.restype = _int
-        self._bitmask.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64]
+        )  # fmt: skip
+        self._rms_norm = _entry(library, "rms_norm", _ptr, _ptr, _ptr, _int, _i64, _i64, _f32)
+        self._add_rms_norm = _entry(library, "add_rms_norm",
+            _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _f32,
+        )  # fmt: skip
+        self._silu_and_mul = _entry(library, "silu_and_mul", _ptr, _i64, _ptr, _int, _i64, _i64)
+        self._rotary = _entry(library, "rotary_inplace",
+            _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64,
+        )  # fmt: skip
+        self._argmax = _entry(library, "argmax_rows", _ptr, _i64, _i64, _i64, _ptr)
+        self._bitmask = _entry(library, "apply_token_bitmask",
+            _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64,
+        )  # fmt: skip
 
     def paged_decode_attention(
         self,
