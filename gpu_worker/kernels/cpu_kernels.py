@@ -77,8 +77,7 @@ class CpuKernels:
             _ptr, _int, _i64, _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr,
             _i64, _i64, _i64, _i64, _f32, _ptr, _int,
         )  # fmt: skip
-        # None from libraries of revisions before them (bench_extend_attention and
-        # bench_gemm load those).
+        # None from libraries of revisions before them (bench_extend_attention loads those).
         self._amx = _entry(library, "extend_attention_amx", _int, optional=True)
         self._gemm = _entry(library, "gemm_bf16", _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr,
                             optional=True)  # fmt: skip
