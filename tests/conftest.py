@@ -3,6 +3,7 @@ reference built from the same weights."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -22,11 +23,17 @@ def default_gguf_dir() -> Path:
 @pytest.fixture(scope="session")
 def hf_default_model():
     """transformers' own GGUF loader: the reference the engine's tokens must equal."""
+    import gguf
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        default_gguf_dir(), gguf_file=DEFAULT_GGUF, dtype=torch.float32
-    )
+    # transformers' loader asks gguf for the same read-only name map once per module (397
+    # times for SmolLM2, 5 of this fixture's 13 s); it imports the function at each call,
+    # so a cached one in its place is what it gets. The weights it loads are unchanged.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        model = AutoModelForCausalLM.from_pretrained(
+            default_gguf_dir(), gguf_file=DEFAULT_GGUF, dtype=torch.float32
+        )
     return model.eval()
 
 
