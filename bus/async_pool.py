@@ -10,7 +10,7 @@ with Redis healthy. A blocking pool keeps a bounded number of connections per pr
 `send_packed` sends on a connection a reader keeps for itself (the ingress's request writes,
 reply reads and queue-depth reads), without the Task redis-py's send starts for each
 command; `round_trip` sends commands on one and reads their replies, without the pipeline
-machinery around them.
+machinery around them; `pack` packs what they send.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
+from collections.abc import Sequence
 from typing import Any
 
+import hiredis
 import redis
 import redis.asyncio as aredis
 from redis.asyncio.connection import Connection
@@ -49,6 +51,26 @@ def async_redis(
         socket_timeout=socket_timeout,
     )
     return aredis.Redis.from_pool(pool)  # closing the client closes the pool
+
+
+def pack(connection: Connection, commands: Sequence[tuple]) -> list[bytes]:
+    """`connection.pack_commands(commands)`, by hiredis's packer in C where it takes every
+    argument, as redis-py's synchronous client packs: its asyncio connection packs in Python,
+    ~15 us a request's MULTI and ~4 us a reply read's XREAD, against ~2 and ~0.7. A command
+    hiredis does not take (a bool or a memoryview argument, a name of two words such as
+    "CONFIG GET") is packed by redis-py, which splits it or says what is wrong."""
+    if not all(_one_word(command[0]) for command in commands):
+        return connection.pack_commands(commands)
+    try:
+        return [b"".join([hiredis.pack_command(command) for command in commands])]
+    except TypeError:
+        return connection.pack_commands(commands)
+
+
+def _one_word(name: Any) -> bool:
+    if isinstance(name, str):
+        return " " not in name
+    return isinstance(name, bytes) and b" " not in name
 
 
 async def send_packed(connection: Connection, packed: list[bytes]) -> None:
@@ -82,7 +104,7 @@ async def round_trip(connection: Connection, commands: list[tuple]) -> list[Any]
     """Each command's reply, an error reply as its ResponseError. A connection that fails
     before its first reply is read is opened again and tried once more: one the server had
     closed (a restart, an idle timeout) took none of the commands."""
-    packed = connection.pack_commands(commands)
+    packed = pack(connection, commands)
     try:
         await send_packed(connection, packed)
         first = await _reply(connection)

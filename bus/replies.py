@@ -36,7 +36,7 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
-from bus.async_pool import send_packed
+from bus.async_pool import pack, send_packed
 from bus.reconnect import RECONNECT_BACKOFF_S, REDIS_TRANSIENT
 from bus.reply_order import Reply
 from bus.reply_router import (
@@ -149,10 +149,10 @@ class AsyncReplyReader(_StreamReader):
                     if connection is None:
                         connection = await self.client.connection_pool.get_connection()
                     args = self._router.read_args()
-                    await send_packed(connection, connection.pack_command(
+                    await send_packed(connection, pack(connection, [(
                         "XREAD", "COUNT", args["count"], "BLOCK", args["block"],
                         "STREAMS", self.stream, self._router.last_id,
-                    ))  # fmt: skip
+                    )]))  # fmt: skip
                     entries = raw_stream_entries(await connection.read_response())
                     failures = 0
                 except REDIS_TRANSIENT as exc:

@@ -1,5 +1,5 @@
 """More concurrent commands than connections wait for one instead of failing; a kept
-connection's sends (`send_packed`)."""
+connection's sends (`send_packed`, `pack`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import redis
 import redis.asyncio as aredis
 
-from bus.async_pool import async_redis, round_trip, send_packed
+from bus.async_pool import async_redis, pack, round_trip, send_packed
 
 CONCURRENT = 40
 
@@ -109,3 +109,38 @@ def test_replies_after_the_first_are_bounded_by_the_socket_timeout(redis_url, re
     waited, again = asyncio.run(_later_reply_late(redis_url))
     assert waited < 1.5
     assert again == [b"OK", b"1"]  # replies as the server gives them
+
+
+COMMANDS = [
+    ("MULTI",),
+    ("SET", "k", b"\x00\xff bytes", "EX", 600),
+    ("XADD", "s", "MAXLEN", "~", 10**20, "*", "d", "été 😀"),
+    ("ZADD", "z", 1.5, "a", -0.1, "b", 1e-07, "c"),
+    ("EXEC",),
+]
+
+
+def test_pack_gives_redis_pys_bytes_and_falls_back_where_hiredis_cannot_pack():
+    connection = aredis.Connection()
+    assert pack(connection, COMMANDS) == [b"".join(connection.pack_commands(COMMANDS))]
+    # Two words in a name, a memoryview: redis-py's packer, as it would pack them.
+    for command in [("CONFIG GET", "maxmemory"), ("SET", "k", memoryview(b"value"))]:
+        assert b"".join(pack(connection, [command])) == b"".join(
+            connection.pack_commands([command])
+        )
+    with pytest.raises(redis.DataError):  # what redis-py refuses is refused as it says
+        pack(connection, [("SET", "k", True)])
+
+
+def test_round_trips_sent_by_pack_reach_the_server_whole(redis_url, redis_client):
+    async def run() -> list:
+        client = async_redis(redis_url, socket_connect_timeout=2, socket_timeout=2)
+        connection = await client.connection_pool.get_connection()
+        try:
+            return await round_trip(connection, [*COMMANDS, ("GET", "k"), ("ZSCORE", "z", "c")])
+        finally:
+            await client.connection_pool.release(connection)
+            await client.aclose()
+
+    *_, executed, value, score = asyncio.run(run())
+    assert executed[0] == b"OK" and value == b"\x00\xff bytes" and float(score) == 1e-07
