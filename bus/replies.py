@@ -43,6 +43,7 @@ from bus.reply_router import (
     BLOCK_MS,
     READ_COUNT,
     ReplyRouter,
+    Sink,
     raw_stream_entries,
     stream_entries,
 )
@@ -107,6 +108,11 @@ class AsyncReplyReader(_StreamReader):
         self._router.unregister(rid)
         self._queues.pop(rid, None)
 
+    def set_sink(self, rid: str, sink: Sink | None) -> None:
+        """Hand registered `rid`'s plain deltas to `sink` as they are read, not to its queue
+        (bus/reply_router.py says which and when); None: to its queue again."""
+        self._router.set_sink(rid, sink)
+
     def tag(self, rid: str) -> int:
         """A tag for registered `rid`, for its job (bus/reply_tags.py)."""
         return self._router.tag(rid)
@@ -169,17 +175,17 @@ class AsyncReplyReader(_StreamReader):
                     self._fail_all(exc)
                     await asyncio.sleep(RECONNECT_BACKOFF_S[-1])
                     continue
-                self._hand_out(self._router.route(entries))
+                self._hand_out(entries)
                 if self.trim:
                     await self._trim()
         finally:
             if connection is not None:
                 await self.client.connection_pool.release(connection)
 
-    def _hand_out(self, routed: list[tuple[str, Reply]]) -> None:
-        self._after_read = after = []
+    def _hand_out(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        self._after_read = after = []  # the sinks' calls, in routing, are of this read too
         try:
-            for rid, message in routed:
+            for rid, message in self._router.route(entries):
                 queue = self._queues.get(rid)
                 if queue is not None:
                     queue.put_nowait(message)

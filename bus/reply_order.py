@@ -23,6 +23,11 @@ class ReplyOrderer:
         self.done = False
         self._held: dict[int, TextDelta] = {}
 
+    def is_next(self, seq: int) -> bool:
+        """Whether a delta at `seq` (not a finish) is released as it comes: the next one, with
+        none held before it. Its taker then moves `next_seq` past its tokens."""
+        return seq == self.next_seq and not self._held and not self.done
+
     def push(self, message: Reply) -> list[Reply]:
         if self.done:
             return []
@@ -32,7 +37,7 @@ class ReplyOrderer:
             return [message]
         if message.seq < self.next_seq or (not message.count and message.finish is None):
             return []  # a copy, or a delta that carries nothing
-        if message.seq == self.next_seq and not self._held and message.finish is None:
+        if message.finish is None and self.is_next(message.seq):
             self.next_seq += message.count  # the next one, nothing held: most deltas
             return [message]
         self._held.setdefault(message.seq, message)

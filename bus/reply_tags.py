@@ -28,7 +28,7 @@ class ReplyTags:
 
     def __init__(self) -> None:
         self._next = 0
-        self._rid_of: dict[int, str] = {}
+        self.rid_of: dict[int, str] = {}  # the rid each tag names (others only read it)
         self._tag_of: dict[str, int] = {}
         self._waiting: set[str] = set()  # registered rids whose tag this reader did not give
         self._unnamed: collections.deque[tuple[bytes, TextDelta]] = collections.deque(
@@ -50,7 +50,7 @@ class ReplyTags:
     def forget(self, rid: str) -> None:
         tag = self._tag_of.pop(rid, None)
         if tag is not None:
-            self._rid_of.pop(tag, None)
+            self.rid_of.pop(tag, None)
         self._waiting.discard(rid)
 
     def name(self, entry_id: bytes, delta: TextDelta) -> list[tuple[bytes, TextDelta]]:
@@ -61,7 +61,7 @@ class ReplyTags:
         if tag is None:
             return [(entry_id, delta)]
         if delta.rid is not None:
-            if delta.rid not in self._waiting or tag in self._rid_of:
+            if delta.rid not in self._waiting or tag in self.rid_of:
                 return [(entry_id, delta)]
             self._learn(delta.rid, tag)
             held = [pair for pair in self._unnamed if pair[1].tag == tag]
@@ -72,7 +72,7 @@ class ReplyTags:
             for _, earlier in held:
                 earlier.rid = delta.rid
             return [*held, (entry_id, delta)]
-        rid = self._rid_of.get(tag)
+        rid = self.rid_of.get(tag)
         if rid is not None:
             delta.rid = rid
             return [(entry_id, delta)]
@@ -81,6 +81,6 @@ class ReplyTags:
         return []  # a late delta of a request nobody waits for any more
 
     def _learn(self, rid: str, tag: int) -> None:
-        self._rid_of[tag] = rid
+        self.rid_of[tag] = rid
         self._tag_of[rid] = tag
         self._waiting.discard(rid)

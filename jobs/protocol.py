@@ -296,19 +296,38 @@ class TextDeltas(Message):
     COMPRESSIBLE = True
     FIELDS = {"deltas": LIST}
 
-    deltas: list[TextDelta]
+    deltas: list[TextDelta]  # read with `decode`'s ``plain``: the maps of plain ones too
 
     def to_wire(self) -> dict[str, Any]:
         return {"kind": self.KIND,
                 "deltas": [delta.fields_wire(narrow=True) for delta in self.deltas]}  # fmt: skip
 
     @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> TextDeltas:
+    def from_wire(cls, data: dict[str, Any], plain: bool = False) -> TextDeltas:
         bundle = super().from_wire(data)
         if not all(isinstance(delta, dict) for delta in bundle.deltas):
             raise ProtocolError("field 'deltas' must be a list of maps")
-        bundle.deltas = [TextDelta.from_wire(delta) for delta in bundle.deltas]
+        if plain:
+            bundle.deltas = [d if is_plain(d) else TextDelta.from_wire(d) for d in bundle.deltas]
+        else:
+            bundle.deltas = [TextDelta.from_wire(delta) for delta in bundle.deltas]
         return bundle
+
+
+def is_plain(delta: dict[str, Any]) -> bool:
+    """Whether a bundled delta's map is its text and how many tokens it adds, nothing else:
+    ``tag``, ``seq``, ``n`` (a text_only job's) and ``text``, well formed. Most of a stream
+    is these; read with `decode`'s ``plain``, a TextDeltas keeps them as their maps, for a
+    reader that relays them from their fields (bus/reply_router.py) with no TextDelta built
+    (``TextDelta.from_wire`` builds the one a map stands for)."""
+    if not delta.keys() <= _PLAIN_KEYS:
+        return False
+    tag, seq, n, text = delta.get("tag"), delta.get("seq"), delta.get("n"), delta.get("text")
+    return (type(tag) is int and 0 <= tag <= MAX_TAG and type(seq) is int and type(n) is int
+            and 0 < n <= MAX_COUNT and (text is None or type(text) is str))  # fmt: skip
+
+
+_PLAIN_KEYS = frozenset({"tag", "seq", "n", "text"})
 
 
 @dataclass
@@ -345,8 +364,9 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 }
 
 
-def decode(payload: bytes | None, *accepted: type[Message]) -> Message:
-    """Parse one entry's payload into one of the ``accepted`` message types."""
+def decode(payload: bytes | None, *accepted: type[Message], plain: bool = False) -> Message:
+    """Parse one entry's payload into one of the ``accepted`` message types; with `plain`, a
+    TextDeltas holds the map of each delta that `is_plain`, checked, not a TextDelta."""
     if payload is None:
         raise ProtocolError(f"entry has no {ENTRY_FIELD.decode()!r} field")
     if payload[:1] == DEFLATED_MARK:
@@ -367,6 +387,8 @@ def decode(payload: bytes | None, *accepted: type[Message]) -> Message:
         names = ", ".join(c.KIND for c in accepted)
         raise ProtocolError(f"unexpected message kind {kind!r} (this stream takes {names})")
     try:
+        if plain and cls is TextDeltas:
+            return TextDeltas.from_wire(data, plain=True)
         return cls.from_wire(data)
     except ProtocolError:
         raise

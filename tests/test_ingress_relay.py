@@ -1,6 +1,7 @@
 """Deltas relayed to a stream as the reply reader routes them (Submission.relay): a stream
 whose deltas come one at a time, each while its handler waits, is byte for byte the stream
-of the same deltas come all at once, and the relay did write it."""
+of the same deltas come all at once, and the relay did write it; bundled as a detokenizer
+bundles them (tags, token counts), most are taken from their fields (the reader's sinks)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import urllib.parse
 
 import pytest
 
-from jobs.protocol import ENTRY_FIELD, encode
+from jobs.protocol import ENTRY_FIELD, TextDelta, TextDeltas, encode
 from stages.ingress.api import sse
 from stages.ingress.api.sse import SSEStream
+from stages.ingress.streaming.submission import Submission
 from tests.ingress_harness import (
     MODEL,
     RunningIngress,
@@ -32,11 +34,21 @@ PATHS = {
 
 
 class Trickle(Upstream):
-    """Writes each job's deltas one at a time, `gap_s` apart (0: all in one go)."""
+    """Writes each job's deltas one at a time, `gap_s` apart (0: all in one go); `bundled`:
+    each in a TextDeltas, as a detokenizer writes a job that asked for bundles."""
 
-    def __init__(self, redis_url, config, gap_s: float) -> None:
+    def __init__(self, redis_url, config, gap_s: float, bundled: bool = False) -> None:
         super().__init__(redis_url, config, lambda request: deltas(request.rid, PIECES))
         self.gap_s = gap_s
+        self.bundled = bundled
+
+    def _entry(self, request, message: TextDelta) -> bytes:
+        if not self.bundled:
+            return encode(message)
+        message.tag = request.tag
+        if request.text_only:
+            message.n, message.ids = len(message.ids), []
+        return encode(TextDeltas([message]))
 
     def _run(self) -> None:
         last = "0-0"
@@ -48,7 +60,8 @@ class Trickle(Upstream):
                     self.requests.append(request)
                     for message in self.script(request):
                         time.sleep(self.gap_s)
-                        self.client.xadd(request.reply_to, {ENTRY_FIELD: encode(message)})
+                        entry = self._entry(request, message)
+                        self.client.xadd(request.reply_to, {ENTRY_FIELD: entry})
 
 
 @pytest.fixture
@@ -58,10 +71,10 @@ def ingress(redis_client, redis_url):
         yield server
 
 
-def _stream(ingress, path: str, gap_s: float) -> bytes:
+def _stream(ingress, path: str, gap_s: float, bundled: bool = False) -> bytes:
     body = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
             **PATHS[path]}  # fmt: skip
-    with Trickle(ingress.config.redis_url, ingress.config, gap_s):
+    with Trickle(ingress.config.redis_url, ingress.config, gap_s, bundled):
         status, _, data = ingress.request("POST", path, body)
     assert status == 200
     return _without_ids(data)
@@ -72,25 +85,37 @@ def _without_ids(events: bytes) -> bytes:
     return re.sub(rb'"id":"[^"]*","object":"([^"]*)","created":\d+', rb"\1", events)
 
 
+@pytest.mark.parametrize("bundled", [False, True])
 @pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("path", list(PATHS))
-def test_a_trickled_stream_is_relayed_and_the_same_bytes(ingress, monkeypatch, path, blocked):
+def test_a_trickled_stream_is_relayed_and_the_same_bytes(
+    ingress, monkeypatch, path, blocked, bundled
+):
     """`blocked`: the relay may not write (as for a client behind): the handler writes."""
     if blocked:
         monkeypatch.setattr(sse, "WRITE_NOW_BUFFER", -1)
-    relayed = []
-    write_now = SSEStream.write_now
+    relayed, by_fields = [], []
+    write_now, relayed_text = SSEStream.write_now, Submission._relayed_text
 
     def counted(self, nudge):
         relayed.append(bool(self._pending))
         write_now(self, nudge)
 
+    def counted_text(self, rid, text, count):
+        taken = relayed_text(self, rid, text, count)
+        by_fields.append(taken)
+        return taken
+
     monkeypatch.setattr(SSEStream, "write_now", counted)
+    monkeypatch.setattr(Submission, "_relayed_text", counted_text)
     at_once = _stream(ingress, path, 0.0)
-    trickled = _stream(ingress, path, 0.05)
+    trickled = _stream(ingress, path, 0.05, bundled)
     assert trickled == at_once
     assert trickled.count(b"\n\ndata: ") >= len(PIECES)  # one event a piece with text, usage
     assert sum(relayed) >= 2  # the relay took deltas that came while the handler waited
+    # Bundled, the deltas between the first (it names the rid) and the last (its finish)
+    # were taken from their fields.
+    assert sum(by_fields) == (len(PIECES) - 2 if bundled else 0)
 
 
 def _raw_stream(ingress, version: str, gap_s: float) -> tuple[bytes, bytes]:

@@ -239,9 +239,20 @@ async def _stream_openai(
             return False
         choice.add(reply)
         if reply.text and not (resumed and resumed.already_sent(index, reply)):
-            fingerprint = system_fingerprint([choice])
-            out.add_encoded(chunks.encode_text(fingerprint, index, reply.text, shapes[index]),
-                            event_id())  # fmt: skip
+            chunk = chunks.encode_text(system_fingerprint([choice]), index, reply.text,
+                                       shapes[index])  # fmt: skip
+            out.add_encoded(chunk, event_id())
+        return True
+
+    def take_text(rid: str, text: str | None, tokens: int) -> bool:
+        """`take` for a delta of text alone, given by its fields (a plain stream's, not
+        resumed, with no tool calls to parse)."""
+        index = sub.index[rid]
+        choice = choices[index]
+        choice.add_text(text, tokens)
+        if text:
+            chunk = chunks.encode_text(system_fingerprint([choice]), index, text, shapes[index])
+            out.add_encoded(chunk, event_id() if ids else None)
         return True
 
     # Each chunk names the weights computing its request, known from its first deltas on.
@@ -250,7 +261,8 @@ async def _stream_openai(
             choices[sub.index[early.rid]].named(early)
     for first in [] if resumed else fmt.first_chunk_choices(choices):
         out.add_encoded(chunks.encode(system_fingerprint(choices), [first]), event_id())
-    sub.relay(take, out.write_now)
+    by_fields = plain and job.tools is None and resumed is None
+    sub.relay(take, out.write_now, take_text if by_fields else None)
     try:
         async for reply in sub.replies(before_wait=out.flush):
             if isinstance(reply, ErrorReply):

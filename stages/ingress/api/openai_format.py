@@ -36,11 +36,15 @@ class Choice:
         return reason
 
     def add(self, delta: TextDelta) -> None:
-        self.text.append(delta.text or "")
-        self.tokens += delta.count
+        self.add_text(delta.text, delta.count)
         self.named(delta)
         if delta.finish is not None:
             self.finish = delta.finish_info()
+
+    def add_text(self, text: str | None, tokens: int) -> None:
+        """What a delta of text alone adds (all `add` does for one)."""
+        self.text.append(text or "")
+        self.tokens += tokens
 
     def named(self, delta: TextDelta) -> None:
         """Keep the weights version a delta names (a request's first one does)."""

@@ -25,13 +25,16 @@ after it) and the unfinished sub-requests are aborted like any others.
 A stream's handler may `relay` the replies it can answer at once (a delta of text alone):
 those that come while it waits are handled in the reply reader's task as they are routed,
 not queued, so a publish costs no wake-up of each stream's handler (one a reply was a fifth
-of the ingress's CPU per event, with the reply's relaying and the send).
+of the ingress's CPU per event, with the reply's relaying and the send). Given a taker of
+text and a count, it takes most of them from their wire fields, no TextDelta built (the
+reader's sinks, bus/reply_router.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
@@ -92,6 +95,7 @@ class Submission:
         self.index = {request.rid: i for i, request in enumerate(requests)}
         self.queue: asyncio.Queue[Reply] = _ReplyQueue(self._relayed)
         self._take: Callable[[Reply], bool] | None = None  # the handler's relay
+        self._take_text: Callable[[str, str | None, int], bool] | None = None  # and of text
         self._write: Callable[[Callable[[], None]], None] | None = None
         self._write_due = False  # once the reader's read is handed out
         self._waiting = False  # the handler waits for the queue
@@ -102,6 +106,7 @@ class Submission:
         self._last_token_at: dict[str, float] = {}
         self.first_token_at: dict[str, float] = {}  # monotonic, per sub-request
         self.tenant = tenant  # whose limits it counts against; None: resumed, not admitted
+        self._charges_tokens = tenant is not None and tenant.tokens_per_minute is not None
         self.owner = owner  # who may abort or resume it (stages/ingress/tenancy/ownership.py)
         self._charged: dict[str, int] = {}  # rid -> tokens (a Counter costs ~1 us to make)
         # One timer per reply_timeout_s of silence, not one per reply (wait_for cost ~45 us
@@ -138,7 +143,9 @@ class Submission:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
-        self._take = self._write = None  # what is left goes to the queue (_settle)
+        self._take = self._write = self._take_text = None  # the rest is queued (_settle)
+        for rid in self.index:
+            self.reader.set_sink(rid, None)
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
@@ -163,10 +170,6 @@ class Submission:
         self.state.finish_soon(self.request_id, unfinished, self.shard, workers)
         if settling:
             self.state.settle_soon(self._settle(set(unfinished)))
-
-    @property
-    def _charges_tokens(self) -> bool:
-        return self.tenant is not None and self.tenant.tokens_per_minute is not None
 
     def _release(self) -> None:
         """Give back the tenant's running slots and send the tokens charged (from a task of
@@ -264,15 +267,20 @@ class Submission:
             self.workers[reply.rid] = reply.worker
 
     def relay(
-        self, take: Callable[[Reply], bool], write: Callable[[Callable[[], None]], None]
-    ) -> None:
+        self, take: Callable[[Reply], bool], write: Callable[[Callable[[], None]], None],
+        take_text: Callable[[str, str | None, int], bool] | None = None,
+    ) -> None:  # fmt: skip
         """From now on, each reply that comes while the handler waits in `replies` goes to
         `take` at once, in the reply reader's task: True when it handled the reply (added
         its event), False to leave it to the handler (without having changed anything).
-        Once the read that brought it is handed out, `write` is called with a nudge: what
-        it calls when it cannot write, so the handler writes (and meets the error or the
-        slow client itself)."""
-        self._take, self._write = take, write
+        A delta of text alone goes to `take_text` (its rid, text and token count), where
+        given, from its wire fields. Once the read that brought it is handed out, `write` is
+        called with a nudge: what it calls when it cannot write, so the handler writes (and
+        meets the error or the slow client itself)."""
+        self._take, self._write, self._take_text = take, write, take_text
+        if take_text is not None and not self.resumed:
+            for rid in self.index:
+                self.reader.set_sink(rid, functools.partial(self._relayed_text, rid))
 
     def _relayed(self, reply: Any) -> bool:
         """Whether the relay took `reply` (handled as `replies` would have yielded it)."""
@@ -289,10 +297,33 @@ class Submission:
         except Exception as exc:  # the handler's to answer (not the reader's, all streams')
             asyncio.Queue.put_nowait(self.queue, _Failed(exc))
             return True
+        self._write_soon()
+        return True
+
+    def _relayed_text(self, rid: str, text: str | None, count: int) -> bool:
+        """`_relayed` for a delta of text alone, from its fields (the reader's sink): what
+        `_received` and `_note` note of one, in one call (a relayed delta's calls are most
+        of what it costs the ingress)."""
+        take = self._take_text
+        if take is None or not self._waiting or not self.queue.empty():
+            return False
+        try:
+            if not take(rid, text, count):
+                return False
+            self._last_reply = time.monotonic()
+            if self._charges_tokens:
+                self._charge(rid, count)
+            self._time_tokens(rid, count, finished=False)
+        except Exception as exc:
+            asyncio.Queue.put_nowait(self.queue, _Failed(exc))
+            return True
+        self._write_soon()
+        return True
+
+    def _write_soon(self) -> None:
         if not self._write_due:
             self._write_due = True
             self.reader.after_read(self._written)
-        return True
 
     def _written(self) -> None:
         self._write_due = False
@@ -325,7 +356,7 @@ class Submission:
             self.finished.add(reply.rid)
         self._charge_reply(reply)
         if isinstance(reply, TextDelta) and not self.resumed:  # a replay would count twice
-            self._time_tokens(reply)
+            self._time_tokens(reply.rid, reply.count, reply.finish is not None)
 
     def _charge_reply(self, reply: Reply) -> None:
         """Charge a reply's new tokens; on a sub-request's last, what its Finish counts
@@ -345,18 +376,19 @@ class Submission:
             self._charged[rid] = self._charged.get(rid, 0) + tokens
             self.state.tenant_limits.charge(self.tenant, tokens)
 
-    def _time_tokens(self, delta: TextDelta) -> None:
+    def _time_tokens(self, rid: str, count: int, finished: bool) -> None:
+        """A delta of `count` tokens of `rid` came now (its last, if `finished`)."""
         metrics = self.state.metrics
         now = time.monotonic()
-        if delta.count:
-            last = self._last_token_at.get(delta.rid)
+        if count:
+            last = self._last_token_at.get(rid)
             if last is None:
-                now = self.first_token_at.setdefault(delta.rid, now)
-                metrics.token_times(True, now - self._arrived, delta.count)
+                now = self.first_token_at.setdefault(rid, now)
+                metrics.token_times(True, now - self._arrived, count)
             else:
-                metrics.token_times(False, now - last, delta.count)
-            self._last_token_at[delta.rid] = now
-        if delta.finish is not None:
+                metrics.token_times(False, now - last, count)
+            self._last_token_at[rid] = now
+        if finished:
             metrics.request_ended(now - self._arrived)
 
     def timing(self, finishes: list[Finish | None]) -> dict[str, float]:
