@@ -233,26 +233,21 @@ async def _stream_openai(
 
     def take(reply: TextDelta) -> bool:
         """Add the event of a delta of text alone; False (nothing done) for any other."""
-        index = sub.index[reply.rid]
-        choice = choices[index]
+        choice = choices[sub.index[reply.rid]]
         if not plain or reply.finish is not None or choice.tool_parser is not None:
             return False
-        choice.add(reply)
-        if reply.text and not (resumed and resumed.already_sent(index, reply)):
-            chunk = chunks.encode_text(system_fingerprint([choice]), index, reply.text,
-                                       shapes[index])  # fmt: skip
-            out.add_encoded(chunk, event_id())
-        return True
+        choice.named(reply)
+        sent = resumed is not None and resumed.already_sent(choice.index, reply)
+        return take_text(reply.rid, reply.text, reply.count, sent)
 
-    def take_text(rid: str, text: str | None, tokens: int) -> bool:
-        """`take` for a delta of text alone, given by its fields (a plain stream's, not
-        resumed, with no tool calls to parse)."""
+    def take_text(rid: str, text: str | None, tokens: int, sent: bool = False) -> bool:
+        """`take` from a delta's fields (`sent`: its client had it, before a resume)."""
         index = sub.index[rid]
         choice = choices[index]
         choice.add_text(text, tokens)
-        if text:
+        if text and not sent:
             chunk = chunks.encode_text(system_fingerprint([choice]), index, text, shapes[index])
-            out.add_encoded(chunk, event_id() if ids else None)
+            out.add_encoded(chunk, event_id())
         return True
 
     # Each chunk names the weights computing its request, known from its first deltas on.

@@ -44,30 +44,10 @@ from jobs.protocol import ErrorReply, Finish, GenerateRequest, TextDelta
 from stages.ingress.errors import ApiError
 from stages.ingress.shards import Shard
 from stages.ingress.state import IngressState
+from stages.ingress.streaming.reply_queue import NUDGE, TIMED_OUT, Failed, ReplyQueue
 from stages.ingress.tenancy.tenants import Tenant
 
 SETTLE_S = 10.0  # how long a dropped request's last replies are awaited, to charge them
-_TIMED_OUT: Any = object()  # queued by the watchdog: no reply for reply_timeout_s
-_NUDGE: Any = object()  # queued by a relay that could not write: the handler writes
-
-
-class _Failed:
-    """Queued for a relayed reply whose handling raised: the handler raises it."""
-
-    def __init__(self, exc: Exception) -> None:
-        self.exc = exc
-
-
-class _ReplyQueue(asyncio.Queue):
-    """A submission's replies; one its relay takes (`Submission._relayed`) is not queued."""
-
-    def __init__(self, relay: Callable[[Any], bool]) -> None:
-        super().__init__()
-        self._relay = relay
-
-    def put_nowait(self, item: Any) -> None:
-        if not self._relay(item):
-            super().put_nowait(item)
 
 
 class Submission:
@@ -93,7 +73,7 @@ class Submission:
         self.resumed = resumed is not None
         self.requests = requests
         self.index = {request.rid: i for i, request in enumerate(requests)}
-        self.queue: asyncio.Queue[Reply] = _ReplyQueue(self._relayed)
+        self.queue: asyncio.Queue[Reply] = ReplyQueue(self._relayed)
         self._take: Callable[[Reply], bool] | None = None  # the handler's relay
         self._take_text: Callable[[str, str | None, int], bool] | None = None  # and of text
         self._write: Callable[[Callable[[], None]], None] | None = None
@@ -197,7 +177,7 @@ class Submission:
                                                        deadline - time.monotonic())  # fmt: skip
                     except asyncio.TimeoutError:
                         return
-                if reply is _TIMED_OUT or reply is _NUDGE or isinstance(reply, _Failed):
+                if reply is TIMED_OUT or reply is NUDGE or isinstance(reply, Failed):
                     continue
                 self._charge_reply(reply)
                 if is_terminal(reply):
@@ -238,7 +218,7 @@ class Submission:
                 # Not noted as finished: the exit aborts the sub-requests that timed out.
                 yield self._timed_out()
                 return
-            if reply is _NUDGE:
+            if reply is NUDGE:
                 continue  # a relayed event to write: before_wait writes it
             self._note(reply)
             yield reply
@@ -254,9 +234,9 @@ class Submission:
             reply = await self.queue.get()
         finally:
             self._waiting = False
-        if reply is _TIMED_OUT or reply is _NUDGE:
-            return reply if reply is _NUDGE else None
-        if isinstance(reply, _Failed):
+        if reply is TIMED_OUT or reply is NUDGE:
+            return reply if reply is NUDGE else None
+        if isinstance(reply, Failed):
             raise reply.exc
         self._received(reply)
         return reply
@@ -295,7 +275,7 @@ class Submission:
             self._received(reply)
             self._note(reply)
         except Exception as exc:  # the handler's to answer (not the reader's, all streams')
-            asyncio.Queue.put_nowait(self.queue, _Failed(exc))
+            asyncio.Queue.put_nowait(self.queue, Failed(exc))
             return True
         self._write_soon()
         return True
@@ -315,7 +295,7 @@ class Submission:
                 self._charge(rid, count)
             self._time_tokens(rid, count, finished=False)
         except Exception as exc:
-            asyncio.Queue.put_nowait(self.queue, _Failed(exc))
+            asyncio.Queue.put_nowait(self.queue, Failed(exc))
             return True
         self._write_soon()
         return True
@@ -331,7 +311,7 @@ class Submission:
             self._write(self._nudge)
 
     def _nudge(self) -> None:
-        asyncio.Queue.put_nowait(self.queue, _NUDGE)
+        asyncio.Queue.put_nowait(self.queue, NUDGE)
 
     def _watch(self) -> None:
         """Time out the wait if no reply came for reply_timeout_s (replies queued, not yet
@@ -340,7 +320,7 @@ class Submission:
         timeout = self.state.config.reply_timeout_s
         if silent >= timeout and self.queue.empty():
             self._watchdog = None
-            self.queue.put_nowait(_TIMED_OUT)
+            self.queue.put_nowait(TIMED_OUT)
         else:
             wait = max(timeout - silent, 0.01)
             self._watchdog = asyncio.get_running_loop().call_later(wait, self._watch)
