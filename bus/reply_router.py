@@ -10,8 +10,8 @@ A request may have a sink (`set_sink`): a delta of its that is text and a count 
 (`jobs.protocol.is_plain`), the next in its order, with nothing of its waiting in this
 read's messages, goes to the sink from its map as it is read, no TextDelta built and
 nothing released for it, unless the sink declines it. An ingress relays most of a stream
-that way: building, ordering and handing out each delta was ~60 Python calls of the ~110 a
-relayed delta cost it.
+that way: building a TextDelta, ordering, queueing and handing it out took ~70 calls a
+delta (builtins counted), the sink's path ~40, and the calls are what a delta costs it.
 """
 
 from __future__ import annotations
