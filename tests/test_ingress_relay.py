@@ -113,9 +113,11 @@ def test_a_trickled_stream_is_relayed_and_the_same_bytes(
     assert trickled == at_once
     assert trickled.count(b"\n\ndata: ") >= len(PIECES)  # one event a piece with text, usage
     assert sum(relayed) >= 2  # the relay took deltas that came while the handler waited
-    # Bundled, the deltas between the first (it names the rid) and the last (its finish)
-    # were taken from their fields.
-    assert sum(by_fields) == (len(PIECES) - 2 if bundled else 0)
+    # Bundled, deltas between the first (it names the rid) and the last (its finish) were
+    # taken from their fields (those that came while the handler waited: most, not all, on
+    # a loaded machine); never one that was not bundled.
+    assert (sum(by_fields) >= 2) if bundled else not by_fields
+    assert len(by_fields) <= len(PIECES) - 2
 
 
 def _raw_stream(ingress, version: str, gap_s: float) -> tuple[bytes, bytes]:
