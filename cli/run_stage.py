@@ -54,9 +54,9 @@ def run_stage(
 
         stage = RouterStage(config, client, stop)
     else:
-        from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
+        from jobs.model_tokenizer import load_model_tokenizer
 
-        tokenizer = load_stage_tokenizer(model)
+        tokenizer = load_model_tokenizer(model)
         if name == "tokenizer":
             from runtime.context_length import model_context_length
             from stages.tokenizer.stage import TokenizerStage

@@ -16,7 +16,6 @@ weights_update.py  the weights a worker serves, and its updates: drain, load, ch
 worker_metrics.py  what a worker measures (vLLM's names)
 engine.py          `Engine`, the in-process API (`generate`, `generate_stream`)
 synthetic_engine.py  no model: tokens at a set rate for bus load tests (`--synthetic` only)
-request_input.py   the engine's tokenizer as the request normaliser's `PromptTokenizer`
 text_stream.py     incremental detokenization that never leaks a stop string
 config.py          `EngineConfig`: every engine option, validated
 cli.py, __main__.py  `python -m gpu_worker` (what `streamserve worker` runs)

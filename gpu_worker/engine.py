@@ -25,7 +25,6 @@ import torch
 
 from gpu_worker.config import DEFAULT_MODEL, EngineConfig
 from gpu_worker.model_executor.model_runner import ModelRunner
-from gpu_worker.request_input import EngineTokenizer
 from gpu_worker.sampling.grammar import Grammars
 from gpu_worker.scheduling.req import Req
 from gpu_worker.scheduling.scheduler import Scheduler
@@ -78,7 +77,6 @@ class Engine:
         self.limits = ModelLimits(
             self.vocab_size, self.runner.context_length, self.runner.max_total_tokens
         )
-        self._prompt_tokenizer = None if self.tokenizer is None else EngineTokenizer(self.tokenizer)
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -213,7 +211,7 @@ class Engine:
         pooling: str | None = None,
     ) -> tuple[list[Req], bool]:
         prompts, single = split_prompts(prompt, messages, input_ids, tools, many=True)
-        encoded = encode_prompts(prompts, self._prompt_tokenizer)
+        encoded = encode_prompts(prompts, self.tokenizer)
         maps = sampling_maps(sampling_params, len(prompts))
         # Every request is checked before any is queued.
         reqs = []

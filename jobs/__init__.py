@@ -18,6 +18,8 @@ sampling_checks.py     the type and range checks of its rows
 request_normaliser.py  a request's prompt and parameters read alike by every door (the
                        engine's generate, the tokenizer stage, the worker): defaults, checks
 chat_messages.py       a chat checked, and its tools placed, before its template renders it
+model_tokenizer.py     a model's tokenizer files read without torch (tokenizers + jinja2):
+                       the stages' and the engine's one tokenizer
 request_bounds.py      the request bounds (docs/BOUNDS.md) this process applies
 grammar.py             structured output's grammars, bounded and compiled under a deadline
 strict_schema.py       JSON Schemas made strict: objects hold only their declared properties

@@ -1,9 +1,9 @@
 """A chat as its template gets it: the messages checked, and the tools placed.
 
-Both tokenizers that render chat templates call this first (the stages' jinja renderer in
-stages/tokenizer/hf_tokenizer.py, the engine's transformers tokenizer in
-gpu_worker/request_input.py), so a chat is refused, and its tools are given, alike whichever
-door it came in by. Every mistake is a FieldError naming the message it is about.
+The model's tokenizer (jobs/model_tokenizer.py) calls this before its jinja template
+renders a chat, for every door (the engine's prompts, the tokenizer stage), so a chat is
+refused, and its tools are given, alike whichever door it came in by. Every mistake is a
+FieldError naming the message it is about.
 """
 
 from __future__ import annotations

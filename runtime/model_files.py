@@ -1,7 +1,7 @@
 """Model names and the files behind them, read the same way by the worker and the stages.
 
 The GPU worker loads a model's weights (gpu_worker/models/loader.py) and the tokenizer stage
-its tokenizer (stages/tokenizer/hf_tokenizer.py) from the same ``--model`` argument, so both
+its tokenizer (jobs/model_tokenizer.py) from the same ``--model`` argument, so both
 must resolve it alike. It lives in bus/ because that is the one package both sides share, and
 it imports nothing heavy (no torch, no transformers), as the CPU stages require.
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from bus.actor import Actor
 from bus.reconnect import ensure_group
 from jobs.job_failures import malformed_reply, reply_address
+from jobs.model_tokenizer import load_model_tokenizer
 from jobs.protocol import (
     ENTRY_FIELD,
     MESSAGE_TYPES,
@@ -34,7 +35,6 @@ from jobs.protocol import (
 from runtime.config import BusConfig
 from stages.detokenizer.stage import DetokenizerStage
 from stages.router.stage import RouterStage
-from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
 from stages.tokenizer.stage import TokenizerStage
 from tests.ingress_harness import add_worker
 
@@ -77,7 +77,7 @@ def test_decoding_anything_gives_a_message_or_a_protocol_error(payload):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return load_stage_tokenizer("smollm2-135m-instruct")
+    return load_model_tokenizer("smollm2-135m-instruct")
 
 
 @pytest.fixture

@@ -138,10 +138,7 @@ def test_default_model_logits_match_transformers_gguf_loader(
 ) -> None:
     loaded = load_model("smollm2-135m-instruct", torch.float32, "cpu")
     prompt = loaded.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=False,
+        [{"role": "user", "content": "What is the capital of France?"}]
     )
 
     expected = hf_logits(hf_default_model, prompt)

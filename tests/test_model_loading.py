@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -124,9 +125,35 @@ def test_tokenizer_and_chat_template_come_through(
     text = "Hello, world! Ünïcode and   spaces."
     assert tokenizer.encode(text) == default_tokenizer.encode(text)
     messages = [{"role": "user", "content": "hi"}]
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert rendered.endswith("<|im_start|>assistant\n")
-    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in loaded_default.config.eos_token_ids
+    assert tokenizer.render_chat(messages).endswith("<|im_start|>assistant\n")
+    assert tokenizer.apply_chat_template(messages) == default_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert tokenizer.eos_token_id == default_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.eos_token_id in loaded_default.config.eos_token_ids
+
+
+@pytest.mark.slow
+def test_an_engine_on_the_default_model_starts_without_transformers_or_sympy(
+    converted: Path, cache_dir: Path
+) -> None:
+    """The model's tokenizer is jobs/model_tokenizer.py's and its meta weights are allocated
+    with torch.empty: transformers' tokenizer (~1.7 s) and the decompositions that
+    `Module.to_empty` imports (~0.3 s) were most of a worker's start."""
+    code = (
+        "import sys\n"
+        "from gpu_worker import Engine\n"
+        "engine = Engine('SmolLM2-135M-Instruct', dtype='float32')\n"
+        "out = engine.generate('Hi', {'max_new_tokens': 4, 'temperature': 0, 'stop': ['zz']})\n"
+        "heavy = sorted({'transformers', 'sympy'} & set(sys.modules))\n"
+        "print(heavy, engine.tokenizer.eos_token_id)\n"
+    )
+    env = {**os.environ, "STREAMSERVE_CACHE": str(cache_dir)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["[]", "2"], done.stdout
 
 
 def test_failed_conversion_leaves_nothing_in_the_cache(tmp_path: Path) -> None:

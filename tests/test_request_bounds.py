@@ -239,13 +239,13 @@ def test_the_deep_schema_onto_tokenized_is_a_400_and_the_worker_serves_the_next(
     assert served[-1].finish is not None and served[-1].finish.reason == "length"
 
 
-def test_the_workers_grammar_compile_has_a_deadline_and_catches_everything(
-    default_tokenizer, bounds_env, request
-):
+def test_the_workers_grammar_compile_has_a_deadline_and_catches_everything(bounds_env, request):
     from gpu_worker.sampling.grammar import Grammars
+    from jobs.model_tokenizer import load_model_tokenizer
     from jobs.sampling_params import SamplingParams
 
-    grammars = Grammars(default_tokenizer, len(default_tokenizer), [0])
+    tokenizer = load_model_tokenizer("smollm2-135m-instruct")
+    grammars = Grammars(tokenizer, tokenizer.vocab_size, [0])
     with pytest.raises(FieldError) as bad:
         grammars.matcher(SamplingParams(ebnf="start: undefined_rule"))
     assert bad.value.field == "ebnf"
@@ -294,10 +294,10 @@ def test_the_context_length_is_read_from_the_gguf_header():
 
 
 def test_a_chat_beyond_the_context_names_messages_over_the_real_stage(redis_url, redis_client):
-    from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
+    from jobs.model_tokenizer import load_model_tokenizer
 
     config = BusConfig(redis_url=redis_url, block_ms=5)
-    stage = TokenizerStage(config, load_stage_tokenizer("smollm2-135m-instruct"), 32)
+    stage = TokenizerStage(config, load_model_tokenizer("smollm2-135m-instruct"), 32)
     ensure_group(redis_client, config.requests_stream(), "tokenizer")
     actor = Actor(redis_client, config, stage)
     job = GenerateRequest("chat", "t:reply", messages=[{"role": "user", "content": "hi " * 50}])
@@ -318,11 +318,11 @@ def test_a_response_format_nested_past_json_parsing_is_a_400_not_a_500(ingress):
 
 def test_a_chat_beyond_the_context_is_a_400_over_http(redis_url, redis_client, ingress):
     """The real tokenizer stage behind the real ingress: the refusal reaches the client."""
-    from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
+    from jobs.model_tokenizer import load_model_tokenizer
 
     config = BusConfig(redis_url=redis_url, block_ms=5)
     add_worker(redis_client, config)
-    stage = TokenizerStage(config, load_stage_tokenizer("smollm2-135m-instruct"), 32)
+    stage = TokenizerStage(config, load_model_tokenizer("smollm2-135m-instruct"), 32)
     ensure_group(redis_client, config.requests_stream(), "tokenizer")
     stop = threading.Event()
     actor = Actor(redis.Redis.from_url(redis_url), config, stage, stop)

@@ -9,8 +9,9 @@ import pytest
 
 from bus.actor import Inbound
 from gpu_worker import Engine
-from gpu_worker.request_input import EngineTokenizer
+from jobs.chat_messages import template_error, template_input
 from jobs.field_error import FieldError
+from jobs.model_tokenizer import load_model_tokenizer
 from jobs.protocol import ErrorReply, GenerateRequest, TokenizedRequest
 from jobs.request_normaliser import (
     ModelLimits,
@@ -21,7 +22,6 @@ from jobs.request_normaliser import (
     split_prompts,
 )
 from runtime.config import BusConfig
-from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
 from stages.tokenizer.stage import TokenizerStage
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -116,10 +116,34 @@ def test_a_missing_max_new_tokens_is_all_that_fit_through_both_doors(tiny, stage
     assert given.max_new_tokens == 7
 
 
-def test_both_tokenizers_read_chats_alike(default_tokenizer):
-    """The engine's transformers tokenizer and the stages' jinja one, behind the same
+class _TransformersTokenizer:
+    """transformers' tokenizer as the normaliser's `PromptTokenizer`: the reference that
+    every door's tokenizer (jobs/model_tokenizer.py) reads chats as."""
+
+    def __init__(self, hf_tokenizer) -> None:
+        self.hf_tokenizer = hf_tokenizer
+
+    def encode_batch(self, texts):
+        return [self.hf_tokenizer.encode(text) for text in texts]
+
+    def apply_chat_template(self, messages, tools=None):
+        chat, extra = template_input(self.hf_tokenizer.chat_template, messages, tools)
+        try:
+            text = self.hf_tokenizer.apply_chat_template(
+                chat, tokenize=False, add_generation_prompt=True, **extra
+            )
+        except Exception as exc:
+            raise template_error(exc) from exc
+        return self.hf_tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_the_model_tokenizer_reads_chats_as_transformers_does(default_tokenizer):
+    """transformers' tokenizer and the one the engine and the stages use, behind the same
     normaliser: the same ids for a chat with tools, the same error for a bad one."""
-    doors = [EngineTokenizer(default_tokenizer), load_stage_tokenizer("smollm2-135m-instruct")]
+    doors = [
+        _TransformersTokenizer(default_tokenizer),
+        load_model_tokenizer("smollm2-135m-instruct"),
+    ]
     history = [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "", "tool_calls": [
@@ -133,9 +157,9 @@ def test_both_tokenizers_read_chats_alike(default_tokenizer):
         Prompt("messages", [{"role": "user", "content": None}]),
         Prompt("messages", []),
     ]
-    engine_side, stage_side = (encode_prompts(prompts, tokenizer) for tokenizer in doors)
-    assert engine_side[:2] == stage_side[:2]
-    for one, other in zip(engine_side[2:], stage_side[2:], strict=True):
+    reference, ours = (encode_prompts(prompts, tokenizer) for tokenizer in doors)
+    assert reference[:2] == ours[:2]
+    for one, other in zip(reference[2:], ours[2:], strict=True):
         assert isinstance(one, FieldError) and isinstance(other, FieldError)
         assert (one.field, str(one)) == (other.field, str(other))
 

@@ -325,9 +325,9 @@ def test_tokenizer_answers_bad_input_ids_with_400_naming_the_field(
 
 @pytest.fixture(scope="module")
 def stage_tokenizer():
-    from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
+    from jobs.model_tokenizer import load_model_tokenizer
 
-    return load_stage_tokenizer("smollm2-135m-instruct")
+    return load_model_tokenizer("smollm2-135m-instruct")
 
 
 def test_tokenizer_encodes_prompts_and_chats_of_a_mixed_batch_each_to_its_own_ids(

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from runtime.model_files import default_gguf_path
-from stages.tokenizer.hf_tokenizer import (
-    StageTokenizer,
+from jobs.model_tokenizer import (
+    ModelTokenizer,
     cached_tokenizer_folder,
-    load_stage_tokenizer,
+    load_model_tokenizer,
 )
+from runtime.model_files import default_gguf_path
 
 TEXTS = [
     "",
@@ -94,8 +94,8 @@ def fresh_process_report(cache_dir):
         """\
         import json, sys, time
         started = time.perf_counter()
-        from stages.tokenizer.hf_tokenizer import load_stage_tokenizer
-        tok = load_stage_tokenizer("smollm2-135m-instruct")
+        from jobs.model_tokenizer import load_model_tokenizer
+        tok = load_model_tokenizer("smollm2-135m-instruct")
         loaded = time.perf_counter() - started
         ids = tok.encode("Hello, world!")
         tok.decode(ids)
@@ -118,8 +118,8 @@ def fresh_process_report(cache_dir):
 
 
 @pytest.fixture(scope="module")
-def stage_tokenizer(fresh_process_report) -> StageTokenizer:
-    tokenizer = load_stage_tokenizer("smollm2-135m-instruct")
+def stage_tokenizer(fresh_process_report) -> ModelTokenizer:
+    tokenizer = load_model_tokenizer("smollm2-135m-instruct")
     assert tokenizer is not None
     return tokenizer
 
@@ -141,7 +141,7 @@ def test_gguf_tokenizer_is_converted_once_into_the_cache(cache_dir, converted_fo
 
 
 def test_model_name_is_case_insensitive(stage_tokenizer):
-    tokenizer = load_stage_tokenizer("SmolLM2-135M-Instruct")
+    tokenizer = load_model_tokenizer("SmolLM2-135M-Instruct")
     assert tokenizer is not None
     assert tokenizer.encode("Hello") == stage_tokenizer.encode("Hello")
 
@@ -226,7 +226,7 @@ def test_template_helpers_render_as_in_transformers(converted_folder, tmp_path):
         converted_folder, tmp_path / "helpers", {"chat_template": HELPERS_TEMPLATE}
     )
     reference = AutoTokenizer.from_pretrained(str(folder))
-    tokenizer = load_stage_tokenizer(str(folder))
+    tokenizer = load_model_tokenizer(str(folder))
     messages = [
         {"role": "user", "content": 'quote " and é and <tag>', "name": None},
         {"role": "assistant", "content": "ok"},
@@ -251,7 +251,7 @@ def test_clean_up_spaces_setting_is_ignored_for_bpe_as_in_transformers(converted
         converted_folder, tmp_path / "cleanup", {"clean_up_tokenization_spaces": True}
     )
     reference = AutoTokenizer.from_pretrained(str(folder))
-    tokenizer = load_stage_tokenizer(str(folder))
+    tokenizer = load_model_tokenizer(str(folder))
     ids = reference.encode("Hello , world ! don 't")
     assert tokenizer.decode(ids) == reference.decode(ids) == "Hello , world ! don 't"
 
@@ -278,7 +278,7 @@ def test_folder_without_chat_template_rejects_messages(converted_folder, tmp_pat
     folder = tmp_path / "no-template"
     folder.mkdir()
     shutil.copy(converted_folder / "tokenizer.json", folder / "tokenizer.json")
-    tokenizer = load_stage_tokenizer(str(folder))
+    tokenizer = load_model_tokenizer(str(folder))
     assert tokenizer.chat_template is None
     assert tokenizer.eos_token_id is None  # no tokenizer_config.json names one
     with pytest.raises(ValueError, match="no chat template"):
@@ -286,25 +286,25 @@ def test_folder_without_chat_template_rejects_messages(converted_folder, tmp_pat
 
 
 def test_random_model_has_no_tokenizer():
-    assert load_stage_tokenizer("random:llama-tiny") is None
+    assert load_model_tokenizer("random:llama-tiny") is None
 
 
 def test_missing_path_lists_the_accepted_forms(tmp_path):
     with pytest.raises(ValueError, match="no file or folder.*Accepted: 'smollm2-135m-instruct'"):
-        load_stage_tokenizer(str(tmp_path / "nowhere"))
+        load_model_tokenizer(str(tmp_path / "nowhere"))
 
 
 def test_folder_without_tokenizer_json_is_named(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(ValueError, match="folder without tokenizer.json"):
-        load_stage_tokenizer(str(tmp_path))
+        load_model_tokenizer(str(tmp_path))
 
 
 def test_file_that_is_not_gguf_is_rejected(tmp_path):
     path = tmp_path / "weights.bin"
     path.write_bytes(b"\0")
     with pytest.raises(ValueError, match="not a .gguf file"):
-        load_stage_tokenizer(str(path))
+        load_model_tokenizer(str(path))
 
 
 def test_failed_conversion_quotes_the_child_error_and_leaves_no_folder(cache_dir, tmp_path):
@@ -313,7 +313,7 @@ def test_failed_conversion_quotes_the_child_error_and_leaves_no_folder(cache_dir
     with pytest.raises(
         RuntimeError, match=r"converting the tokenizer of .*broken\.gguf failed"
     ) as err:
-        load_stage_tokenizer(str(path))
+        load_model_tokenizer(str(path))
     assert "Error:" in str(err.value)  # the last line of the child's traceback
     assert not cached_tokenizer_folder(path).exists()
     assert not list((cache_dir / "tokenizers").glob(".broken-*"))
@@ -325,7 +325,7 @@ def test_the_stage_tokenizer_turns_the_libraries_thread_pool_off_unless_told(pre
     env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
     if preset is not None:
         env["TOKENIZERS_PARALLELISM"] = preset
-    code = ("import os, stages.tokenizer.hf_tokenizer; "
+    code = ("import os, jobs.model_tokenizer; "
             "print(os.environ['TOKENIZERS_PARALLELISM'])")  # fmt: skip
     found = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                            text=True, check=True).stdout.strip()  # fmt: skip

@@ -11,12 +11,12 @@ import shutil
 import pytest
 
 from jobs.grammar import grammar_problem
+from jobs.model_tokenizer import cached_tokenizer_folder, load_model_tokenizer
 from jobs.tool_format import call_text
 from runtime.model_files import default_gguf_path
 from stages.ingress.api.params import parse_chat
 from stages.ingress.api.tool_call_parser import ToolCallParser
 from stages.ingress.api.tool_request import tool_calling
-from stages.tokenizer.hf_tokenizer import cached_tokenizer_folder, load_stage_tokenizer
 
 NAMES = {"get_weather", "get_time"}
 PARIS = call_text("get_weather", {"city": "Paris"})
@@ -95,7 +95,7 @@ TOOLS_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def smollm_tokenizer():
-    tokenizer = load_stage_tokenizer("smollm2-135m-instruct")
+    tokenizer = load_model_tokenizer("smollm2-135m-instruct")
     assert tokenizer is not None
     return tokenizer
 
@@ -120,7 +120,7 @@ def test_a_template_with_tools_renders_them_as_transformers_does(smollm_tokenize
     reference = AutoTokenizer.from_pretrained(str(folder))
     expected = reference.apply_chat_template(HISTORY, tools=[WEATHER], tokenize=False,
                                              add_generation_prompt=True)  # fmt: skip
-    tokenizer = load_stage_tokenizer(str(folder))
+    tokenizer = load_model_tokenizer(str(folder))
     assert tokenizer.render_chat(HISTORY, [WEATHER]) == expected
     assert "Tools:" in expected and "<tool_call>" in expected
 

@@ -2,7 +2,8 @@
 
 runtime/model_files.py resolves the argument; here a random shape gets seeded random weights
 (random_shapes.py), a GGUF file is converted once into a cached Hugging Face folder
-(gguf_convert.py), and a folder needs config.json and *.safetensors (tokenizer files optional).
+(gguf_convert.py), and a folder needs config.json and *.safetensors (tokenizer.json optional:
+without it the model takes token ids only).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,21 +23,17 @@ from gpu_worker.models.gguf_convert import convert_gguf
 from gpu_worker.models.llama import MODEL_REGISTRY, LlamaForCausalLM
 from gpu_worker.models.random_shapes import fill_random_weights, random_shape_config
 from gpu_worker.parallel.shard import ShardPlan, TPShard
+from jobs.model_tokenizer import ModelTokenizer
 from runtime.model_files import ModelSource, resolve_model
 
-if TYPE_CHECKING:  # transformers is imported lazily: it is slow to import
-    from transformers import PreTrainedTokenizerBase
-
 logger = logging.getLogger(__name__)
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclass
 class LoadedModel:
     model: nn.Module
     config: ModelConfig
-    tokenizer: PreTrainedTokenizerBase | None
+    tokenizer: ModelTokenizer | None  # the stages' own (jobs/model_tokenizer.py)
     source: str  # what was loaded, for logs: a path or "random:<shape>"
 
 
@@ -120,11 +116,8 @@ def _load_hf_folder(
         from gpu_worker.parallel.loading import safetensors_shares
 
         model.load_weights(safetensors_shares(_safetensors_files(folder), plan))
-    tokenizer = None
-    if any((folder / name).is_file() for name in _TOKENIZER_FILES):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    # Not transformers' AutoTokenizer: its import and load were ~1.7 s of a worker's start.
+    tokenizer = ModelTokenizer(folder) if (folder / "tokenizer.json").is_file() else None
     return LoadedModel(_ready(model), config, tokenizer, source)
 
 

@@ -9,7 +9,8 @@ request with "stop".
 
 Compiling a grammar is the expensive part, so `Grammars` keeps one template matcher per
 grammar string and gives each request a deep copy. llguidance's tokenizer is built once,
-at the first grammar request, from the model's Hugging Face tokenizer.
+at the first grammar request, from the model's tokenizer.json (jobs/model_tokenizer.py),
+which is what llguidance's own transformers adapter hands it.
 
 A grammar is a client's text (a direct job reaches the worker unchecked), so compiling one
 runs in jobs/grammar.py's compile pool, not on the engine thread's stack: whatever it raises
@@ -51,6 +52,7 @@ from jobs.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from gpu_worker.kernels.cpu_kernels import CpuKernels
+    from jobs.model_tokenizer import ModelTokenizer
 
 
 # From this many grammar rows a step, llguidance's threads fill the masks; below, handing
@@ -61,8 +63,10 @@ PARALLEL_FILL_ROWS = 8
 class Grammars:
     """Matchers for one model's vocabulary."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: Iterable[int]) -> None:
-        self.hf_tokenizer = hf_tokenizer  # None for models without one (random: shapes)
+    def __init__(
+        self, tokenizer: ModelTokenizer | None, vocab_size: int, eos_ids: Iterable[int]
+    ) -> None:
+        self.tokenizer = tokenizer  # None for models without one (random: shapes)
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
         self._tokenizer: LLTokenizer | None = None
@@ -75,7 +79,7 @@ class Grammars:
         (its field, the compile's future), for a caller that waits off its engine thread
         (gpu_worker/grammar_waits.py); None when `matcher` would not wait."""
         field = grammar_field(vars(params))
-        if field is None or self.hf_tokenizer is None:
+        if field is None or self.tokenizer is None:
             return None
         key = (field, getattr(params, field))
         if key in self._templates:
@@ -92,7 +96,7 @@ class Grammars:
         field = grammar_field(vars(params))
         if field is None:
             return None
-        if self.hf_tokenizer is None:
+        if self.tokenizer is None:
             raise FieldError(field, f"{field}: this model has no tokenizer to match a grammar with")
         spec = getattr(params, field)
         template = self._templates.get((field, spec))
@@ -115,10 +119,9 @@ class Grammars:
 
     def _llg_tokenizer(self) -> LLTokenizer:
         if self._tokenizer is None:
-            from llguidance.hf import from_tokenizer
-
-            self._tokenizer = from_tokenizer(
-                self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids
+            assert self.tokenizer is not None  # the callers refuse a grammar without one
+            self._tokenizer = LLTokenizer(
+                self.tokenizer.vocabulary_json(), n_vocab=self.vocab_size, eos_token=self.eos_ids
             )
         return self._tokenizer
 

@@ -1,9 +1,13 @@
-"""The CPU stages' tokenizer: Hugging Face tokenizer files read without torch.
+"""A model's tokenizer: Hugging Face tokenizer files read without torch or transformers.
 
-`transformers` imports torch, which the stages must not, so this reads a tokenizer folder
+`transformers` imports torch, which the CPU stages must not, and costs a GPU worker ~1.7 s
+of its start (its import and `AutoTokenizer`), so both sides read a tokenizer folder
 (tokenizer.json + tokenizer_config.json + chat template) with the Rust `tokenizers` library
-and renders chat templates with jinja2 the way transformers does. Outputs equal those of
+and render chat templates with jinja2 the way transformers does. Outputs equal those of
 transformers' fast tokenizer loaded from the same folder (tests/test_stage_tokenizer.py).
+The tokenizer stage encodes with it, the detokenizer decodes, and the engine finds stop
+strings, builds grammars' vocabularies and reads its own text prompts with it: one
+implementation, so a worker's text and the detokenizer's agree.
 
 The model argument is resolved as the GPU worker's loader resolves it (runtime/model_files.py):
 a random:<shape> model has no tokenizer (None) and takes token ids only, a GGUF file's
@@ -56,7 +60,7 @@ _CONVERT_SCRIPT = (
 )
 
 
-class StageTokenizer:
+class ModelTokenizer:
     """Encode, decode and chat templates, matching transformers' fast tokenizer."""
 
     def __init__(self, folder: str | Path) -> None:
@@ -77,8 +81,8 @@ class StageTokenizer:
         self._template: jinja2.Template | None = None
         self._clean_up_spaces = _cleans_up_spaces(config, self._tokenizer)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [encoding.ids for encoding in self._tokenizer.encode_batch(texts)]
@@ -115,6 +119,11 @@ class StageTokenizer:
         """Each token decoded alone; a piece of a UTF-8 character shows as U+FFFD."""
         return self.decode_batch([[i] for i in ids], skip_special_tokens=False)
 
+    def vocabulary_json(self) -> str:
+        """tokenizer.json as this tokenizer reads it (no truncation, no padding): what
+        llguidance builds a grammar's vocabulary from."""
+        return self._tokenizer.to_str()
+
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._tokenizer.token_to_id(token)
 
@@ -141,15 +150,15 @@ _CLEAN_UP_PAIRS = (
 )
 
 
-def load_stage_tokenizer(model: str) -> StageTokenizer | None:
+def load_model_tokenizer(model: str) -> ModelTokenizer | None:
     """The tokenizer for `model` (see the module docstring), or None for a random: model."""
     resolved = resolve_model(model, marker="tokenizer.json", what="a tokenizer for")
     if resolved.kind == "random":
         return None
     assert resolved.path is not None  # a file or folder for every other kind
     if resolved.kind == "gguf":
-        return StageTokenizer(gguf_tokenizer_folder(resolved.path))
-    return StageTokenizer(resolved.path)
+        return ModelTokenizer(gguf_tokenizer_folder(resolved.path))
+    return ModelTokenizer(resolved.path)
 
 
 def cached_tokenizer_folder(gguf_path: str | Path) -> Path:
