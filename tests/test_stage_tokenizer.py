@@ -3,6 +3,7 @@ never imports torch into the stage process."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -151,6 +152,15 @@ def test_vocabulary_and_special_ids_match_transformers(stage_tokenizer, default_
     assert stage_tokenizer.eos_token_id == default_tokenizer.eos_token_id
     assert stage_tokenizer.bos_token_id == default_tokenizer.bos_token_id
     assert stage_tokenizer.chat_template == default_tokenizer.chat_template
+
+
+def test_the_vocabulary_grammars_are_built_from_is_transformers(stage_tokenizer, default_tokenizer):
+    """The engine builds llguidance's tokenizer from this JSON; llguidance's transformers
+    adapter reads the fast tokenizer's backend, unpadded and untruncated."""
+    backend = copy.copy(default_tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    assert json.loads(stage_tokenizer.vocabulary_json()) == json.loads(backend.to_str())
 
 
 @pytest.mark.parametrize("text", TEXTS)

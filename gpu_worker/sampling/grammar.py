@@ -25,11 +25,12 @@ Engine), `matcher` waits for the compile, at most the deadline.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import functools
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
@@ -64,7 +65,7 @@ class Grammars:
     """Matchers for one model's vocabulary."""
 
     def __init__(
-        self, tokenizer: ModelTokenizer | None, vocab_size: int, eos_ids: Iterable[int]
+        self, tokenizer: ModelTokenizer | Any | None, vocab_size: int, eos_ids: Iterable[int]
     ) -> None:
         self.tokenizer = tokenizer  # None for models without one (random: shapes)
         self.vocab_size = vocab_size
@@ -121,9 +122,20 @@ class Grammars:
         if self._tokenizer is None:
             assert self.tokenizer is not None  # the callers refuse a grammar without one
             self._tokenizer = LLTokenizer(
-                self.tokenizer.vocabulary_json(), n_vocab=self.vocab_size, eos_token=self.eos_ids
+                _vocabulary_json(self.tokenizer), n_vocab=self.vocab_size, eos_token=self.eos_ids
             )
         return self._tokenizer
+
+
+def _vocabulary_json(tokenizer: Any) -> str:
+    """tokenizer.json as `tokenizer` reads it: a ModelTokenizer's, or that of a transformers
+    fast tokenizer handed in by a caller (what llguidance's own adapter reads)."""
+    if hasattr(tokenizer, "vocabulary_json"):
+        return tokenizer.vocabulary_json()
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
 
 
 def _template(tokenizer: LLTokenizer, field: str, spec: str) -> LLMatcher:
