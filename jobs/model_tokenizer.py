@@ -87,15 +87,31 @@ class ModelTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [encoding.ids for encoding in self._tokenizer.encode_batch(texts)]
 
+    def __len__(self) -> int:
+        return self.vocab_size  # as transformers' len(tokenizer): added tokens counted
+
     def apply_chat_template(
-        self, messages: list[dict], tools: list[dict] | None = None
-    ) -> list[int]:
-        """The prompt for the assistant's next turn; ValueError if it cannot be rendered."""
-        text = self.render_chat(messages, tools)
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        *,
+        tokenize: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[int] | str:
+        """The prompt for the assistant's next turn (its text, with `tokenize` False);
+        ValueError if it cannot be rendered."""
+        text = self.render_chat(messages, tools, add_generation_prompt=add_generation_prompt)
+        if not tokenize:
+            return text
         # The template writes the special tokens itself, so none are added around it.
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
         """The chat template's text for `messages` (and the `tools` the model may call, in
         OpenAI's form), before tokenization."""
         chat, extra = template_input(self.chat_template, messages, tools)
@@ -103,7 +119,10 @@ class ModelTokenizer:
             self._template = _compile_template(self.chat_template)
         try:
             return self._template.render(
-                messages=chat, add_generation_prompt=True, **extra, **self.special_tokens
+                messages=chat,
+                add_generation_prompt=add_generation_prompt,
+                **extra,
+                **self.special_tokens,
             )
         except Exception as exc:  # must not stop the stage
             raise template_error(exc) from exc

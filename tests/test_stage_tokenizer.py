@@ -184,6 +184,18 @@ def test_chat_template_matches_transformers(stage_tokenizer, default_tokenizer, 
     assert stage_tokenizer.apply_chat_template(messages) == expected
 
 
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_text_and_length_as_transformers_give_them(
+    stage_tokenizer, default_tokenizer, add_generation_prompt
+):
+    """What code written against transformers' tokenizer asks of the engine's."""
+    messages = CHATS[sorted(CHATS)[0]]
+    options = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    text = default_tokenizer.apply_chat_template(messages, **options)
+    assert stage_tokenizer.apply_chat_template(messages, **options) == text
+    assert len(stage_tokenizer) == len(default_tokenizer)
+
+
 def test_default_system_prompt_is_added_when_none_is_given(stage_tokenizer):
     text = stage_tokenizer.decode(
         stage_tokenizer.apply_chat_template(CHATS["default_system_prompt"]),
