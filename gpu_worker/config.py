@@ -14,7 +14,7 @@ DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-SCHEDULE_POLICIES = ("fcfs", "lpm")
+SCHEDULE_POLICIES = ("spf", "fcfs", "lpm")
 SPECULATIVE_METHODS = ("ngram", "draft")
 # When drafts are verified: "when_it_pays" (the step costs measured here say a verify step
 # yields more tokens per second than a decode step), or "always".
@@ -56,7 +56,8 @@ class EngineConfig:
     # Longest prompt + output accepted; None means the model's max_position_embeddings.
     context_length: int | None = None
     disable_radix_cache: bool = False
-    schedule_policy: str = "fcfs"
+    # spf: shortest prefill first, aged (scheduling/policy.py); fcfs; lpm.
+    schedule_policy: str = "spf"
     forward_hooks: list[dict[str, Any]] = field(default_factory=list)
     # Seeds the random weights of `random:` models and the sampling of unseeded requests.
     seed: int = 0

@@ -101,9 +101,10 @@ def test_pool_too_small_for_all_retracts_and_still_matches(
     # Room for the longest request alone plus two pages, not for all of them at once; with
     # end-of-sequence ignored every request grows its full length, so decode must retract.
     pool = (-(-longest // page_size) + 2) * page_size
-    engine = Engine(
-        "smollm2-135m-instruct", dtype="float32", max_total_tokens=pool, page_size=page_size
-    )
+    # In arrival order, as this pool was sized for: shortest first (spf) can fit them
+    # without a retraction at pages of 16.
+    engine = Engine("smollm2-135m-instruct", dtype="float32", max_total_tokens=pool,
+                    page_size=page_size, schedule_policy="fcfs")  # fmt: skip
     results = engine.generate(
         input_ids=prompts,
         sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True},

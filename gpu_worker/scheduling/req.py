@@ -8,6 +8,7 @@ decode and recompute after retraction.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,7 @@ class Req:
     ) -> None:
         self.rid = rid
         self.origin_input_ids = input_ids
+        self.arrived = time.monotonic()  # the "spf" policy's aging (scheduling/policy.py)
         self.params = params
         self.generator = generator
         self.text_stream = text_stream

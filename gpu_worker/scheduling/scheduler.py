@@ -24,7 +24,7 @@ from gpu_worker.sampling.logprobs import record_prompt_logprobs
 from gpu_worker.sampling.sampler import sample
 from gpu_worker.scheduling.fair_share import FairShare
 from gpu_worker.scheduling.outputs import append_token, finish_output, sampling_batch
-from gpu_worker.scheduling.policy import order_waiting, shares_prefix_with_batch
+from gpu_worker.scheduling.policy import PrefillCost, order_waiting, shares_prefix_with_batch
 from gpu_worker.scheduling.pooling import add_pooled, embedding_of
 from gpu_worker.scheduling.req import FinishReason, Req
 from gpu_worker.scheduling.request_kv import RequestKV
@@ -52,6 +52,7 @@ class Scheduler:
         self.chunked: Req | None = None
         self.default_generator = torch.Generator().manual_seed(config.seed)
         self.num_retractions = 0
+        self.prefill_cost = PrefillCost()  # seconds a prefill token takes here, for spf
         self.fair_share = FairShare()
         self.last_mode: ForwardMode | None = None  # of the last step: what the worker measures
         # The rids in the batch of the step under way or last run (None: while one is formed),
@@ -135,7 +136,9 @@ class Scheduler:
         if forward_batch.pooled is not None:  # embeddings' hidden states (scheduling/pooling.py)
             add_pooled(batch.reqs, batch.pool_spans, forward_batch.pooled)
         sampled = self.process_batch_result(batch, logits)
-        if self.drafter is not None and batch.mode != ForwardMode.EXTEND:
+        if batch.mode == ForwardMode.EXTEND:  # what spf ages a waiting request by
+            self.prefill_cost.record(sum(batch.extend_lens), time.perf_counter() - started)
+        elif self.drafter is not None:
             # What each kind of step costs here decides when drafts are worth verifying.
             verify = batch.mode == ForwardMode.TARGET_VERIFY
             seconds = time.perf_counter() - started
@@ -181,7 +184,10 @@ class Scheduler:
             add(req, num_new, slots)
 
         ordered = order_waiting(
-            list(self.waiting), self.config.schedule_policy, self.kv.cached_prefix_len
+            list(self.waiting),
+            self.config.schedule_policy,
+            self.kv.cached_prefix_len,
+            self.prefill_cost.per_token,
         )
         if ordered:
             self._preempt_for(ordered[0])

@@ -1,0 +1,73 @@
+"""The default admission order, spf (shortest prefill first, aged: scheduling/policy.py): a
+burst's shortest prompts are prefilled first, so their first tokens come steps sooner; a
+request yields only to those arriving before its own prefill could have been done, so later
+short prompts never starve a long one; and the tokens are those of arrival order."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_worker import Engine
+from gpu_worker.scheduling.policy import DEFAULT_PREFILL_S_PER_TOKEN, PrefillCost, order_waiting
+from gpu_worker.scheduling.req import Req
+from jobs.sampling_params import SamplingParams
+
+MODEL = "random:tiny-llama"
+
+
+def _req(rid: str, tokens: int, arrived: float, priority: int = 0) -> Req:
+    req = Req(rid, [1] * tokens, SamplingParams(max_new_tokens=4, priority=priority), frozenset())
+    req.arrived = arrived
+    return req
+
+
+def _order(waiting: list[Req], per_token: float = 1e-3) -> list[str]:
+    return [req.rid for req in order_waiting(waiting, "spf", lambda req: 0, per_token)]
+
+
+def test_a_burst_goes_shortest_prompt_first():
+    burst = [_req("300", 300, 5.0), _req("20", 20, 5.0), _req("150", 150, 5.0), _req("40", 40, 5.0)]
+    assert _order(burst) == ["20", "40", "150", "300"]
+
+
+def test_a_later_short_prompt_passes_a_long_one_only_before_its_prefill_could_end():
+    # 1,000 tokens at 1 ms a token: done alone by t=1.0 at the soonest.
+    long = _req("long", 1000, 0.0)
+    assert _order([long, _req("soon", 10, 0.5)]) == ["soon", "long"]
+    assert _order([long, _req("late", 10, 1.2)]) == ["long", "late"]
+    # However many arrive after that, the long one goes first.
+    assert _order([*(_req(f"s{i}", 5, 1.0 + i / 10) for i in range(50)), long])[0] == "long"
+
+
+def test_priority_classes_still_come_first():
+    waiting = [_req("short-batch", 5, 0.0, priority=1), _req("long-interactive", 900, 0.0)]
+    assert _order(waiting) == ["long-interactive", "short-batch"]
+
+
+def test_the_prefill_cost_is_weighted_by_tokens():
+    cost = PrefillCost()
+    assert cost.per_token == DEFAULT_PREFILL_S_PER_TOKEN
+    cost.record(2048, 1.0)
+    cost.record(4, 0.05)  # a few-token extend's fixed cost barely moves it
+    assert cost.per_token == pytest.approx((0.9 + 0.05) / (2048 * 0.9 + 4), rel=1e-9)
+    assert 4.5e-4 < cost.per_token < 5.5e-4
+
+
+def _first_extend(policy: str) -> tuple[list[str], list[list[int]]]:
+    engine = Engine(MODEL, dtype="float32", chunked_prefill_size=32, schedule_policy=policy)
+    params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    reqs = [engine.build_request(f"{n}", list(range(3, 3 + n)), params) for n in (60, 10, 40, 20)]
+    for req in reqs:
+        engine.scheduler.add_request(req)
+    engine.scheduler.step()
+    first = sorted((req.rid for req in reqs if req.output_ids), key=int)
+    while engine.scheduler.has_work():
+        engine.scheduler.step()
+    return first, [req.output_ids for req in reqs]
+
+
+def test_the_engines_first_prefill_step_gives_the_short_prompts_their_first_tokens():
+    spf_first, spf_tokens = _first_extend("spf")
+    fcfs_first, fcfs_tokens = _first_extend("fcfs")
+    assert (spf_first, fcfs_first) == (["10", "20"], [])  # fcfs: the 60 alone, chunked
+    assert spf_tokens == fcfs_tokens
