@@ -37,6 +37,10 @@ from jobs.protocol import (
 from jobs.request_bounds import request_bounds
 from runtime.config import BusConfig
 
+# A job's age at its admission counts up to this (a clock skewed between hosts cannot put
+# a fresh job ahead of everything for longer).
+ARRIVAL_AGE_CAP_S = 60.0
+
 if TYPE_CHECKING:
     import redis
 
@@ -150,6 +154,8 @@ class JobAdmission:
             req.tenant = job.tenant or ""
             req.weight = job.weight or 1.0
             req.priority = job.priority or 0  # the job's, beside its sampling
+            if job.created is not None:  # spf ages it from its arrival, not from here
+                req.arrived -= min(max(time.time() - job.created, 0.0), ARRIVAL_AGE_CAP_S)
         except Exception as exc:  # whatever one job's content raises is its own error
             self._refuse(entry_id, job, exc)
             return

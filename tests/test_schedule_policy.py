@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 
 from gpu_worker import Engine
-from gpu_worker.scheduling.policy import DEFAULT_PREFILL_S_PER_TOKEN, PrefillCost, order_waiting
+from gpu_worker.scheduling.policy import (
+    DEFAULT_PREFILL_S_PER_TOKEN,
+    SPF_PATIENCE,
+    PrefillCost,
+    order_waiting,
+)
 from gpu_worker.scheduling.req import Req
 from jobs.sampling_params import SamplingParams
 
@@ -30,13 +35,15 @@ def test_a_burst_goes_shortest_prompt_first():
     assert _order(burst) == ["20", "40", "150", "300"]
 
 
-def test_a_later_short_prompt_passes_a_long_one_only_before_its_prefill_could_end():
-    # 1,000 tokens at 1 ms a token: done alone by t=1.0 at the soonest.
+def test_a_later_short_prompt_passes_a_long_one_only_within_its_patience():
+    # 1,000 tokens at 1 ms a token: done alone after 1 s; passed for SPF_PATIENCE times that.
+    wait = 1000 * 1e-3 * SPF_PATIENCE
     long = _req("long", 1000, 0.0)
-    assert _order([long, _req("soon", 10, 0.5)]) == ["soon", "long"]
-    assert _order([long, _req("late", 10, 1.2)]) == ["long", "late"]
+    assert _order([long, _req("soon", 10, wait - 0.5)]) == ["soon", "long"]
+    assert _order([long, _req("late", 10, wait + 0.1)]) == ["long", "late"]
     # However many arrive after that, the long one goes first.
-    assert _order([*(_req(f"s{i}", 5, 1.0 + i / 10) for i in range(50)), long])[0] == "long"
+    later = [_req(f"s{i}", 5, wait + 0.1 + i / 10) for i in range(50)]
+    assert _order([*later, long])[0] == "long"
 
 
 def test_priority_classes_still_come_first():
@@ -71,3 +78,27 @@ def test_the_engines_first_prefill_step_gives_the_short_prompts_their_first_toke
     fcfs_first, fcfs_tokens = _first_extend("fcfs")
     assert (spf_first, fcfs_first) == (["10", "20"], [])  # fcfs: the 60 alone, chunked
     assert spf_tokens == fcfs_tokens
+
+
+def test_a_workers_job_is_aged_from_its_arrival_in_the_system(redis_client, redis_url):
+    """A job read while a long step ran is not new: spf counts its age from `created`
+    (the ingress's clock), so it does not fall behind every request the worker had."""
+    import time
+
+    from gpu_worker.worker import Worker
+    from jobs.protocol import ENTRY_FIELD, TokenizedRequest, encode
+    from runtime.config import BusConfig
+
+    engine = Engine(MODEL, dtype="float32")
+    worker = Worker(engine, redis_client, BusConfig(redis_url=redis_url, block_ms=5), "a", MODEL)
+    worker._inbox = worker.bus.open()
+    now = time.time()
+    for rid, created in (("waited", now - 20.0), ("fresh", now)):
+        job = TokenizedRequest(rid, "t:replies", [1, 2, 3], {"max_new_tokens": 4}, created)
+        redis_client.xadd(worker.bus.stream, {ENTRY_FIELD: encode(job)})
+    for _ in range(200):
+        worker._turn()
+        if {"waited", "fresh"} <= set(worker.jobs):
+            break
+    waited, fresh = (worker.jobs[rid].req for rid in ("waited", "fresh"))
+    assert 19.0 < fresh.arrived - waited.arrived < 21.0

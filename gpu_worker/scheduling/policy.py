@@ -4,9 +4,10 @@ The default, spf (shortest prefill first, aged), admits a burst's shortest promp
 their first tokens come after fewer prefill steps, so the median time to first token
 falls (mixed-64's burst: its median request's prefill done after 3-4 of 10 chunked steps
 instead of 5), while the burst's last first token, and the work, are the same. A request's
-place is its arrival time plus the time its own prefill takes here (`PrefillCost`): it
-yields only to requests that arrive before it could have been done alone, so no stream of
-short prompts starves a long one.
+place is its arrival plus SPF_PATIENCE times the time its own prefill takes here
+(`PrefillCost`): it yields only to requests that arrive within that, so no stream of short
+prompts starves a long one. A worker's job arrived when it entered the system (its
+`created`, gpu_worker/job_admission.py), not when the worker read it after a long step.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ LPM_MAX_QUEUE = 128
 # What a prefill token is taken to cost before the engine has timed one: a 2-core CPU's
 # order (0.2-0.6 ms measured), so a first burst already goes shortest first.
 DEFAULT_PREFILL_S_PER_TOKEN = 5e-4
+# spf lets a request be passed by later, shorter ones for up to this many times its own
+# prefill time. A burst reaches the worker spread over about as long as a prefill takes
+# (its requests pass the ingress and tokenizer one by one), so at 1 arrival order would
+# still decide much of a burst's order.
+SPF_PATIENCE = 4.0
 
 
 class PrefillCost:
@@ -51,16 +57,17 @@ def order_waiting(
 ) -> list[Req]:
     """Lower `priority` classes first. Within a class, requests of several tenants go in
     fair-share order (their start tags, scheduling/fair_share.py); those of one tenant as
-    the policy says: spf by arrival plus the request's own prefill time (its tokens at
-    `prefill_s_per_token`: the module docstring), fcfs in arrival order (retracted
-    requests sit at the front), and lpm the requests with the longest cached prefix first,
-    so the cache is hit before it is evicted."""
+    the policy says: spf by arrival plus SPF_PATIENCE times the request's own prefill
+    time (its tokens at `prefill_s_per_token`: the module docstring), fcfs in arrival
+    order (retracted requests sit at the front), and lpm the requests with the longest
+    cached prefix first, so the cache is hit before it is evicted."""
     if len(waiting) > 1 and any(req.tenant != waiting[0].tenant for req in waiting):
         return sorted(waiting, key=lambda req: (req.priority, req.fair_tag))
     if policy == "spf" and len(waiting) > 1:
+        patience = SPF_PATIENCE
         # A retracted request arrived long ago: its early place keeps it at the front.
         ordered = sorted(
-            waiting, key=lambda req: req.arrived + req.num_tokens * prefill_s_per_token
+            waiting, key=lambda req: req.arrived + req.num_tokens * patience * prefill_s_per_token
         )
     elif policy == "lpm" and 1 < len(waiting) <= LPM_MAX_QUEUE:
         ordered = sorted(waiting, key=lambda req: -cached_prefix_len(req))
