@@ -11,6 +11,7 @@ from gpu_worker import Engine
 from gpu_worker.scheduling.policy import (
     DEFAULT_PREFILL_S_PER_TOKEN,
     SPF_PATIENCE,
+    SPF_WINDOW,
     PrefillCost,
     order_waiting,
 )
@@ -44,6 +45,14 @@ def test_a_later_short_prompt_passes_a_long_one_only_within_its_patience():
     # However many arrive after that, the long one goes first.
     later = [_req(f"s{i}", 5, wait + 0.1 + i / 10) for i in range(50)]
     assert _order([*later, long])[0] == "long"
+
+
+def test_a_deep_queue_sorts_only_its_oldest_window():
+    waiting = [_req(f"r{i}", 500 - i % 400, float(i) / 1e6) for i in range(SPF_WINDOW + 100)]
+    ordered = order_waiting(waiting, "spf", lambda req: 0, 1e-3)
+    head, tail = ordered[:SPF_WINDOW], ordered[SPF_WINDOW:]
+    assert [r.num_tokens for r in head] == sorted(r.num_tokens for r in head)
+    assert tail == waiting[SPF_WINDOW:]
 
 
 def test_priority_classes_still_come_first():
