@@ -27,6 +27,8 @@ DEFAULT_PREFILL_S_PER_TOKEN = 5e-4
 # (its requests pass the ingress and tokenizer one by one), so at 1 arrival order would
 # still decide much of a burst's order.
 SPF_PATIENCE = 4.0
+# spf sorts only the queue's oldest this many: a step admits far fewer, and a queue of
+# thousands (a batch's lines) is not sorted again at every step.
 SPF_WINDOW = 512
 
 
@@ -65,13 +67,10 @@ def order_waiting(
     if len(waiting) > 1 and any(req.tenant != waiting[0].tenant for req in waiting):
         return sorted(waiting, key=lambda req: (req.priority, req.fair_tag))
     if policy == "spf" and len(waiting) > 1:
-        patience = SPF_PATIENCE
-        # A retracted request arrived long ago: its early place keeps it at the front. Only
-        # the queue's oldest SPF_WINDOW are sorted: a step admits far fewer, and a queue of
-        # thousands (a batch's lines) is not sorted again at every step.
+        # A retracted request arrived long ago: its early place keeps it at the front.
+        patience_per_token = SPF_PATIENCE * prefill_s_per_token
         head = sorted(
-            waiting[:SPF_WINDOW],
-            key=lambda req: req.arrived + req.num_tokens * patience * prefill_s_per_token,
+            waiting[:SPF_WINDOW], key=lambda req: req.arrived + req.num_tokens * patience_per_token
         )
         ordered = head + waiting[SPF_WINDOW:]
     elif policy == "lpm" and 1 < len(waiting) <= LPM_MAX_QUEUE:
