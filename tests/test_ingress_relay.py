@@ -5,11 +5,13 @@ bundles them (tags, token counts), most are taken from their fields (the reader'
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import socket
 import time
 import urllib.parse
+import weakref
 
 import pytest
 
@@ -118,6 +120,32 @@ def test_a_trickled_stream_is_relayed_and_the_same_bytes(
     # a loaded machine); never one that was not bundled.
     assert (sum(by_fields) >= 2) if bundled else not by_fields
     assert len(by_fields) <= len(PIECES) - 2
+
+
+def test_a_finished_stream_leaves_no_garbage_for_the_collector(ingress, monkeypatch):
+    """A request's Submission is freed when its handler ends, by reference counting alone:
+    a reference cycle per request (it and its reply queue) was ~10 objects a request for
+    the collector's walks of the older generations to find."""
+    made = []
+    init = Submission.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(Submission, "__init__", tracked)
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()  # only reference counting frees it now
+    try:
+        _stream(ingress, "/v1/chat/completions", 0.02, bundled=True)
+        deadline = time.monotonic() + 5
+        while any(ref() is not None for ref in made) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the handler ends just after its client has the last event
+        assert made and all(ref() is None for ref in made)
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _raw_stream(ingress, version: str, gap_s: float) -> tuple[bytes, bytes]:
