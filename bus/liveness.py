@@ -13,10 +13,16 @@ MGET of the members' heartbeat keys (no SCAN: the set names every key). The rout
 also needs the jobs each worker was routed (``<p>:routed``), gets that HGETALL in the same
 round trip as the MGET. The blocking (`read_liveness`) and asyncio (`read_liveness_async`)
 forms share the sans-I/O core below: which keys, and what their values mean.
+
+A reader that reads on every batch (the router) may keep the set itself in a
+`RegisteredWorkers`: the members change when a worker starts or is reaped, the heartbeats
+(the MGET, still read every time) say which are alive now. Its SMEMBERS was one command and
+one round trip of a router's ~7 a batch, and its reply grows with the fleet.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -89,14 +95,51 @@ def registered_workers(client: redis.Redis, config: BusConfig) -> tuple[str, ...
     return worker_ids(client.smembers(config.workers_key()))
 
 
-def read_liveness(client: redis.Redis, config: BusConfig, routed: bool = False) -> Liveness:
-    """The workers and their heartbeats; with `routed`, the routed hash too."""
-    ids = registered_workers(client, config)
+# A worker that starts beside live ones gets work this much later at most; one that starts
+# when none of the known ones is alive, at once (`read_liveness` reads the set again then).
+REGISTERED_MAX_AGE_S = 1.0
+
+
+class RegisteredWorkers:
+    """The workers set as a frequent reader keeps it: read again once `max_age_s` old, and
+    never kept empty (so the first worker to start is seen at once)."""
+
+    def __init__(self, max_age_s: float = REGISTERED_MAX_AGE_S) -> None:
+        self.max_age_s = max_age_s
+        self._ids: tuple[str, ...] = ()
+        self._read_at = float("-inf")
+
+    def ids(self, client: redis.Redis, config: BusConfig) -> tuple[str, ...]:
+        if not self.fresh():
+            self._ids, self._read_at = registered_workers(client, config), time.monotonic()
+        return self._ids
+
+    def fresh(self) -> bool:
+        """Whether `ids` would answer without a read."""
+        return bool(self._ids) and time.monotonic() - self._read_at < self.max_age_s
+
+    def forget(self) -> None:
+        self._ids = ()
+
+
+def read_liveness(
+    client: redis.Redis, config: BusConfig, routed: bool = False,
+    registered: RegisteredWorkers | None = None,
+) -> Liveness:  # fmt: skip
+    """The workers and their heartbeats; with `routed`, the routed hash too. With
+    `registered`, the set as it keeps it; read again if none of those is alive."""
+    kept = registered is not None and registered.fresh()
+    ids = registered.ids(client, config) if registered else registered_workers(client, config)
     if not ids:
         return Liveness()
     pipe = client.pipeline(transaction=False)
     _queue_reads(pipe, config, ids, routed)
-    return _liveness(ids, pipe.execute())
+    liveness = _liveness(ids, pipe.execute())
+    if kept and not liveness.alive:
+        assert registered is not None
+        registered.forget()  # they lapsed: a worker started since is what there is
+        return read_liveness(client, config, routed, registered)
+    return liveness
 
 
 async def read_liveness_async(

@@ -10,7 +10,7 @@ import pytest
 import redis
 import redis.asyncio as aredis
 
-from bus.liveness import Liveness, read_liveness, read_liveness_async
+from bus.liveness import Liveness, RegisteredWorkers, read_liveness, read_liveness_async
 from jobs.protocol import Heartbeat, encode
 from runtime.config import BusConfig
 
@@ -113,3 +113,28 @@ def test_with_no_registered_worker_a_read_is_one_smembers(redis_client, config):
     assert _commands(redis_client, lambda: read_liveness(redis_client, config, True)) == {
         "smembers": 1
     }
+
+
+def test_a_kept_workers_set_is_read_again_once_old_or_when_none_of_it_is_alive(
+    redis_client, config
+):
+    """The router's reads (RegisteredWorkers): the MGET every time, the SMEMBERS once a
+    `max_age_s`; a worker started beside live ones is seen then, one started when none of the
+    kept ones is alive at once."""
+    registered = RegisteredWorkers(max_age_s=0.3)
+
+    def read() -> Liveness:
+        return read_liveness(redis_client, config, True, registered)
+
+    assert _commands(redis_client, read) == {"smembers": 1}  # nothing kept while empty
+    _register(redis_client, config, "w1", encode(_beat("w1", config)))
+    assert _commands(redis_client, read) == {"smembers": 1, "mget": 1, "hgetall": 1}
+    assert _commands(redis_client, read) == {"mget": 1, "hgetall": 1}
+    _register(redis_client, config, "w2", encode(_beat("w2", config)))
+    assert read().alive == ("w1",)  # kept: w2 not seen yet
+    time.sleep(0.35)
+    assert read().alive == ("w1", "w2")
+    redis_client.delete(config.heartbeat_key("w1"), config.heartbeat_key("w2"))  # both lapse
+    _register(redis_client, config, "w3", encode(_beat("w3", config)))
+    assert read().alive == ("w3",)  # none kept alive: the set read again at once
+    assert read().lapsed == {"w1", "w2"}

@@ -3,13 +3,13 @@ would reuse against its load (stages/router/kv_routing.py; ``router_policy = "lo
 least-loaded live worker).
 
 Stateless across replicas: the live workers and their load come from Redis on every batch
-(bus/liveness.py: the workers set, then their heartbeats and the jobs every router replica
-has routed to each worker, ``<p>:routed``, in one pipelined read), so jobs routed since a
-worker's last heartbeat count against it and a burst is spread instead of piling onto the
-worker that looked idlest a second ago. Where a job went is not recorded per job (an abort
-is a flag its worker reads: bus/aborts.py). With no live worker the batch is held
-(unacknowledged) until one appears, and failed with a 503 reply after
-``no_worker_timeout_s``.
+(bus/liveness.py: the workers' heartbeats and the jobs every router replica has routed to
+each worker, ``<p>:routed``, in one pipelined read; the workers set naming them is read
+again each second), so jobs routed since a worker's last heartbeat count against it and a
+burst is spread instead of piling onto the worker that looked idlest a second ago. Where a
+job went is not recorded per job (an abort is a flag its worker reads: bus/aborts.py). With
+no live worker the batch is held (unacknowledged) until one appears, and failed with a 503
+reply after ``no_worker_timeout_s``.
 
 A heartbeat is up to ``heartbeat_interval_s`` old: it would show a worker that just finished
 a conversation's turn still running it, and send the next turn elsewhere. So with
@@ -44,7 +44,7 @@ import redis
 
 from bus.actor import HoldBatch, Inbound
 from bus.effects import IncrHash, Outbound, Output, reply
-from bus.liveness import read_liveness
+from bus.liveness import RegisteredWorkers, read_liveness
 from jobs.kv_blocks import block_hashes
 from jobs.kv_events import LoadReading
 from jobs.protocol import ErrorReply, Heartbeat, TokenizedRequest
@@ -79,12 +79,14 @@ def newest_load(beat: Heartbeat, reading: LoadReading | None) -> LoadReading:
 
 
 def live_workers(
-    client: redis.Redis, config: BusConfig, readings: Mapping[str, LoadReading] | None = None
-) -> list[WorkerLoad]:
+    client: redis.Redis, config: BusConfig, readings: Mapping[str, LoadReading] | None = None,
+    registered: RegisteredWorkers | None = None,
+) -> list[WorkerLoad]:  # fmt: skip
     """Workers whose heartbeat key is alive and readable (the reaper,
     stages/router/worker_reaper.py, moves the jobs of the lapsed ones and removes their ids),
-    each with the newer of its heartbeat's load and its entry in `readings` (KvIndex.loads)."""
-    liveness = read_liveness(client, config, routed=True)
+    each with the newer of its heartbeat's load and its entry in `readings` (KvIndex.loads);
+    the workers set as `registered` keeps it, where given."""
+    liveness = read_liveness(client, config, routed=True, registered=registered)
     for worker_id, why in liveness.malformed.items():
         logger.warning("ignoring worker %s: malformed heartbeat (%s)", worker_id, why)
     loads = []
@@ -110,6 +112,9 @@ class RouterStage:
         # Set by the Actor to its touch(): while this holds a batch, no replica may claim it.
         self.keep_alive: Callable[[list[bytes]], None] = lambda entry_ids: None
         self.index = KvIndex(client, config) if config.router_policy == "kv" else None
+        # The workers set, read again each second: the heartbeats, read every batch, say
+        # which of its workers are alive (bus/liveness.py).
+        self.registered = RegisteredWorkers()
         self.metrics = RouterMetrics(ProcessMetrics("router", "router", enabled=False))
 
     def use_metrics(self, process: ProcessMetrics) -> None:
@@ -164,9 +169,8 @@ class RouterStage:
         next_touch = time.monotonic() + touch_every
         warned = False
         while True:
-            workers = live_workers(
-                self.client, self.config, self.index.loads if self.index is not None else None
-            )
+            loads = self.index.loads if self.index is not None else None
+            workers = live_workers(self.client, self.config, loads, self.registered)
             if workers or time.monotonic() >= deadline:
                 return workers
             if self.stop.is_set():
