@@ -165,7 +165,20 @@ class BatchStore:
     # ---- what a runner does ---------------------------------------------------------------
 
     def active_ids(self) -> list[str]:
-        return sorted(i.decode() for i in self.client.smembers(self.active))
+        """The batches to run. A member that is not UTF-8 names no batch (create() adds
+        ids of text): it leaves the set rather than stop every runner's poll."""
+        ids = []
+        for member in self.client.smembers(self.active):
+            try:
+                ids.append(member.decode())
+            except UnicodeDecodeError:
+                self.client.srem(self.active, member)
+        return sorted(ids)
+
+    def retire_unreadable(self, batch_id: str) -> None:
+        """Take out of the runners' set a batch whose object is gone or unreadable (a key
+        that expired, or that something other than this store wrote): nothing can run it."""
+        self.client.srem(self.active, batch_id)
 
     def take_lease(self, batch_id: str, owner: str, ttl_ms: int) -> bool:
         return bool(self.client.set(self.key(batch_id, "lease"), owner, nx=True, px=ttl_ms))

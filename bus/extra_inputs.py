@@ -16,10 +16,15 @@ its first entry; one that does not exist yet is tried again at the next refresh.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 import redis
+
+from bus.reconnect import REDIS_TRANSIENT
+
+logger = logging.getLogger(__name__)
 
 REFRESH_S = 5.0  # how stale the list may get: a new worker also announces itself
 
@@ -46,8 +51,16 @@ class ExtraInputs:
         if self.source is None or (now < self._next_refresh and not force):
             return
         self._next_refresh = now + REFRESH_S
+        try:
+            named = self.source(self.client)
+        except REDIS_TRANSIENT:
+            raise  # the Actor's reconnecting loop waits for Redis
+        except Exception:  # what the stage read to name them: never the end of the stage
+            logger.exception("could not name the extra inputs; reading the %d known",
+                             len(self.streams))  # fmt: skip
+            return
         known = set(self.streams)
-        self.streams = [name for name in dict.fromkeys(self.source(self.client))
+        self.streams = [name for name in dict.fromkeys(named)
                         if name in known or self._join(name)]  # fmt: skip
 
     def lost(self) -> None:

@@ -30,7 +30,7 @@ import redis
 import redis.asyncio as aredis
 
 from jobs.protocol import Heartbeat, ProtocolError, decode
-from runtime.config import BusConfig
+from runtime.config import BusConfig, is_valid_id
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,19 @@ def _text(value: bytes | str) -> str:
 
 
 def worker_ids(members: Iterable[bytes | str]) -> tuple[str, ...]:
-    """The workers set's members (SMEMBERS' reply), as sorted ids."""
-    return tuple(sorted(_text(member) for member in members))
+    """The workers set's members (SMEMBERS' reply), as sorted ids. A member that could not
+    be a worker's id (not UTF-8, empty, a ':' or a space: no key can be named by it) is left
+    out, not a reader's crash: one such member crash-looped every detokenizer, which reads
+    every registered worker's log."""
+    ids = []
+    for member in members:
+        try:
+            text = _text(member)
+        except UnicodeDecodeError:
+            continue
+        if is_valid_id(text):
+            ids.append(text)
+    return tuple(sorted(ids))
 
 
 def _queue_reads(pipe, config: BusConfig, ids: tuple[str, ...], routed: bool) -> None:
@@ -83,8 +94,19 @@ def _liveness(ids: tuple[str, ...], replies: list) -> Liveness:
             beats[worker_id] = decode(raw, Heartbeat)
         except ProtocolError as exc:
             malformed[worker_id] = str(exc)  # not a heartbeat this version reads
-    routed = {_text(k): int(v) for k, v in rest[0].items()} if rest else {}
-    return Liveness(ids, beats, malformed, routed)
+    return Liveness(ids, beats, malformed, _routed_counts(rest[0]) if rest else {})
+
+
+def _routed_counts(fields: dict) -> dict[str, int]:
+    """The routed hash as counts: a field or value no router wrote (not UTF-8, not an
+    integer) is left out, as if that worker had been routed nothing."""
+    routed = {}
+    for worker_id, count in fields.items():
+        try:
+            routed[_text(worker_id)] = int(count)
+        except (UnicodeDecodeError, ValueError):
+            continue
+    return routed
 
 
 # The two forms: the same commands, blocking or awaited.

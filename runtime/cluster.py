@@ -32,7 +32,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis.crc import key_slot as _redis_key_slot
 
-from runtime.config import BusConfig
+from runtime.config import BusConfig, is_valid_id
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +220,9 @@ def live_replicas(shard: BusConfig, role: str) -> int:
     client = _client(shard.redis_url)
     try:
         if role == WORKER_ROLE:
-            ids = [_text(member) for member in client.smembers(shard.workers_key())]
+            # A member that could name no key is no worker's (bus/liveness.py's worker_ids).
+            members = (m.decode(errors="replace") for m in client.smembers(shard.workers_key()))
+            ids = [member for member in members if is_valid_id(member)]
             if not ids:
                 return 0
             return sum(client.exists(shard.heartbeat_key(worker_id)) for worker_id in ids)

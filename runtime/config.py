@@ -375,10 +375,19 @@ def _require_int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
 
 
+def is_valid_id(value: object, forbidden: str = ":") -> bool:
+    """Whether `value` may name a worker, a frontend or a shard in a key (`_require_id`)."""
+    return (
+        isinstance(value, str)
+        and bool(value)
+        and not any(c in forbidden or c.isspace() for c in value)
+    )
+
+
 def _require_id(name: str, value: str, forbidden: str = ":") -> str:
     # A ':' inside an id would make one worker's stream name look like another's; a brace
     # in a shard would end its hash tag early.
-    if not isinstance(value, str) or not value or any(c in forbidden or c.isspace() for c in value):
+    if not is_valid_id(value, forbidden):
         shown = " or ".join(repr(c) for c in forbidden)
         raise ValueError(f"{name} must be non-empty, without {shown} or whitespace; got {value!r}")
     return value

@@ -140,6 +140,26 @@ def test_lines_whose_results_redis_lost_run_again_before_the_batch_ends(
     assert sorted(answered) == sorted(line["custom_id"] for line in lines)
 
 
+def test_what_no_batch_wrote_in_the_runners_set_leaves_it_and_batches_run_on(
+    openai_client, float32_pipeline
+):
+    # Anyone can write to Redis: a member that is not UTF-8 once ended the runner's polls
+    # (no batch of that replica ran again); an id with no batch object, or one holding no
+    # batch, failed again at every lease, for ever.
+    from batch_store.batches import BatchStore
+
+    store = BatchStore(redis.Redis.from_url(float32_pipeline.redis_url), float32_pipeline.config)
+    store.client.set(store.key("junk"), b"[1, 2]")
+    store.client.sadd(store.active, b"\xff\xfe", "gone", "junk")
+    batch = submit(openai_client, [completion_line(i) for i in range(3)], COMPLETIONS)
+    done = wait(openai_client, batch.id)
+    assert done.status == "completed", done
+    deadline = time.monotonic() + 10
+    while store.client.smembers(store.active) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert store.client.smembers(store.active) == set()
+
+
 def test_bad_lines_go_to_the_error_file_and_the_batch_goes_on(openai_client):
     bad_temperature = chat_line(2)
     bad_temperature["body"]["temperature"] = -1

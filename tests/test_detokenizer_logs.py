@@ -135,6 +135,19 @@ def test_a_malformed_batch_in_a_log_is_dead_lettered_and_the_stage_reads_on(redi
     assert group["pending"] == 0
 
 
+def test_members_of_the_workers_set_no_worker_wrote_leave_the_detokenizer_reading(
+    redis_client, config
+):
+    # It reads every registered worker's log: a member naming no key (not UTF-8, a ':')
+    # once ended every detokenizer as it started, again and again.
+    redis_client.sadd(config.workers_key(), b"\xff", b"a:b", b"")
+    bus = _worker(redis_client, config, "w1")
+    actor = _detokenizer(redis_client, config)
+    _publish(bus, "a", 0, [4, 5])
+    _drain(actor)
+    assert _delivered(redis_client) == {"a": [4, 5]}
+
+
 def test_the_worker_never_trims_its_log_past_what_the_detokenizers_have_not_read(
     redis_client, config
 ):

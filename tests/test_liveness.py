@@ -83,6 +83,22 @@ def test_alive_lapsed_and_malformed_workers_read_alike_by_both_forms(
     assert read_liveness(redis_client, config).routed == {}  # only when asked
 
 
+def test_members_and_counts_no_worker_wrote_are_left_out_not_raised(
+    redis_client, redis_url, config
+):
+    # Anyone can write to Redis: a member that names no key (not UTF-8, empty, a ':' or a
+    # space) and a routed count that is no integer were each a crash of every reader.
+    _register(redis_client, config, "w1", encode(_beat("w1", config)))
+    redis_client.sadd(config.workers_key(), b"\xff\xfe", b"", b"a:b", b" w", b"w 2")
+    redis_client.hset(config.routed_key(), mapping={"w1": 3, b"\xff": 1, "w2": "x", "w3": "1.5"})
+    sync, from_async = _both(redis_url, config, routed=True)
+    assert sync == from_async
+    assert sync.registered == sync.alive == ("w1",)
+    assert sync.routed == {"w1": 3}
+    kept = RegisteredWorkers()
+    assert read_liveness(redis_client, config, registered=kept).registered == ("w1",)
+
+
 def test_no_registered_worker_reads_as_empty(redis_client, redis_url, config):
     redis_client.set(config.heartbeat_key("stray"), encode(_beat("stray", config)))
     assert _both(redis_url, config, routed=True) == (Liveness(), Liveness())

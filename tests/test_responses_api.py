@@ -384,6 +384,28 @@ def test_a_background_response_whose_runner_died_is_taken_over(ingress, submitte
         assert rerun[0].messages == [{"role": "user", "content": "Hi"}]
 
 
+def test_what_no_replica_wrote_in_the_background_index_leaves_it_and_orphans_are_taken(ingress):
+    # Anyone can write to Redis: an index member that is not UTF-8, or whose response names
+    # a runner no replica could be (no key has such a name) or a status that is not text,
+    # once failed every keeper's pass, so that no orphan was ever taken over again.
+    import redis
+
+    config = ingress.config
+    client = redis.Redis.from_url(config.redis_url)
+    index = config.key_name("responses", "background")
+    client.hset(config.key_name("response", "resp_odd_runner"),
+                mapping={"runner": "a:b", "status": "in_progress"})  # fmt: skip
+    client.hset(config.key_name("response", "resp_odd_status"),
+                mapping={"runner": DEAD, "status": b"\xff"})  # fmt: skip
+    client.sadd(index, b"\xff\xfe", "resp_odd_runner", "resp_odd_status")
+    _left_by_a_dead_ingress(ingress, "resp_orphan_beside", in_background=True, submitted=False)
+    assert completed(api(ingress), "resp_orphan_beside").output_text == "Hello world"
+    deadline = time.monotonic() + 10
+    while client.smembers(index) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.smembers(index) == set()
+
+
 def test_a_background_response_waits_for_a_live_worker(redis_url):
     import redis
 

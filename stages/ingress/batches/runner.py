@@ -43,6 +43,7 @@ RETRY_S = (0.25, 0.5, 1.0, 2.0)  # waits before a line tries admission again
 MAX_BATCHES = 4  # batches one runner runs at once
 RERUNS = 3  # passes over lines whose results a restarted Redis lost, before ending anyway
 T = TypeVar("T")
+_TEXT_FIELDS = ("input_file_id", "endpoint", "status")  # what a runner reads of a batch
 
 
 class BatchRunner:
@@ -68,6 +69,8 @@ class BatchRunner:
                     await self._poll()
                 except REDIS_TRANSIENT as exc:
                     logger.warning("batch runner: Redis unreachable: %s", exc)
+                except Exception:  # the next poll tries again: a runner that ended runs none
+                    logger.exception("batch runner: a poll failed")
                 await asyncio.sleep(POLL_S)
         finally:
             for task in self.batches.values():
@@ -108,7 +111,9 @@ class BatchRunner:
                 await self._call(self.store.release_lease, batch_id, self.owner)
 
     async def _batch(self, batch_id: str) -> None:
-        obj = await self._call(self.store.raw, batch_id)
+        obj = await self._readable(batch_id)
+        if obj is None:
+            return
         try:
             # A file deleted before its batch ran fails the batch, as one that is no batch.
             content = await self._call(self.store.files.content, obj["input_file_id"])
@@ -142,6 +147,24 @@ class BatchRunner:
             status = await self._lines(batch_id, obj, todo)
         await self._call(self.store.finish, batch_id, status)
         logger.info("batch %s: %s", batch_id, status)
+
+    async def _readable(self, batch_id: str) -> dict[str, Any] | None:
+        """The batch's object, or None (and out of the runners' set) where there is none to
+        run: its key gone, or holding what no store wrote. Else every runner would take it,
+        fail and take it again each lease, for ever."""
+        try:
+            obj = await self._call(self.store.raw, batch_id)
+            texts = all(isinstance(obj.get(key), str) for key in _TEXT_FIELDS)
+            if texts and isinstance(obj.get("expires_at"), (int, float)):
+                return obj
+            reason: object = "fields missing"
+        except REDIS_TRANSIENT:
+            raise
+        except Exception as exc:  # not found (an ApiError), not JSON, not a JSON object
+            reason = exc
+        logger.warning("batch %s: no batch object to run (%s); dropped", batch_id, reason)
+        await self._call(self.store.retire_unreadable, batch_id)
+        return None
 
     async def _lines(self, batch_id: str, obj: dict[str, Any], todo: list[BatchLine]) -> str:
         """Run `todo`, a window at a time, until done, cancelled or expired: which one."""

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from bus.reconnect import REDIS_TRANSIENT
 from jobs.errors import RequestError
+from runtime.config import is_valid_id
 from runtime.task_cancel import cancel_and_wait
 from stages.ingress.batches.runner import RETRY_S
 from stages.ingress.errors import ApiError
@@ -118,30 +119,46 @@ async def _keep(app: web.Application) -> None:
     while True:
         try:
             for orphan in await _orphans(state, store, app[TASKS]):
-                await _take_over(app, state, store, orphan)
+                try:
+                    await _take_over(app, state, store, orphan)
+                except REDIS_TRANSIENT:
+                    raise
+                except Exception:  # the others are still taken over: one must not stop them
+                    logger.exception("background response %s: a takeover failed", orphan[0])
         except REDIS_TRANSIENT as exc:
             logger.warning("background responses: Redis unreachable: %s", exc)
         except Exception:  # the next pass tries again; the keeper must not end
-            logger.exception("background responses: a takeover failed")
+            logger.exception("background responses: a pass failed")
         await asyncio.sleep(KEEPER_POLL_S)
 
 
 async def _orphans(state: IngressState, store: ResponseStore, mine: dict) -> list[tuple[str, str]]:
-    """The running background responses whose runner is gone, as (id, that runner)."""
-    ids = [i.decode() for i in await store.client.smembers(store.background_index)]
+    """The running background responses whose runner is gone, as (id, that runner). An
+    entry of the index whose response is gone, ended or unreadable (an id or a runner no
+    replica wrote: not UTF-8, or no replica's name) leaves it."""
     orphans = []
-    for response_id in ids:
-        if response_id in mine:
+    for member in await store.client.smembers(store.background_index):
+        response_id = _text(member)
+        if response_id is not None and response_id in mine:
             continue
-        runner, status = await store.client.hmget(store.key(response_id), ["runner", "status"])
-        if runner is None or status is None or status.decode() not in RUNNING:
-            await store.client.srem(store.background_index, response_id)  # gone or ended
+        fields = [None, None] if response_id is None else await store.client.hmget(
+            store.key(response_id), ["runner", "status"])  # fmt: skip
+        name, status = (_text(field) for field in fields)
+        if name is None or status not in RUNNING or not is_valid_id(name):
+            await store.client.srem(store.background_index, member)
             continue
-        name = runner.decode()
         alive = await state.shards.read(lambda config, name=name: config.frontend_key(name))
         if alive is None:
             orphans.append((response_id, name))
     return orphans
+
+
+def _text(value: bytes | None) -> str | None:
+    """A stored value as text; None for none, or for bytes that are not UTF-8."""
+    try:
+        return None if value is None else value.decode()
+    except UnicodeDecodeError:
+        return None
 
 
 async def _take_over(app: web.Application, state: IngressState, store: ResponseStore,
