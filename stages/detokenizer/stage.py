@@ -15,10 +15,18 @@ deleted, written again by a late delta, still goes). Stateless as to requests
 request's deltas by ``seq`` and drop one they already have, so the stage is
 ``replayable``: its writes need no MULTI, and its inputs are acknowledged with its next
 read (bus/actor.py).
+
+A batch holds many requests' tokens, so one item the stage cannot wholly handle (ids no
+tokenizer decodes, such as a negative one; logprobs of another shape: a worker's bug, or
+anyone writing to Redis) goes without what failed, its text or its logprobs, with a
+warning: its stream goes on, and its batch-mates' are untouched. Raised from `handle`, it
+would have dead-lettered the whole entry, every request in it left waiting for tokens that
+never come.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -33,6 +41,8 @@ from jobs.protocol import TOKENS_FIELD, Message, TextDelta, TextDeltas, TokenBat
 from runtime.config import BusConfig
 from stages.detokenizer.incremental import text_deltas
 from stages.detokenizer.stream_expiries import StreamExpiries
+
+logger = logging.getLogger(__name__)
 
 # How long a worker's word that it opened its log keeps that log read before the worker is
 # registered (its first heartbeat follows at once), and how many such words are kept.
@@ -82,11 +92,15 @@ class DetokenizerStage:
                 self._announced[inbound.message.worker_id] = time.monotonic()
         items = [item for inbound in batch for item in inbound.message.items]
         sources = [inbound.message for inbound in batch for _ in inbound.message.items]
-        texts = text_deltas(self.tokenizer, items) if self.tokenizer else [None] * len(items)
+        texts = self._item_texts(items)
         bundles: dict[str, list[TextDelta]] = {}
         entries: list[tuple[str, Message]] = []
         for item, text, source in zip(items, texts, sources, strict=True):
-            delta = self._delta(item, text)
+            try:
+                delta = self._delta(item, text)
+            except Exception as exc:  # its logprobs: the tokens still go (module doc)
+                _degraded(item, "its logprobs", exc)
+                delta = self._plain_delta(item, text)
             if item.start == 0:  # a request's first delta names the weights computing it
                 delta.weights_version = source.weights
                 if item.bundle:  # and to an ingress, the worker (to abort it there at once)
@@ -119,7 +133,27 @@ class DetokenizerStage:
         """Redis may be back empty: every stream is written as if new (made, and expiring)."""
         self.expiries.forget()
 
-    def _delta(self, item: TokenItem, text: str | None) -> TextDelta:
+    def _item_texts(self, items: list[TokenItem]) -> list[str | None]:
+        """The text each item adds (None for all without a tokenizer). Decoded together;
+        where that fails, one by one, and an item whose ids no tokenizer decodes (a negative
+        id) adds no text (module doc)."""
+        if self.tokenizer is None:
+            return [None] * len(items)
+        try:
+            return list(text_deltas(self.tokenizer, items))
+        except Exception:
+            pass
+        texts: list[str | None] = []
+        for item in items:
+            try:
+                texts.extend(text_deltas(self.tokenizer, [item]))
+            except Exception as exc:
+                _degraded(item, "its text", exc)
+                texts.append("")
+        return texts
+
+    def _plain_delta(self, item: TokenItem, text: str | None) -> TextDelta:
+        """An item's delta without its logprobs: its tokens, their text, its finish."""
         delta = TextDelta(item.rid, item.start, item.ids, text, embedding=item.embedding,
                           tag=item.tag)  # fmt: skip
         if item.text_only and item.bundle:  # its reader counts tokens (jobs/requests.py)
@@ -129,6 +163,10 @@ class DetokenizerStage:
             delta.finish = (
                 item.finish.to_wire() if item.reply_version >= 2 else finish_as_list(item.finish)
             )
+        return delta
+
+    def _delta(self, item: TokenItem, text: str | None) -> TextDelta:
+        delta = self._plain_delta(item, text)
         if item.logprobs is not None:
             delta.logprobs = item.logprobs
             delta.top_logprobs = item.top_logprobs
@@ -157,3 +195,8 @@ class DetokenizerStage:
                 for top in tops
             ]
         return self.tokenizer.token_texts(ids), top_texts
+
+
+def _degraded(item: TokenItem, what: str, exc: Exception) -> None:
+    logger.warning("request %.80s (tag %s), tokens from %d: %s failed (%s: %s); sent without it",
+                   item.rid, item.tag, item.start, what, type(exc).__name__, exc)  # fmt: skip
