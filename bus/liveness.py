@@ -30,7 +30,8 @@ import redis
 import redis.asyncio as aredis
 
 from jobs.protocol import Heartbeat, ProtocolError, decode
-from runtime.config import BusConfig, is_valid_id
+from runtime.config import BusConfig
+from runtime.key_ids import is_valid_id
 
 
 @dataclass(frozen=True)

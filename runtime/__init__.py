@@ -2,6 +2,7 @@
 processes, and the model's files. No torch; imports nothing else of the project.
 
 config.py           `BusConfig`: every stream and key name, every tunable (`STREAMSERVE_*`)
+key_ids.py          what may be an id in a key name (a worker's, a replica's, a shard's)
 cluster.py          a Redis Cluster as shards, one per primary; a process attaches to one
 embedded_server.py  the private server `streamserve up` starts (unix socket, append-only file)
 child_process.py    children that stop in their parent's order

@@ -32,7 +32,8 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis.crc import key_slot as _redis_key_slot
 
-from runtime.config import BusConfig, is_valid_id
+from runtime.config import BusConfig
+from runtime.key_ids import is_valid_id
 
 logger = logging.getLogger(__name__)
 

@@ -94,6 +94,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.key_ids import require_id as _require_id
+
 ENV_PREFIX = "STREAMSERVE_"
 REDIS_URL_ENV = "REDIS_URL"
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -373,24 +375,6 @@ def env_variable(field_name: str) -> str:
 def _require_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-
-
-def is_valid_id(value: object, forbidden: str = ":") -> bool:
-    """Whether `value` may name a worker, a frontend or a shard in a key (`_require_id`)."""
-    return (
-        isinstance(value, str)
-        and bool(value)
-        and not any(c in forbidden or c.isspace() for c in value)
-    )
-
-
-def _require_id(name: str, value: str, forbidden: str = ":") -> str:
-    # A ':' inside an id would make one worker's stream name look like another's; a brace
-    # in a shard would end its hash tag early.
-    if not is_valid_id(value, forbidden):
-        shown = " or ".join(repr(c) for c in forbidden)
-        raise ValueError(f"{name} must be non-empty, without {shown} or whitespace; got {value!r}")
-    return value
 
 
 def _parse(variable: str, raw: str, type_name: object) -> Any:

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from bus.reconnect import REDIS_TRANSIENT
 from jobs.errors import RequestError
-from runtime.config import is_valid_id
+from runtime.key_ids import is_valid_id
 from runtime.task_cancel import cancel_and_wait
 from stages.ingress.batches.runner import RETRY_S
 from stages.ingress.errors import ApiError
