@@ -1,11 +1,13 @@
 """The job contract: what a request is on the wire and the rules it must keep. No torch,
 no Redis; of the project it imports only runtime/ (its settings).
 
-protocol.py            every message kind and `decode`; re-exports the next three's kinds
+protocol.py            every message kind and `decode`; re-exports the next four's kinds
 heartbeat.py           `Heartbeat`: a worker's load and what it serves, under a key with a TTL
 requests.py            the jobs: `GenerateRequest`, `TokenizedRequest`, `Abort`, their
                        version (`v`) and where `priority` travels
 token_records.py       a worker's `TokenItem` and `Finish`, records by name (wire version 2)
+token_batch.py         `TokenBatch`: a worker's step, one item a request; an item that does
+                       not read is named apart, not the batch's failure
 legacy_records.py      version 1's positional lists, still read, and written to its readers
 progress.py            a worker's progress log entries, and a job's ids rebuilt from them
 kv_blocks.py           the chained hashes naming a token sequence's blocks (KV routing)

@@ -31,7 +31,6 @@ travels beside it, a job field; jobs/requests.py says how the job versions diffe
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +40,11 @@ from jobs.heartbeat import Heartbeat
 from jobs.kv_events import KvEvents
 from jobs.progress import ProgressEntry
 from jobs.requests import MAX_TAG, Abort, GenerateRequest, TokenizedRequest, check_tag
+from jobs.token_batch import TokenBatch
 from jobs.token_records import PROMPT_CONTEXT_TOKENS, Finish, TokenItem, check_floats, token_context
 
 # The codec's names are the protocol's too: an importer of messages needs no second import.
 from jobs.wire import (
-    BOOL,
     BYTES,
     DEFLATED_MARK,
     ENTRY_FIELD,
@@ -61,8 +60,6 @@ from jobs.wire import (
     Message,
     ProtocolError,
     bundle_payloads,
-    check_field,
-    check_version,
     encode,
     ext_type,
     fields_of,
@@ -81,68 +78,6 @@ __all__ = [
     "KvEvents", "Heartbeat", "bundle_payloads", "decode", "encode", "fields_of", "job_entries",
     "job_payloads", "pack_ids", "pack_ids_narrow", "token_context", "unpack_ids", "WIRE_VERSION",
 ]  # fmt: skip
-
-
-@dataclass
-class TokenBatch(Message):
-    """What a worker publishes at once: one item per request that gained tokens.
-
-    The reply stream (and ``bundle`` and ``text_only`` flags) most of its items share is
-    written once, as the batch's ``reply_to``, ``bundle`` and ``text_only``, and left off
-    those items: with one ingress a whole batch shares it, and it was a fifth of an item's
-    bytes. An item with its own keeps it.
-    ``weights`` is the version of the weights that computed every item (a worker swaps them
-    only with nothing running: gpu_worker/weights_update.py); None from a worker that names
-    none.
-    """
-
-    KIND = "tokens"
-    COMPRESSIBLE = True
-    FIELDS = {"worker_id": STR, "step": INT, "items": LIST, "v": INT, "weights": STR}
-    OPTIONAL = frozenset({"v", "weights"})
-
-    worker_id: str
-    step: int
-    items: list[TokenItem]
-    # Its items' wire version: maps by name (2); absent, the lists of older workers (1).
-    v: int = WIRE_VERSION
-    weights: str | None = None
-
-    @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> TokenBatch:
-        version = check_version("tokens batch", data.get("v"))
-        batch = super().from_wire(data)
-        batch.v = version
-        shared = None
-        if data.get("reply_to") is not None:
-            shared = {
-                "reply_to": check_field(STR, "reply_to", data["reply_to"], False),
-                "bundle": check_field(BOOL, "bundle", data.get("bundle", False), False),
-                "text_only": check_field(BOOL, "text_only", data.get("text_only", False), False),
-            }
-        batch.items = [TokenItem.from_wire(item, shared) for item in batch.items]
-        return batch
-
-    def to_wire(self) -> dict[str, Any]:
-        shared = _shared_reply(self.items)
-        wire = {"kind": self.KIND, "worker_id": self.worker_id, "step": self.step,
-                "items": [item.to_wire(shared) for item in self.items], "v": self.v}  # fmt: skip
-        if shared is not None:
-            wire["reply_to"], wire["bundle"] = shared[:2]
-            if shared[2]:
-                wire["text_only"] = True
-        if self.weights is not None:
-            wire["weights"] = self.weights
-        return wire
-
-
-def _shared_reply(items: list[TokenItem]) -> tuple[str, bool, bool] | None:
-    """The (reply_to, bundle, text_only) of most items, when more than one item has it."""
-    counts = Counter((item.reply_to, item.bundle, item.text_only) for item in items)
-    if not counts:
-        return None
-    shared, count = counts.most_common(1)[0]
-    return shared if count > 1 else None
 
 
 @dataclass

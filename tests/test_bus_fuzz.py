@@ -24,9 +24,13 @@ from jobs.protocol import (
     ENTRY_FIELD,
     MESSAGE_TYPES,
     ErrorReply,
+    Finish,
     GenerateRequest,
     ProtocolError,
     TextDelta,
+    TextDeltas,
+    TokenBatch,
+    TokenItem,
     TokenizedRequest,
     decode,
     encode,
@@ -248,3 +252,73 @@ def test_reading_the_requester_of_any_entry_never_raises(payload):
         except ProtocolError as exc:
             (_, answer) = malformed_reply(payload, exc)
             assert decode(encode(answer), ErrorReply) == answer  # a well-formed reply
+
+
+# Token items of the right types holding anything: ids no tokenizer decodes (negative, past
+# the vocabulary), logprobs and top logprobs of any shape, any start, stop strings, finish.
+token_ids = st.lists(st.integers(min_value=-(2**31), max_value=2**31 - 1), max_size=5)
+token_items = st.builds(
+    TokenItem,
+    rid=st.sampled_from(["a", "b", None]),
+    reply_to=st.sampled_from(["t:items-1", "t:items-2"]),
+    start=st.integers(min_value=0, max_value=2**40),
+    ids=token_ids,
+    context=token_ids,
+    prompt_context=st.integers(min_value=0, max_value=6),
+    stop=st.lists(st.text(max_size=3), max_size=2),
+    skip_special_tokens=st.booleans(),
+    finish=st.none() | st.builds(Finish, st.sampled_from(["stop", "length", "abort"]),
+                                 st.none(), st.integers(0, 99), st.integers(0, 99)),
+    logprobs=st.none() | st.lists(st.floats(allow_nan=False), max_size=3),
+    top_logprobs=st.none() | st.lists(st.lists(st.lists(st.integers(-5, 60_000), max_size=3),
+                                               max_size=2), max_size=3),
+    prompt_ids=st.none() | token_ids,
+    bundle=st.booleans(),
+    tag=st.none() | st.integers(min_value=0, max_value=2**31),
+).filter(lambda item: _reads(item))  # fmt: skip
+
+
+def _reads(item: TokenItem) -> bool:
+    """Whether `item` reads back (the wire refuses e.g. a rid-less item with no tag; such an
+    item's own test is tests/test_detokenizer_bad_items.py)."""
+    try:
+        TokenItem.from_wire(item.to_wire())
+    except ProtocolError:
+        return False
+    return True
+
+
+def test_the_detokenizer_sends_every_well_typed_item_on_whatever_values_it_holds(
+    redis_client, config, tokenizer
+):
+    """A batch holds many requests' tokens: each item's delta is sent, so no request waits
+    for tokens that never come, whatever another item of its batch holds (ids no tokenizer
+    decodes, logprobs of any shape)."""
+    stage = DetokenizerStage(config, tokenizer)
+    stream = stage.input_stream(config)
+    ensure_group(redis_client, stream, stage.group)
+    actor = Actor(redis_client, config, stage)
+    for name in ("t:items-1", "t:items-2"):  # as a reader makes its stream
+        redis_client.xadd(name, {"made": b""})
+
+    @settings(max_examples=80, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(items=st.lists(token_items, min_size=1, max_size=4))
+    def check(items):
+        # The reply streams are kept (a bundled one is written only where it exists, as
+        # its reader's is): this batch's replies are those after the last ones.
+        seen = {name: (redis_client.xrevrange(name, count=1) or [(b"0-0", None)])[0][0]
+                for name in ("t:items-1", "t:items-2")}  # fmt: skip
+        batch = TokenBatch("w1", 1, items)
+        redis_client.xadd(stream, {ENTRY_FIELD: encode(batch)})
+        while actor.run_once():
+            pass
+        sent = 0
+        for name, last in seen.items():
+            for _, fields in redis_client.xrange(name, min=b"(" + last):
+                reply = decode(fields[ENTRY_FIELD], TextDeltas, TextDelta)
+                sent += len(reply.deltas) if isinstance(reply, TextDeltas) else 1
+        assert sent == len(items)
+
+    check()
+    assert actor.dead_lettered == 0

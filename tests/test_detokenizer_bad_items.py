@@ -1,11 +1,12 @@
 """A token batch holds many requests' tokens: an item the detokenizer cannot wholly handle
-(ids no tokenizer decodes, logprobs of another shape) goes without what failed, and its
-batch-mates go through untouched. Raised, it dead-lettered the whole entry, and every
-request in it waited for tokens that never came. On a real server, with the real tokenizer
-and a real detokenizer Actor."""
+(ids no tokenizer decodes, logprobs of another shape) goes without what failed, one that
+does not read ends its request with an error, and its batch-mates go through untouched.
+Raised, either dead-lettered the whole entry, and every request in it waited for tokens
+that never came. On a real server, with the real tokenizer and a real detokenizer Actor."""
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 import jobs.protocol as wire
@@ -31,8 +32,10 @@ def config(redis_url) -> BusConfig:
 def _deltas(client) -> list[wire.TextDelta]:
     found = []
     for _, fields in client.xrange(REPLY):
-        message = wire.decode(fields[wire.ENTRY_FIELD], wire.TextDeltas, wire.TextDelta)
-        found.extend(message.deltas if isinstance(message, wire.TextDeltas) else [message])
+        message = wire.decode(fields[wire.ENTRY_FIELD], wire.TextDeltas, wire.TextDelta,
+                              wire.ErrorReply)  # fmt: skip
+        if not isinstance(message, wire.ErrorReply):
+            found.extend(message.deltas if isinstance(message, wire.TextDeltas) else [message])
     return found
 
 
@@ -65,3 +68,34 @@ def test_an_item_that_fails_goes_without_what_failed_and_its_batch_mates_go_thro
     assert (tops.text, tops.logprobs, tops.top_logprobs) == ("Hello there", None, None)
     assert (by_name[3].seq, by_name[3].text) == (4, "")  # its finish still ends its request
     assert wire.Finish.from_wire(by_name[3].finish).reason == "length"
+
+
+def test_an_item_that_does_not_read_ends_its_request_and_its_batch_mates_go_through(
+    redis_client, config, tokenizer
+):
+    hello = tokenizer.encode("Hello", add_special_tokens=False)
+    items = [wire.TokenItem(rid, REPLY, 0, hello, []) for rid in ("good", "bad", "unnamed")]
+    data = msgpack.unpackb(wire.encode(wire.TokenBatch("w1", 1, items)))
+    data["items"][1]["prompt_context"] = 99  # more than its context holds
+    del data["items"][2]["rid"]  # no tag either: nobody can be told
+    stage = DetokenizerStage(config, tokenizer)
+    stream = stage.input_stream(config)
+    ensure_group(redis_client, stream, stage.group)
+    actor = Actor(redis_client, config, stage)
+    redis_client.xadd(stream, {wire.ENTRY_FIELD: msgpack.packb(data)})
+    while actor.run_once():
+        pass
+    assert actor.dead_lettered == 0
+    replies = [wire.decode(f[wire.ENTRY_FIELD], wire.TextDeltas, wire.TextDelta, wire.ErrorReply)
+               for _, f in redis_client.xrange(REPLY)]  # fmt: skip
+    (error,) = [r for r in replies if isinstance(r, wire.ErrorReply)]
+    assert (error.rid, error.status, error.code) == ("bad", 500, "unreadable_tokens")
+    assert "prompt_context" in error.message
+    assert [d.rid for d in _deltas(redis_client)] == ["good"]
+    # A batch of which nothing reads is a malformed entry, set aside as before.
+    del data["items"][0]["rid"]
+    data["items"][1:] = []
+    redis_client.xadd(stream, {wire.ENTRY_FIELD: msgpack.packb(data)})
+    while actor.run_once():
+        pass
+    assert actor.dead_lettered == 1

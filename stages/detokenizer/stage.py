@@ -21,7 +21,8 @@ tokenizer decodes, such as a negative one; logprobs of another shape: a worker's
 anyone writing to Redis) goes without what failed, its text or its logprobs, with a
 warning: its stream goes on, and its batch-mates' are untouched. Raised from `handle`, it
 would have dead-lettered the whole entry, every request in it left waiting for tokens that
-never come.
+never come. An item that does not even read (`TokenBatch.refused`) ends its request with an
+error reply, where it names the request.
 """
 
 from __future__ import annotations
@@ -37,7 +38,15 @@ from bus.effects import ExpireKey, Outbound, Output
 from bus.fenced_stream import LOG_READERS_GROUP
 from bus.liveness import registered_workers
 from jobs.legacy_records import finish_as_list
-from jobs.protocol import TOKENS_FIELD, Message, TextDelta, TextDeltas, TokenBatch, TokenItem
+from jobs.protocol import (
+    TOKENS_FIELD,
+    ErrorReply,
+    Message,
+    TextDelta,
+    TextDeltas,
+    TokenBatch,
+    TokenItem,
+)
 from runtime.config import BusConfig
 from stages.detokenizer.incremental import text_deltas
 from stages.detokenizer.stream_expiries import StreamExpiries
@@ -94,7 +103,9 @@ class DetokenizerStage:
         sources = [inbound.message for inbound in batch for _ in inbound.message.items]
         texts = self._item_texts(items)
         bundles: dict[str, list[TextDelta]] = {}
-        entries: list[tuple[str, Message]] = []
+        entries: list[tuple[str, Message]] = [
+            answer for inbound in batch for answer in _unread_items(inbound.message)
+        ]
         for item, text, source in zip(items, texts, sources, strict=True):
             try:
                 delta = self._delta(item, text)
@@ -200,3 +211,18 @@ class DetokenizerStage:
 def _degraded(item: TokenItem, what: str, exc: Exception) -> None:
     logger.warning("request %.80s (tag %s), tokens from %d: %s failed (%s: %s); sent without it",
                    item.rid, item.tag, item.start, what, type(exc).__name__, exc)  # fmt: skip
+
+
+def _unread_items(batch: TokenBatch) -> list[tuple[str, ErrorReply]]:
+    """An error for each item of `batch` that did not read (`TokenBatch.refused`) and names
+    its request and reply stream: its request ends, told why, rather than waiting for these
+    tokens until its reply timeout. One that names neither can only be logged."""
+    answers = []
+    for rid, reply_to, why in batch.refused:
+        logger.warning("worker %s, step %s: a token item of request %.80s does not read: %s",
+                       batch.worker_id, batch.step, rid, why)  # fmt: skip
+        if rid is not None and reply_to is not None:
+            message = f"the worker's tokens for this request could not be read: {why}"[:500]
+            answers.append((reply_to, ErrorReply(rid, 500, message, "internal_error", None,
+                                                 "unreadable_tokens")))  # fmt: skip
+    return answers
