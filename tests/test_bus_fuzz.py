@@ -16,6 +16,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import jobs.protocol as wire
 from bus.actor import Actor
 from bus.reconnect import ensure_group
 from jobs.job_failures import malformed_reply, reply_address
@@ -24,13 +25,9 @@ from jobs.protocol import (
     ENTRY_FIELD,
     MESSAGE_TYPES,
     ErrorReply,
-    Finish,
     GenerateRequest,
     ProtocolError,
     TextDelta,
-    TextDeltas,
-    TokenBatch,
-    TokenItem,
     TokenizedRequest,
     decode,
     encode,
@@ -258,7 +255,7 @@ def test_reading_the_requester_of_any_entry_never_raises(payload):
 # the vocabulary), logprobs and top logprobs of any shape, any start, stop strings, finish.
 token_ids = st.lists(st.integers(min_value=-(2**31), max_value=2**31 - 1), max_size=5)
 token_items = st.builds(
-    TokenItem,
+    wire.TokenItem,
     rid=st.sampled_from(["a", "b", None]),
     reply_to=st.sampled_from(["t:items-1", "t:items-2"]),
     start=st.integers(min_value=0, max_value=2**40),
@@ -267,7 +264,7 @@ token_items = st.builds(
     prompt_context=st.integers(min_value=0, max_value=6),
     stop=st.lists(st.text(max_size=3), max_size=2),
     skip_special_tokens=st.booleans(),
-    finish=st.none() | st.builds(Finish, st.sampled_from(["stop", "length", "abort"]),
+    finish=st.none() | st.builds(wire.Finish, st.sampled_from(["stop", "length", "abort"]),
                                  st.none(), st.integers(0, 99), st.integers(0, 99)),
     logprobs=st.none() | st.lists(st.floats(allow_nan=False), max_size=3),
     top_logprobs=st.none() | st.lists(st.lists(st.lists(st.integers(-5, 60_000), max_size=3),
@@ -278,11 +275,11 @@ token_items = st.builds(
 ).filter(lambda item: _reads(item))  # fmt: skip
 
 
-def _reads(item: TokenItem) -> bool:
+def _reads(item: wire.TokenItem) -> bool:
     """Whether `item` reads back (the wire refuses e.g. a rid-less item with no tag; such an
     item's own test is tests/test_detokenizer_bad_items.py)."""
     try:
-        TokenItem.from_wire(item.to_wire())
+        wire.TokenItem.from_wire(item.to_wire())
     except ProtocolError:
         return False
     return True
@@ -309,15 +306,15 @@ def test_the_detokenizer_sends_every_well_typed_item_on_whatever_values_it_holds
         # its reader's is): this batch's replies are those after the last ones.
         seen = {name: (redis_client.xrevrange(name, count=1) or [(b"0-0", None)])[0][0]
                 for name in ("t:items-1", "t:items-2")}  # fmt: skip
-        batch = TokenBatch("w1", 1, items)
+        batch = wire.TokenBatch("w1", 1, items)
         redis_client.xadd(stream, {ENTRY_FIELD: encode(batch)})
         while actor.run_once():
             pass
         sent = 0
         for name, last in seen.items():
             for _, fields in redis_client.xrange(name, min=b"(" + last):
-                reply = decode(fields[ENTRY_FIELD], TextDeltas, TextDelta)
-                sent += len(reply.deltas) if isinstance(reply, TextDeltas) else 1
+                reply = decode(fields[ENTRY_FIELD], wire.TextDeltas, TextDelta)
+                sent += len(reply.deltas) if isinstance(reply, wire.TextDeltas) else 1
         assert sent == len(items)
 
     check()
