@@ -103,9 +103,10 @@ class DetokenizerStage:
         sources = [inbound.message for inbound in batch for _ in inbound.message.items]
         texts = self._item_texts(items)
         bundles: dict[str, list[TextDelta]] = {}
-        entries: list[tuple[str, Message]] = [
-            answer for inbound in batch for answer in _unread_items(inbound.message)
-        ]
+        entries: list[tuple[str, Message]] = [  # an item that did not read: its error
+            answer for inbound in batch if inbound.message.refused
+            for answer in _unread_items(inbound.message)
+        ]  # fmt: skip
         for item, text, source in zip(items, texts, sources, strict=True):
             try:
                 delta = self._delta(item, text)
@@ -151,7 +152,7 @@ class DetokenizerStage:
         if self.tokenizer is None:
             return [None] * len(items)
         try:
-            return list(text_deltas(self.tokenizer, items))
+            return text_deltas(self.tokenizer, items)  # type: ignore[return-value]
         except Exception:
             pass
         texts: list[str | None] = []
