@@ -9,7 +9,7 @@ child_process.py    children that stop in their parent's order
 model_files.py      a `--model` argument resolved to its files (worker and tokenizer alike)
 gguf_header.py      a GGUF file's header metadata, read key by key without loading it
 context_length.py   the model's context length, from config.json or the GGUF header
-task_cancel.py      asyncio tasks cancelled until they end (a lost cancellation stops no shutdown)
+task_cancel.py      cancellations not lost: at shutdown, and in a request's handler
 gc_tuning.py        the garbage collector's settings for a long-running stage process
 event_loop.py       the event loop an asyncio process runs on: uvloop where installed
 """

@@ -5,11 +5,13 @@ middleware also turns aiohttp's own HTTP exceptions (unknown path, wrong method,
 ``client_max_size``), an unreachable Redis (503) and a full one (503 with Retry-After: it
 runs with ``maxmemory`` and ``noeviction``, so it refuses writes rather than evict) into that
 body, and anything else into a logged 500, so a client never sees an HTML page or a dropped
-connection.
+connection. What a handler raises once its client has left is no failure: it ends as a
+handler cancelled for its client's leaving does, unlogged and counted 499.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -123,6 +125,18 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except redis.OutOfMemoryError as exc:
         logger.warning("%s %s: Redis full: %s", request.method, request.path, exc)
         return redis_full(exc).response()
-    except Exception:
+    except Exception as exc:
+        if client_gone(request):
+            # Met as its client left (a send to the closed connection, a handler whose
+            # cancellation a library lost: runtime/task_cancel.py): no failure of ours, and
+            # no one to answer. Ended as aiohttp ends a handler whose client left (499).
+            logger.debug("%s %s: its client left: %r", request.method, request.path, exc)
+            raise asyncio.CancelledError from exc
         logger.exception("%s %s failed", request.method, request.path)
         return ApiError(500, "internal error", "internal_error", None, "internal_error").response()
+
+
+def client_gone(request: web.Request) -> bool:
+    """Whether the request's connection is closed or closing."""
+    transport = request.transport
+    return transport is None or transport.is_closing()

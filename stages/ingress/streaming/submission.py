@@ -41,6 +41,7 @@ from typing import Any
 
 from bus.replies import AsyncReplyReader, Reply, is_terminal
 from jobs.protocol import ErrorReply, Finish, GenerateRequest, TextDelta
+from runtime.task_cancel import raise_if_cancel_lost
 from stages.ingress.errors import ApiError
 from stages.ingress.shards import Shard
 from stages.ingress.state import IngressState
@@ -109,6 +110,7 @@ class Submission:
                 await self.state.tenant_limits.admit(self.tenant, list(self.index))
                 for rid in self.index:
                     self.state.running_tenants[rid] = self.tenant
+            raise_if_cancel_lost()  # its client left meanwhile: no job for nobody
             await self.state.submit(self.request_id, self.requests, self.owner)
             for request in self.requests:
                 if request.input_ids is not None:  # a prompt the ingress can count
@@ -225,6 +227,7 @@ class Submission:
 
     async def _next_reply(self) -> Reply | None:
         """The next reply; None after reply_timeout_s without one."""
+        raise_if_cancel_lost()  # a handler whose client left waits for nothing more
         if self.queue.empty() and self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().call_later(
                 self.state.config.reply_timeout_s, self._watch
