@@ -42,7 +42,7 @@ import redis.asyncio as aredis
 
 from batch_store.client_methods import BatchMethods
 from bus.aborts import publish_abort, publish_abort_async
-from bus.async_pool import async_redis
+from bus.async_pool import async_redis, async_timeout
 from bus.effects import add_jobs
 from bus.replies import AsyncReplyReader, Reply, ReplyReader
 from jobs.errors import RequestError
@@ -343,7 +343,10 @@ class AsyncClient:
         if queue is None:
             raise KeyError(f"unknown or finished request {rid!r}")
         while True:
-            message = await asyncio.wait_for(queue.get(), timeout)
+            # Not asyncio.wait_for: on Python 3.11 it drops a cancellation that lands with
+            # a reply, and the caller's task goes on (runtime/task_cancel.py).
+            async with async_timeout(timeout):
+                message = await queue.get()
             if is_last(message):
                 self._queues.pop(rid, None)
             yield chunk_of(rid, message)

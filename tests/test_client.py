@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from bus.client import AsyncClient, Client, RequestError
-from jobs.protocol import ErrorReply, GenerateRequest
+from jobs.protocol import ErrorReply, GenerateRequest, TextDelta
 from runtime.config import BusConfig
 from tests.ingress_harness import Upstream, deltas, embedding_delta
 
@@ -146,6 +146,29 @@ def test_async_client_generates_streams_and_aborts(config, upstream, redis_clien
     assert streamed == [["Hel", "lo", "!"]] * 2
     assert ended[-1]["finish_reason"] == "abort"
     assert not redis_client.exists(stream)
+
+
+def test_a_stream_cancelled_as_a_reply_arrives_ends_cancelled(config):
+    # Python 3.11's asyncio.wait_for returned the reply and dropped the cancellation that
+    # landed with it: the caller's task went on as if never cancelled.
+    async def main() -> bool:
+        async with AsyncClient(config=config) as client:
+            rid = await client.submit("a")  # nobody answers: the test hands the reply
+            chunks = []
+
+            async def read() -> None:
+                async for chunk in client.stream(rid, timeout=30):
+                    chunks.append(chunk)
+
+            task = asyncio.get_running_loop().create_task(read())
+            await asyncio.sleep(0.05)  # the stream waits for its first reply
+            client._queues[rid].put_nowait(TextDelta(rid, 0, [1], "Hi"))
+            task.cancel()  # in the same turn
+            await asyncio.wait([task], timeout=2)
+            await client.abort(rid)
+            return task.cancelled()
+
+    assert asyncio.run(main())
 
 
 def test_an_embedding_job_answers_its_vector(config):
