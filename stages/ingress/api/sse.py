@@ -19,7 +19,6 @@ choice's plain text (most of a stream's) encodes only that text (`ChunkEncoder.e
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import Callable
 from json.encoder import encode_basestring
@@ -140,16 +139,7 @@ class SSEStream:
         self._pending.append(DONE)
         data = b"".join(self._pending)
         self._pending.clear()
-        await end_body(self.response, data)
-
-
-async def end_body(response: web.StreamResponse, data: bytes = b"") -> None:
-    """Send `data` and the end of a streamed body. A client gone by then is no failure: the
-    answer is whole, only no one is left to read its end (a send reset by the client closes
-    the connection before the handler hears of it, and a handler's cancellation can be lost:
-    runtime/task_cancel.py)."""
-    with contextlib.suppress(ConnectionError):
-        await response.write_eof(data)
+        await self.response.write_eof(data)
 
 
 class ChunkEncoder:

@@ -24,7 +24,6 @@ from aiohttp import web
 from bus.aborts import publish_aborts_async
 from jobs.errors import RequestError
 from stages.ingress.api import handlers
-from stages.ingress.api.sse import end_body
 from stages.ingress.body import read_object
 from stages.ingress.errors import ApiError
 from stages.ingress.responses import background, items, resume
@@ -121,9 +120,8 @@ async def _relay(request: web.Request, turn: Turn, starting_after: int) -> web.S
         if isinstance(exc, (ConnectionError, OSError)):
             return response  # the client left: its job is aborted as the events close
         logger.exception("response %s failed", turn.response["id"])
-        with contextlib.suppress(ConnectionError):  # its client may be gone as well
-            await _write(response, turn.builder.failed(handlers.internal(exc)))
-    await end_body(response)
+        await _write(response, turn.builder.failed(handlers.internal(exc)))
+    await response.write_eof()
     return response
 
 
