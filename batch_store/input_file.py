@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobs.errors import RequestError
+from jobs.unicode_text import check_unicode
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
@@ -84,7 +85,8 @@ def parse_input(
 def _parse_line(n: int, raw: str, endpoint: str) -> BatchLine | LineError:
     try:
         obj = json.loads(raw)
-    except json.JSONDecodeError as exc:
+        check_unicode(obj, raw)
+    except (ValueError, RecursionError) as exc:  # NotUnicode is a ValueError
         return LineError(n, None, "invalid_json", f"line {n} is not JSON: {exc}")
     if not isinstance(obj, dict):
         return LineError(n, None, "invalid_request", f"line {n} is not a JSON object")

@@ -26,6 +26,7 @@ request_bounds.py      the request bounds (docs/BOUNDS.md) this process applies
 grammar.py             structured output's grammars, bounded and compiled under a deadline
 strict_schema.py       JSON Schemas made strict: objects hold only their declared properties
 field_error.py         `FieldError`: a bad value, with the field it is about
+unicode_text.py        a user's JSON checked for lone surrogates: strings every encoder takes
 errors.py              `RequestError`: a refused or failed request, on either side of the bus
 job_failures.py        the error reply for a job that cannot be served
 stop_strings.py        stop-string matching, shared by worker and detokenizer

@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from jobs.unicode_text import NotUnicode, check_unicode
 from stages.ingress.errors import ApiError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what msgpack and the worker can carry
@@ -33,13 +34,18 @@ async def read_object(request: web.Request) -> dict[str, Any]:
     """The body as a JSON object (413 past client_max_size comes from `read`)."""
     raw = await request.read()
     try:
-        # NaN and Infinity are Python's extension, not JSON.
-        text = raw.decode(json.detect_encoding(raw), "surrogatepass")  # as json.loads does
-        data = _DECODER.decode(text)
+        # Strictly: a surrogate's bytes are no character (json.loads lets them through).
+        text = raw.decode(json.detect_encoding(raw))
+        data = _DECODER.decode(text)  # NaN and Infinity are Python's extension, not JSON
     except (ValueError, RecursionError) as exc:
         raise ApiError(
             400, f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
+    try:
+        check_unicode(data, text)
+    except NotUnicode as exc:
+        param = exc.where.split(".")[0].split("[")[0] or None
+        raise ApiError(400, str(exc), param=param, code="invalid_value") from None
     if not isinstance(data, dict):
         raise ApiError(
             422,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobs.tool_format import CALL_CLOSE, CALL_OPEN
+from jobs.unicode_text import check_unicode
 
 
 @dataclass
@@ -102,17 +103,21 @@ class ToolCallParser:
         return ""
 
     def _call(self, body: str) -> ToolCall | None:
+        # What the model wrote may nest past the decoder's depth, or escape a lone surrogate
+        # that no reply could encode: then it is no call, and its text goes out as content.
         try:
             data = json.loads(body)
-        except json.JSONDecodeError:
+            check_unicode(data, body)
+        except (ValueError, RecursionError):
             return None
         if not isinstance(data, dict) or data.get("name") not in self.names:
             return None
         arguments = data.get("arguments", data.get("parameters", {}))
         if isinstance(arguments, str):  # some models write the arguments as JSON text
             try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+                text, arguments = arguments, json.loads(arguments)
+                check_unicode(arguments, text)
+            except (ValueError, RecursionError):
                 return None
         if not isinstance(arguments, dict):
             return None

@@ -22,6 +22,7 @@ from typing import Any
 from jobs.grammar import JSON_OPTIONS
 from jobs.strict_schema import strict_schema
 from jobs.tool_format import CALL_CLOSE, CALL_OPEN
+from jobs.unicode_text import check_unicode
 from stages.ingress.body import ARRAY, BOOL, OBJECT, STR, field, reject_unknown, wrong_type
 from stages.ingress.errors import ApiError
 
@@ -177,7 +178,8 @@ def assistant_tool_calls(message: dict[str, Any], where: str) -> list[dict[str, 
                            code="missing_field")  # fmt: skip
         try:
             parsed = json.loads(arguments or "{}")
-        except json.JSONDecodeError as exc:
+            check_unicode(parsed, arguments or "")
+        except (ValueError, RecursionError) as exc:  # NotUnicode is a ValueError
             raise ApiError(400, f"{label}.function.arguments is not JSON: {exc}",
                            param="messages", code="invalid_value") from None  # fmt: skip
         call_id = field(call, "id", STR, label=f"{label}.id")

@@ -94,12 +94,25 @@ async def _read_form(request: web.Request, max_bytes: int) -> tuple[Any, Any, An
         if part.name == "purpose":
             purpose = (await part.text()).strip()
         elif part.name == "file":
-            filename = part.filename or "upload.jsonl"
+            filename = _filename(part.filename)
             content = await _read_limited(part, max_bytes)
         elif part.name in EXPIRES_AFTER_PARTS:
             name = EXPIRES_AFTER_PARTS[part.name]
             expires_after[name] = await _expires_part(part, name)
     return purpose, filename, content, expires_after or None
+
+
+def _filename(given: str | None) -> str:
+    """The upload's file name: bytes that are not UTF-8 (aiohttp hands them on as
+    surrogates) are refused, not stored as a name no reply could encode."""
+    if not given:
+        return "upload.jsonl"
+    try:
+        given.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the file's name is not valid UTF-8", param="file",
+                       code="invalid_value") from None  # fmt: skip
+    return given
 
 
 async def _expires_part(part: BodyPartReader, name: str) -> Any:

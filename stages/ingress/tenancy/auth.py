@@ -49,8 +49,11 @@ def auth_middleware(keys: Sequence[str]):
 def presents_key(request: web.Request, expected: Sequence[bytes]) -> bool:
     """Whether the request's ``Authorization: Bearer`` names one of the `expected` keys."""
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    # Compare with every key in constant time: no timing tells how much matched.
-    matches = [hmac.compare_digest(given.strip().encode(), key) for key in expected]
+    # Compare with every key in constant time: no timing tells how much matched. A header's
+    # bytes that are not UTF-8 come as surrogates (aiohttp's surrogateescape): their bytes
+    # again, a key no one configured, not an error.
+    given_bytes = given.strip().encode("utf-8", "surrogateescape")
+    matches = [hmac.compare_digest(given_bytes, key) for key in expected]
     return scheme.lower() == "bearer" and any(matches)
 
 
