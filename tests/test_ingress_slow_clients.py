@@ -149,3 +149,31 @@ def test_connections_past_the_cap_get_503_and_are_closed(capped):
         time.sleep(0.05)
     for sock in held:
         sock.close()
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [b"GET /v1/models\xff HTTP/1.1\r\nHost: x\r\n\r\n",  # not a URL
+     b"GET /v1/models HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"],
+)  # fmt: skip
+def test_a_request_that_is_not_http_is_a_400_and_one_info_line(capped, caplog, request_bytes):
+    """aiohttp logs such a request with its traceback at ERROR; a client must not be able
+    to fill the log with them (connections.BadRequestLog)."""
+    with open_socket(capped) as sock, caplog.at_level("INFO", logger="aiohttp.server"):
+        sock.sendall(request_bytes)
+        reply = sock.recv(4096)
+        deadline = time.monotonic() + 5
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert reply.startswith(b"HTTP/1.1 400") or reply.startswith(b"HTTP/1.0 400"), reply
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert [(r.levelname, r.exc_info) for r in records] == [("INFO", None)]
+    assert "(400: " in records[0].getMessage()
+    with caplog.at_level("WARNING", logger="aiohttp.server"):
+        caplog.clear()
+        with open_socket(capped) as sock:
+            sock.sendall(request_bytes)
+            sock.recv(4096)
+        time.sleep(0.2)
+    assert not [r for r in caplog.records if r.name == "aiohttp.server"]

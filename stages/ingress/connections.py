@@ -17,14 +17,20 @@ to send a request, and how many it serves at once (runtime/config.py's ``ingress
 
 A slow reader of its own responses (an SSE stream not read) is bounded elsewhere: its
 handler blocks on the transport's write buffer, and its client going away cancels it.
+
+A request aiohttp cannot parse (a request line, a header or a chunk that is not HTTP) gets
+its 400 from aiohttp, which also logs it with a traceback at ERROR, as if the server had
+failed: `BadRequestLog` makes that one INFO line, so a client cannot fill the log.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from stages.ingress.errors import ApiError, Handler
 
@@ -120,3 +126,26 @@ class CappedSite(web.BaseSite):
         if len(server.connections) >= self.max_connections:
             return _Refused(self._refusal)
         return server()
+
+
+class BadRequestLog(logging.Filter):
+    """On aiohttp's server logger: its record of a request it could not parse, answered 400,
+    as one INFO line naming the client and the fault, without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500:
+            fault = " ".join(str(exc.message).split())[:200]  # its message spans lines
+            record.msg, record.args = "%s (%d: %s)", (record.getMessage(), exc.code, fault)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
+            # Emitted past the ERROR call's level check: a handler takes it as INFO only
+            # where the logger would have let an INFO record through.
+            return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+        return True
+
+    @classmethod
+    def install(cls) -> None:
+        server_log = logging.getLogger("aiohttp.server")
+        if not any(isinstance(f, cls) for f in server_log.filters):
+            server_log.addFilter(cls())

@@ -38,7 +38,7 @@ from stages.ingress.api.embeddings import embeddings
 from stages.ingress.api.openapi import openapi_document
 from stages.ingress.batches import routes as batch_api
 from stages.ingress.batches.runner import BatchRunner
-from stages.ingress.connections import BODY_TIMEOUT_S, CappedSite, body_deadline
+from stages.ingress.connections import BODY_TIMEOUT_S, BadRequestLog, CappedSite, body_deadline
 from stages.ingress.errors import Handler, error_middleware
 from stages.ingress.health import QueueDepth, WorkerHealth
 from stages.ingress.metrics import IngressMetrics
@@ -256,6 +256,7 @@ async def serve(
 ) -> None:
     """Serve `app` until `stop` is set, then drain and clean up."""
     config = app[STATE].config
+    BadRequestLog.install()
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout_s,
                            keepalive_timeout=config.ingress_header_timeout_s)  # fmt: skip
     await runner.setup()
