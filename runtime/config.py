@@ -49,7 +49,9 @@ Environment variables read by ``BusConfig.from_env``:
   either is a 4xx. A batch's output and error files count, but are never refused.
 - ``STREAMSERVE_FILE_EXPIRY_S``: seconds a file lives when its upload gives no
   ``expires_after``, and a batch's output and error files (OpenAI's 30 days);
-  ``STREAMSERVE_RESPONSE_TTL_S``: a stored ``/v1/responses`` answer (also 30 days).
+  ``STREAMSERVE_RESPONSE_TTL_S``: a stored ``/v1/responses`` answer (also 30 days);
+  ``STREAMSERVE_MAX_RESPONSES_PER_OWNER``, ``STREAMSERVE_MAX_RESPONSE_BYTES_PER_OWNER``:
+  past either, an owner's oldest stored responses are dropped to make room.
 - ``STREAMSERVE_BATCH_RESULT_TTL_S``: seconds a batch's per-line result hashes outlive its
   end (its output and error files hold the results from then on).
 - ``STREAMSERVE_INGRESS_HEADER_TIMEOUT_S``: seconds an ingress connection may take to send a
@@ -135,6 +137,8 @@ class BusConfig:
     file_expiry_s: int = 30 * 24 * 3600  # OpenAI's default for batch files
     batch_result_ttl_s: int = 3_600  # the files hold the results; the hashes, for inspection
     response_ttl_s: int = 30 * 24 * 3600  # a stored response (stages/ingress/responses/)
+    max_responses_per_owner: int = 100_000  # past either, the oldest go (responses/quota.py)
+    max_response_bytes_per_owner: int = 2**30
     # Above the idle time common HTTP clients keep a pooled connection (httpx 5 s, aiohttp
     # 15 s), so the server is not the one to close a connection a client is reusing.
     ingress_header_timeout_s: float = 20.0
@@ -200,6 +204,8 @@ class BusConfig:
             "file_expiry_s",
             "batch_result_ttl_s",
             "response_ttl_s",
+            "max_responses_per_owner",
+            "max_response_bytes_per_owner",
             "ingress_max_connections",
             "max_stop_strings",
             "max_stop_chars",

@@ -6,7 +6,8 @@ single-tenant mode), its status, its Response object (JSON) and its conversation
 chat messages (JSON: the earlier turns', this turn's input, its answer), which a later
 ``previous_response_id`` continues; a streamed one also the replica streaming it and its
 create body, which a resume needs (resume.py). It expires ``response_ttl_s`` after its
-last write. Another owner's response is a 404, as a missing one is.
+last write, or goes sooner to make room for its owner's newer ones (quota.py). Another
+owner's response is a 404, as a missing one is.
 
 The status is a field of its own so that a cancel can set it without rewriting the object:
 a write after a cancel (the job's last replies) leaves it cancelled, and a write after a
@@ -26,6 +27,7 @@ import redis.asyncio as aredis
 
 from batch_store.files import not_found
 from runtime.config import BusConfig
+from stages.ingress.responses.quota import ResponseQuota
 from stages.ingress.tenancy.ownership import sees
 
 RUNNING = ("queued", "in_progress")
@@ -74,6 +76,7 @@ class ResponseStore:
         self.client = client
         self.config = config
         self.owner = owner
+        self.quota = ResponseQuota(client, config)
 
     def key(self, response_id: str) -> str:
         return self.config.key_name("response", response_id)
@@ -98,13 +101,11 @@ class ResponseStore:
             fields["request"] = _dumps(request)
         if stream is not None:
             fields.update(frontend=stream.frontend_id, request=_dumps(stream.request))
-        pipe = self.client.pipeline(transaction=True)
-        if response["background"] and stream is not None:
+        background = bool(response["background"] and stream is not None)
+        if background:
             fields.update(runner=stream.frontend_id, tenant=tenant or "")
-            pipe.sadd(self.background_index, response["id"])
-        pipe.hset(key, mapping=fields)
-        pipe.expire(key, self.config.response_ttl_s)
-        await pipe.execute()
+        await self.quota.store(self.owner, response["id"], key, self.background_index, fields,
+                               background)  # fmt: skip
 
     async def update(self, response: dict[str, Any], history: list[dict[str, Any]]) -> bool:
         """Its new state, unless it was cancelled or deleted meanwhile: whether it was written."""
@@ -158,11 +159,12 @@ class ResponseStore:
         return json.loads(history)
 
     async def delete(self, response_id: str) -> dict[str, Any]:
-        await self._visible(response_id)
+        (owner,) = await self._visible(response_id, "owner")
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(self.key(response_id))
         pipe.srem(self.background_index, response_id)
         await pipe.execute()
+        await self.quota.forget(owner.decode() or None, response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     async def cancel(self, response_id: str) -> str:
