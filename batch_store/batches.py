@@ -13,9 +13,10 @@ dead runner's batch aborts before it runs those lines again; ``:lease`` is the r
 
 A batch has an owner, as a file has (batch_store/files.py): a store made for an owner sees
 only that owner's batches (another's is a 404 to read or cancel; ``<p>:owner:<o>:batches``
-lists its own) and takes only that owner's files as input. Its output and error files are
-its owner's, under random ids chosen once when it finalizes, and expire after its
-``output_expires_after`` or ``file_expiry_s``.
+lists its own; ``:batches:active`` those not yet ended, at most
+``max_active_batches_per_owner``) and takes only that owner's files as input. Its output
+and error files are its owner's, under random ids chosen once when it finalizes, and expire
+after its ``output_expires_after`` or ``file_expiry_s``.
 
 Statuses follow OpenAI's: validating → in_progress → finalizing → completed, or failed (the
 file is not a batch), cancelling → cancelled, expired (past its completion window).
@@ -95,6 +96,11 @@ class BatchStore:
     def owner_index(self, owner: str) -> str:
         return self.config.key_name("owner", owner, "batches")
 
+    def owner_active(self, owner: str) -> str:
+        """The owner's batches not yet ended (a member may outlive its batch's end: the
+        active set, the runners', has the last word)."""
+        return self.config.key_name("owner", owner, "batches", "active")
+
     # ---- what a user does -----------------------------------------------------------------
 
     def create(self, input_file_id: Any, endpoint: Any, completion_window: Any = "24h",
@@ -126,13 +132,38 @@ class BatchStore:
             "owner": self.owner or OPEN_OWNER, "output_expires_s": output_expires_s,
         }  # fmt: skip
         created = time.time()  # finer than created_at: the list order
-        pipe = self.client.pipeline(transaction=True)
-        pipe.set(self.key(batch_id), json.dumps(obj))
-        pipe.zadd(self.index, {batch_id: created})
-        pipe.zadd(self.owner_index(obj["owner"]), {batch_id: created})
-        pipe.sadd(self.active, batch_id)
-        pipe.execute()
-        return self._view(obj)
+        owner_active = self.owner_active(obj["owner"])
+        with self.client.pipeline(transaction=True) as pipe:
+            while True:  # WATCH the owner's active set: two creates cannot take the last room
+                try:
+                    pipe.watch(owner_active)
+                    ended = self._check_active_room(pipe, owner_active)
+                    pipe.multi()
+                    pipe.set(self.key(batch_id), json.dumps(obj))
+                    pipe.zadd(self.index, {batch_id: created})
+                    pipe.zadd(self.owner_index(obj["owner"]), {batch_id: created})
+                    pipe.sadd(self.active, batch_id)
+                    pipe.sadd(owner_active, batch_id)
+                    if ended:
+                        pipe.srem(owner_active, *ended)
+                    pipe.execute()
+                    return self._view(obj)
+                except redis.WatchError:
+                    continue
+
+    def _check_active_room(self, pipe: redis.client.Pipeline, owner_active: str) -> list[str]:
+        """Refuse a batch past the owner's not-yet-ended ones (runners pick among every
+        owner's: without a bound one owner's thousands would crowd out the others' and make
+        every poll long); the ids its set still holds of batches that ended meanwhile."""
+        members = [m.decode() for m in pipe.smembers(owner_active)]
+        running = pipe.smismember(self.active, members) if members else []
+        ended = [m for m, live in zip(members, running, strict=True) if not live]
+        most = self.config.max_active_batches_per_owner
+        if len(members) - len(ended) >= most:
+            raise RequestError(429, f"you have {most} batches not yet ended, the most allowed "
+                               "(max_active_batches_per_owner); wait for one to end or cancel one",
+                               param="input_file_id", code="too_many_active_batches")  # fmt: skip
+        return ended
 
     def get(self, batch_id: str) -> dict[str, Any]:
         return self._view(self._load(batch_id))
@@ -267,13 +298,14 @@ class BatchStore:
             obj["counts"] = counts
 
         obj = self._update(batch_id, ended)
-        self._retire(batch_id)
+        self._retire(batch_id, obj.get("owner") or OPEN_OWNER)
         return self._view(obj)
 
-    def _retire(self, batch_id: str) -> None:
+    def _retire(self, batch_id: str, owner: str) -> None:
         """An ended batch leaves the runners' set; its results expire in a while."""
         pipe = self.client.pipeline(transaction=True)
         pipe.srem(self.active, batch_id)
+        pipe.srem(self.owner_active(owner), batch_id)
         pipe.delete(self.key(batch_id, "inflight"))
         for part in ("out", "err"):
             pipe.expire(self.key(batch_id, part), self.config.batch_result_ttl_s)

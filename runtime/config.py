@@ -16,10 +16,9 @@ Environment variables read by ``BusConfig.from_env``:
 - ``STREAMSERVE_REDIS_MAXMEMORY``: ``maxmemory`` of the embedded server (valkey's units:
   ``512mb``, ``1gb``); it runs with ``noeviction``, so a full Redis refuses writes (the
   ingress answers 503 with Retry-After) rather than dropping keys a job needs.
-- ``STREAMSERVE_READ_COUNT``: most entries one ``XREADGROUP`` returns.
-- ``STREAMSERVE_BLOCK_MS``: how long one ``XREADGROUP`` blocks waiting for entries. A new
-  entry ends the wait at once, and so does a stop (SIGTERM, SIGINT), so this bounds only how
-  often an idle stage polls Redis.
+- ``STREAMSERVE_READ_COUNT``, ``STREAMSERVE_BLOCK_MS``: most entries one ``XREADGROUP``
+  returns, and how long it blocks for them: a new entry ends the wait at once, as a stop
+  (SIGTERM, SIGINT) does, so this bounds only how often an idle stage polls Redis.
 - ``STREAMSERVE_CLAIM_IDLE_MS``: how long an entry stays pending before another consumer
   takes it over with ``XAUTOCLAIM``.
 - ``STREAMSERVE_MAX_DELIVERIES``: deliveries after which an entry (or a job whose workers
@@ -45,13 +44,13 @@ Environment variables read by ``BusConfig.from_env``:
 - ``STREAMSERVE_MAX_BATCH_LINE_BYTES``: the largest batch input line that runs (the
   ingress's own body limit); a longer one is a line error in the batch's error file.
 - ``STREAMSERVE_MAX_FILES_PER_OWNER``, ``STREAMSERVE_MAX_BYTES_PER_OWNER``: the files, and
-  their bytes, one owner (an API key's tenant, docs/BOUNDS.md) may keep; an upload past
-  either is a 4xx. A batch's output and error files count, but are never refused.
+  their bytes, one owner (an API key's tenant, docs/BOUNDS.md) may keep (an upload past
+  either is a 4xx; a batch's own files count, never refused); ``..._MAX_ACTIVE_BATCHES_...``
+  its batches not yet ended (a 429 past it); ``STREAMSERVE_MAX_RESPONSES_PER_OWNER`` and
+  ``..._MAX_RESPONSE_BYTES_...``, its stored responses (past either, its oldest go).
 - ``STREAMSERVE_FILE_EXPIRY_S``: seconds a file lives when its upload gives no
   ``expires_after``, and a batch's output and error files (OpenAI's 30 days);
-  ``STREAMSERVE_RESPONSE_TTL_S``: a stored ``/v1/responses`` answer (also 30 days);
-  ``STREAMSERVE_MAX_RESPONSES_PER_OWNER``, ``STREAMSERVE_MAX_RESPONSE_BYTES_PER_OWNER``:
-  past either, an owner's oldest stored responses are dropped to make room.
+  ``STREAMSERVE_RESPONSE_TTL_S``: a stored ``/v1/responses`` answer (also 30 days).
 - ``STREAMSERVE_BATCH_RESULT_TTL_S``: seconds a batch's per-line result hashes outlive its
   end (its output and error files hold the results from then on).
 - ``STREAMSERVE_INGRESS_HEADER_TIMEOUT_S``: seconds an ingress connection may take to send a
@@ -134,6 +133,7 @@ class BusConfig:
     # one list page (MAX_LIST_LIMIT) can show.
     max_files_per_owner: int = 10_000
     max_bytes_per_owner: int = 2**30
+    max_active_batches_per_owner: int = 100  # not yet ended: what runners pick among
     file_expiry_s: int = 30 * 24 * 3600  # OpenAI's default for batch files
     batch_result_ttl_s: int = 3_600  # the files hold the results; the hashes, for inspection
     response_ttl_s: int = 30 * 24 * 3600  # a stored response (stages/ingress/responses/)
@@ -201,6 +201,7 @@ class BusConfig:
             "max_batch_line_bytes",
             "max_files_per_owner",
             "max_bytes_per_owner",
+            "max_active_batches_per_owner",
             "file_expiry_s",
             "batch_result_ttl_s",
             "response_ttl_s",

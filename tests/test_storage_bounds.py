@@ -193,3 +193,24 @@ def test_a_batch_finished_again_rewrites_the_same_two_files(redis_client):
     assert (again["output_file_id"], again["error_file_id"]) == ids
     assert sorted(f["id"] for f in store.files.list()["data"]) == sorted([upload["id"], *ids])
     assert again["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+
+
+def test_an_owner_past_its_active_batches_is_refused_until_one_ends(redis_client):
+    """Runners pick among every owner's batches not yet ended: one owner's thousands would
+    crowd out the others' and make every runner's poll read them all."""
+    config = BusConfig(redis_url="redis://unused", max_active_batches_per_owner=2)
+    store = BatchStore(redis_client, config, owner="key-a")
+    upload = store.files.create(jsonl([chat_line(0)]).getvalue(), "in", "batch")["id"]
+    first, _ = store.create(upload, CHAT), store.create(upload, CHAT)
+    with pytest.raises(RequestError) as error:
+        store.create(upload, CHAT)
+    assert (error.value.status, error.value.code) == (429, "too_many_active_batches")
+    assert "max_active_batches_per_owner" in error.value.message
+    other = BatchStore(redis_client, config, owner="key-b")  # its own room
+    other.create(other.files.create(jsonl([chat_line(0)]).getvalue(), "in", "batch")["id"], CHAT)
+    store.begin(first["id"], 1, {})
+    store.finish(first["id"], "completed")  # an ended batch gives its room back
+    third = store.create(upload, CHAT)
+    store.retire_unreadable(third["id"])  # and so does one no runner can read
+    store.create(upload, CHAT)
+    assert len(store.active_ids()) == 3
