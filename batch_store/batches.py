@@ -53,7 +53,13 @@ BATCH_PRIORITY = 1
 # limits), who sees it, its files' ids and expiry, and its counts once its hashes may expire.
 HIDDEN = ("total", "tenant", "owner", "file_ids", "output_expires_s", "counts")
 ENDED = ("completed", "failed", "expired", "cancelled")
-MAX_METADATA_PAIRS = 16
+MAX_METADATA_PAIRS = 16  # OpenAI's bounds of a batch's or a response's metadata
+MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
+METADATA_SCHEMA = {  # the same, for the OpenAPI description
+    "type": "object", "maxProperties": MAX_METADATA_PAIRS,
+    "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS},
+    "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS},
+}  # fmt: skip
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
               "cancelling_at", "cancelled_at")  # fmt: skip
 
@@ -378,3 +384,18 @@ def _check_metadata(metadata: Any) -> None:
     ):
         raise RequestError(400, f"metadata must be an object of at most {MAX_METADATA_PAIRS} "
                            "string values", param="metadata")  # fmt: skip
+    problem = metadata_too_long(metadata)
+    if problem is not None:
+        raise RequestError(400, problem, param="metadata", code="invalid_value")
+
+
+def metadata_too_long(metadata: dict[str, str]) -> str | None:
+    """What makes string metadata longer than OpenAI allows (None: nothing): it is stored
+    with its object for as long, and shown with it."""
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            return f"metadata keys hold at most {MAX_METADATA_KEY_CHARS} characters; got {len(key)}"
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            return (f"metadata[{key!r}] holds {len(value)} characters, more than the "
+                    f"{MAX_METADATA_VALUE_CHARS} allowed")  # fmt: skip
+    return None

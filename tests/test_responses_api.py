@@ -260,6 +260,8 @@ def test_background_cancel_stops_its_job(ingress):
     ({"input": "x", "background": True, "store": False}, "store"),
     ({"input": "x", "bogus": 1}, "bogus"),
     ({"input": "x", "model": "other"}, "model"),
+    ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),  # OpenAI's 512 characters
+    ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),  # and 64 for a key
 ])  # fmt: skip
 def test_user_errors_are_openai_error_bodies(ingress, body, param):
     status, _, data = ingress.request("POST", "/v1/responses", body)

@@ -214,3 +214,17 @@ def test_an_owner_past_its_active_batches_is_refused_until_one_ends(redis_client
     store.retire_unreadable(third["id"])  # and so does one no runner can read
     store.create(upload, CHAT)
     assert len(store.active_ids()) == 3
+
+
+@pytest.mark.parametrize(
+    "metadata", [{"k": "v" * 513}, {"k" * 65: "v"}, {str(i): "v" for i in range(17)}]
+)
+def test_a_batchs_metadata_past_openais_bounds_is_refused(redis_client, metadata):
+    """Kept with the batch's object and shown with it: 16 pairs, 64-character keys and
+    512-character values, as OpenAI's."""
+    store = BatchStore(redis_client, BusConfig(redis_url="redis://unused"), owner="key-m")
+    upload = store.files.create(jsonl([chat_line(0)]).getvalue(), "in", "batch")["id"]
+    with pytest.raises(RequestError) as error:
+        store.create(upload, CHAT, metadata=metadata)
+    assert (error.value.status, error.value.param) == (400, "metadata")
+    store.create(upload, CHAT, metadata={"k" * 64: "v" * 512})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from batch_store.batches import METADATA_SCHEMA
 from batch_store.files import EXPIRES_AFTER_S
 from stages.ingress.api import admin_weights, embeddings
 from stages.ingress.api.openapi_schemas import (
@@ -160,8 +161,7 @@ def _batch_paths() -> dict[str, Any]:
                        "endpoint": {"type": "string",
                                     "enum": ["/v1/chat/completions", "/v1/completions"]},
                        "completion_window": {"type": "string", "enum": ["24h"]},
-                       "metadata": {"type": "object",
-                                    "additionalProperties": {"type": "string"}},
+                       "metadata": METADATA_SCHEMA,
                        "output_expires_after": expires_after}}}}  # fmt: skip
     return {
         "/v1/files": {

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from batch_store.batches import MAX_METADATA_PAIRS, METADATA_SCHEMA, metadata_too_long
 from stages.ingress.api.params import ApiRequest, parse_chat
 from stages.ingress.body import BOOL, NUMBER, OBJECT, STR, field, reject_unknown, wrong_type
 from stages.ingress.errors import ApiError
@@ -35,7 +36,6 @@ FORMATS = ("text", "json_object", "json_schema")
 TOOL_FIELDS = ("type", "name", "description", "parameters", "strict")
 # A chat field (as parse_chat names it in an error) -> the Responses field it came from.
 CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
-MAX_METADATA_PAIRS = 16  # OpenAI's
 
 
 @dataclass
@@ -203,9 +203,10 @@ def _metadata(value: Any) -> dict[str, str]:
         return {}
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
         raise wrong_type("metadata", value, "an object of strings")
-    if len(value) > MAX_METADATA_PAIRS:
-        raise ApiError(400, f"metadata holds at most {MAX_METADATA_PAIRS} pairs",
-                       param="metadata", code="invalid_value")  # fmt: skip
+    problem = (f"metadata holds at most {MAX_METADATA_PAIRS} pairs"
+               if len(value) > MAX_METADATA_PAIRS else metadata_too_long(value))  # fmt: skip
+    if problem is not None:
+        raise ApiError(400, problem, param="metadata", code="invalid_value")
     return value
 
 
@@ -346,8 +347,7 @@ def openapi_schema() -> dict[str, Any]:
         "store": nullable_bool,
         "background": nullable_bool,
         "previous_response_id": {"type": ["string", "null"]},
-        "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"},
-                     "maxProperties": MAX_METADATA_PAIRS},
+        "metadata": {**METADATA_SCHEMA, "type": ["object", "null"]},
         "user": {"type": ["string", "null"]},
         **{name: {"anyOf": [{"const": v} for v in inert] + [{"type": "null"}],
                   "description": "accepted at this value only"} for name, inert in INERT.items()},
