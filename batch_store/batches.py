@@ -8,7 +8,8 @@ of ``<p>:batch:<id>:out`` or ``:err``, keyed by its line number and written with
 a line is answered once however often it runs (a runner that died mid-line, one whose lease
 lapsed); the output and error files are made from those hashes, in line order, when the
 batch ends; then the hashes expire after ``batch_result_ttl_s``, the batch's counts kept in
-its object. ``:inflight`` names the request each line has running, which a runner taking a
+its object, which expires with the batch's output files (lists forget it when they meet
+it gone). ``:inflight`` names the request each line has running, which a runner taking a
 dead runner's batch aborts before it runs those lines again; ``:lease`` is the runner's.
 
 A batch has an owner, as a file has (batch_store/files.py): a store made for an owner sees
@@ -42,6 +43,7 @@ from batch_store.files import (
     not_found,
 )
 from batch_store.input_file import check_endpoint
+from batch_store.metadata import check_metadata
 from jobs.errors import RequestError
 from runtime.config import BusConfig
 
@@ -53,13 +55,6 @@ BATCH_PRIORITY = 1
 # limits), who sees it, its files' ids and expiry, and its counts once its hashes may expire.
 HIDDEN = ("total", "tenant", "owner", "file_ids", "output_expires_s", "counts")
 ENDED = ("completed", "failed", "expired", "cancelled")
-MAX_METADATA_PAIRS = 16  # OpenAI's bounds of a batch's or a response's metadata
-MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
-METADATA_SCHEMA = {  # the same, for the OpenAPI description
-    "type": "object", "maxProperties": MAX_METADATA_PAIRS,
-    "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS},
-    "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS},
-}  # fmt: skip
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
               "cancelling_at", "cancelled_at")  # fmt: skip
 
@@ -120,7 +115,7 @@ class BatchStore:
             raise RequestError(400, f"completion_window must be one of "
                                f"{list(COMPLETION_WINDOWS)}; got {completion_window!r}",
                                param="completion_window", code="invalid_value")  # fmt: skip
-        _check_metadata(metadata)
+        check_metadata(metadata)
         if not isinstance(input_file_id, str):
             raise RequestError(400, "input_file_id must be a file id", param="input_file_id")
         source = self.files.get(input_file_id)
@@ -181,9 +176,19 @@ class BatchStore:
         ids = [i.decode() for i in self.client.zrange(index, 0, -1, desc=True)]
         if after is not None:
             ids = ids[ids.index(after) + 1 :] if after in ids else []
-        wanted = ids[: limit + 1]
-        raws = self.client.mget([self.key(i) for i in wanted]) if wanted else []
-        page = [self._view(json.loads(raw)) for raw in raws if raw is not None]
+        page, gone = [], []
+        for start in range(0, len(ids), limit + 1):  # until a page and one more are found
+            wanted = ids[start : start + limit + 1]
+            for batch_id, raw in zip(wanted, self.client.mget([self.key(i) for i in wanted]),
+                                     strict=True):  # fmt: skip
+                if raw is None:
+                    gone.append(batch_id)  # expired with its files
+                else:
+                    page.append(self._view(json.loads(raw)))
+            if len(page) > limit:
+                break
+        if gone:  # the indexes forget what expired (another owner's, on its own reads)
+            self.client.zrem(index, *gone)
         return list_object(page[:limit], len(page) > limit)
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
@@ -253,8 +258,7 @@ class BatchStore:
                 {"code": error.code, "message": error.message, "param": error.param,
                  "line": None}]}  # fmt: skip
 
-        self._update(batch_id, failed)
-        self._retire(batch_id)
+        self._retire(batch_id, self._update(batch_id, failed))
 
     def done_lines(self, batch_id: str) -> set[int]:
         """The lines with a result already (an earlier runner's included)."""
@@ -304,14 +308,16 @@ class BatchStore:
             obj["counts"] = counts
 
         obj = self._update(batch_id, ended)
-        self._retire(batch_id, obj.get("owner") or OPEN_OWNER)
+        self._retire(batch_id, obj)
         return self._view(obj)
 
-    def _retire(self, batch_id: str, owner: str) -> None:
-        """An ended batch leaves the runners' set; its results expire in a while."""
+    def _retire(self, batch_id: str, obj: dict[str, Any]) -> None:
+        """An ended batch leaves the runners' sets; its results expire in a while, its
+        object with its files (a 404 from then on, and gone from lists)."""
         pipe = self.client.pipeline(transaction=True)
         pipe.srem(self.active, batch_id)
-        pipe.srem(self.owner_active(owner), batch_id)
+        pipe.srem(self.owner_active(obj.get("owner") or OPEN_OWNER), batch_id)
+        pipe.expire(self.key(batch_id), obj.get("output_expires_s") or self.config.file_expiry_s)
         pipe.delete(self.key(batch_id, "inflight"))
         for part in ("out", "err"):
             pipe.expire(self.key(batch_id, part), self.config.batch_result_ttl_s)
@@ -339,7 +345,7 @@ class BatchStore:
                     obj = self._seen(batch_id, pipe.get(key))
                     change(obj)
                     pipe.multi()
-                    pipe.set(key, json.dumps(obj))
+                    pipe.set(key, json.dumps(obj), keepttl=True)  # an ended one's expiry
                     pipe.execute()
                     return obj
                 except redis.WatchError:
@@ -372,30 +378,3 @@ def _stamp(status: str) -> Callable[[dict[str, Any]], None]:
         obj["status"], obj[f"{status}_at"] = status, int(time.time())
 
     return stamp
-
-
-def _check_metadata(metadata: Any) -> None:
-    if metadata is None:
-        return
-    if (
-        not isinstance(metadata, dict)
-        or len(metadata) > MAX_METADATA_PAIRS
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-    ):
-        raise RequestError(400, f"metadata must be an object of at most {MAX_METADATA_PAIRS} "
-                           "string values", param="metadata")  # fmt: skip
-    problem = metadata_too_long(metadata)
-    if problem is not None:
-        raise RequestError(400, problem, param="metadata", code="invalid_value")
-
-
-def metadata_too_long(metadata: dict[str, str]) -> str | None:
-    """What makes string metadata longer than OpenAI allows (None: nothing): it is stored
-    with its object for as long, and shown with it."""
-    for key, value in metadata.items():
-        if len(key) > MAX_METADATA_KEY_CHARS:
-            return f"metadata keys hold at most {MAX_METADATA_KEY_CHARS} characters; got {len(key)}"
-        if len(value) > MAX_METADATA_VALUE_CHARS:
-            return (f"metadata[{key!r}] holds {len(value)} characters, more than the "
-                    f"{MAX_METADATA_VALUE_CHARS} allowed")  # fmt: skip
-    return None

@@ -228,3 +228,33 @@ def test_a_batchs_metadata_past_openais_bounds_is_refused(redis_client, metadata
         store.create(upload, CHAT, metadata=metadata)
     assert (error.value.status, error.value.param) == (400, "metadata")
     store.create(upload, CHAT, metadata={"k" * 64: "v" * 512})
+
+
+def test_an_ended_batch_expires_with_its_files_and_leaves_the_lists(redis_client):
+    config = BusConfig(redis_url="redis://unused", max_active_batches_per_owner=1)
+    store = BatchStore(redis_client, config, owner="key-e")
+    upload = store.files.create(jsonl([chat_line(0)]).getvalue(), "in", "batch")["id"]
+    failed = store.create(upload, CHAT)["id"]  # its file is found not to be a batch
+    store.fail(failed, RequestError(400, "too many lines", code="too_many_lines"))
+    got = store.get(failed)
+    assert got["status"] == "failed" and got["errors"]["data"][0]["code"] == "too_many_lines"
+    assert failed not in store.active_ids()
+    assert 0 < redis_client.ttl(store.key(failed)) <= config.file_expiry_s
+    done = store.create(upload, CHAT, output_expires_after={"anchor": "created_at",
+                                                            "seconds": HOUR})["id"]  # fmt: skip
+    store.begin(done, 1, {})
+    store.record(done, 0, {"custom_id": "line-0"}, ok=True)
+    store.finish(done, "completed")
+    assert 0 < redis_client.ttl(store.key(done)) <= HOUR
+    newest = [store.create(upload, CHAT)["id"]]
+    for _ in range(3):
+        store.cancel(newest[-1])
+        store.finish(newest[-1], "cancelled")
+        newest.append(store.create(upload, CHAT)["id"])
+    redis_client.delete(store.key(done), store.key(newest[1]))  # as their expiry would
+    page = store.list(limit=2)
+    assert [b["id"] for b in page["data"]] == [newest[3], newest[2]] and page["has_more"]
+    page = store.list(after=newest[2], limit=2)
+    assert [b["id"] for b in page["data"]] == [newest[0], failed] and not page["has_more"]
+    indexed = {i.decode() for i in redis_client.zrange(store.owner_index("key-e"), 0, -1)}
+    assert done not in indexed and newest[1] not in indexed

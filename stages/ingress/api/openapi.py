@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from batch_store.batches import METADATA_SCHEMA
 from batch_store.files import EXPIRES_AFTER_S
+from batch_store.metadata import METADATA_SCHEMA
 from stages.ingress.api import admin_weights, embeddings
 from stages.ingress.api.openapi_schemas import (
     chat_request,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from batch_store.batches import MAX_METADATA_PAIRS, METADATA_SCHEMA, metadata_too_long
+from batch_store.metadata import MAX_METADATA_PAIRS, METADATA_SCHEMA, metadata_too_long
 from stages.ingress.api.params import ApiRequest, parse_chat
 from stages.ingress.body import BOOL, NUMBER, OBJECT, STR, field, reject_unknown, wrong_type
 from stages.ingress.errors import ApiError
