@@ -188,7 +188,10 @@ class BatchStore:
             if len(page) > limit:
                 break
         if gone:  # the indexes forget what expired (another owner's, on its own reads)
-            self.client.zrem(index, *gone)
+            pipe = self.client.pipeline(transaction=False)
+            for read in {index, self.index}:  # the index every batch is in, too
+                pipe.zrem(read, *gone)
+            pipe.execute()
         return list_object(page[:limit], len(page) > limit)
 
     def cancel(self, batch_id: str) -> dict[str, Any]:

@@ -42,16 +42,18 @@ def check_unicode(value: Any, text: str) -> None:
     while stack:  # by hand, not recursion: nesting is bounded only by the decoder
         item, where = stack.pop()
         if isinstance(item, str):
-            _check_string(item, where)
+            check_string(item, where)
         elif isinstance(item, dict):
             for key, member in item.items():
-                _check_string(key, where)
+                check_string(key, where)
                 stack.append((member, f"{where}.{key}" if where else key))
         elif isinstance(item, list):
             stack.extend((member, f"{where}[{i}]") for i, member in enumerate(item))
 
 
-def _check_string(text: str, where: str) -> None:
+def check_string(text: str, where: str) -> None:
+    """Raise NotUnicode (naming `where`) if `text` holds a lone surrogate, however it came:
+    an escape, or bytes that are not UTF-8 handed on as surrogates (surrogateescape)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:

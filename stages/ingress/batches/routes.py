@@ -15,6 +15,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from batch_store.batches import BatchStore
 from batch_store.files import FileStore
+from jobs.unicode_text import NotUnicode, check_string
 from stages.ingress.body import OBJECT, STR, field, read_object, reject_unknown
 from stages.ingress.errors import ApiError
 from stages.ingress.state import STATE
@@ -108,8 +109,8 @@ def _filename(given: str | None) -> str:
     if not given:
         return "upload.jsonl"
     try:
-        given.encode("utf-8")
-    except UnicodeEncodeError:
+        check_string(given, "file")
+    except NotUnicode:
         raise ApiError(400, "the file's name is not valid UTF-8", param="file",
                        code="invalid_value") from None  # fmt: skip
     return given
