@@ -71,6 +71,13 @@ def chat_body(**extra):
         (CHAT, chat_body(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
         (CHAT, chat_body(max_tokens=10**30), 400, "max_tokens"),
         (CHAT, chat_body(stream_options={"include_usage": True}), 400, "stream_options"),
+        (CHAT, chat_body(stream=True, stream_options={"usage": True}), 400, "usage"),
+        (
+            CHAT,
+            chat_body(stream=True, stream_options={"include_obfuscation": True}),
+            400,
+            "stream_options.include_obfuscation",
+        ),  # fmt: skip
         (CHAT, chat_body(messages=[]), 400, "messages"),
         (CHAT, chat_body(messages=[{"role": "wizard", "content": "x"}]), 400, "messages"),
         (

@@ -50,6 +50,10 @@ def _openai_properties() -> dict[str, Any]:
             "type": ["object", "null"],
             "properties": {
                 "include_usage": {"type": ["boolean", "null"]},
+                "include_obfuscation": {
+                    "type": ["boolean", "null"],
+                    "description": "only false: events carry no obfuscation padding",
+                },
                 "resumable": {
                     "type": ["boolean", "null"],
                     "description": "true: each event "
@@ -57,6 +61,7 @@ def _openai_properties() -> dict[str, Any]:
                     "false: none, whatever the headers say",
                 },
             },
+            "additionalProperties": False,
             "description": "only with stream: true",
         },
         user={"type": ["string", "null"]},

@@ -49,6 +49,9 @@ OPENAI_COMMON = {*OPENAI_SAMPLING, "model", "n", "stream", "stream_options", "us
                  response_format.NAME}  # fmt: skip
 CHAT_FIELDS = {*OPENAI_COMMON, "messages", "top_logprobs", *tool_request.FIELDS}
 COMPLETION_FIELDS = {*OPENAI_COMMON, "prompt", "echo"}
+# include_obfuscation: OpenAI's padding of stream events against length side channels; none
+# is added here, so only false (or nothing) is accepted.
+STREAM_OPTIONS = {"include_usage", "resumable", "include_obfuscation"}
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "model",
                    "return_prompt_logprobs"}  # fmt: skip
 
@@ -252,9 +255,19 @@ def _job(data: dict[str, Any], prompts: list[dict[str, Any]], sampling: dict) ->
             param="stream_options",
             code="invalid_value",
         )
+    reject_unknown(options or {}, STREAM_OPTIONS, where="in stream_options: ")
     include_usage = bool(
         field(options or {}, "include_usage", BOOL, label="stream_options.include_usage")
     )
+    if field(options or {}, "include_obfuscation", BOOL,
+             label="stream_options.include_obfuscation"):  # fmt: skip
+        raise ApiError(
+            400,
+            "stream_options.include_obfuscation: true is not supported: events carry no "
+            "obfuscation padding (send false or leave it out)",
+            param="stream_options.include_obfuscation",
+            code="unsupported_value",
+        )
     resumable = field(options or {}, "resumable", BOOL, label="stream_options.resumable")
     field(data, "user", STR)
     openai_names = {param.name: name for name, param in OPENAI_SAMPLING.items() if name in data}
