@@ -259,15 +259,11 @@ def _job(data: dict[str, Any], prompts: list[dict[str, Any]], sampling: dict) ->
     include_usage = bool(
         field(options or {}, "include_usage", BOOL, label="stream_options.include_usage")
     )
-    if field(options or {}, "include_obfuscation", BOOL,
-             label="stream_options.include_obfuscation"):  # fmt: skip
-        raise ApiError(
-            400,
-            "stream_options.include_obfuscation: true is not supported: events carry no "
-            "obfuscation padding (send false or leave it out)",
-            param="stream_options.include_obfuscation",
-            code="unsupported_value",
-        )
+    label = "stream_options.include_obfuscation"
+    if field(options or {}, "include_obfuscation", BOOL, label=label):
+        raise ApiError(400, f"{label}: true is not supported: events carry no obfuscation "
+                       "padding (send false or leave it out)", param=label,
+                       code="unsupported_value")  # fmt: skip
     resumable = field(options or {}, "resumable", BOOL, label="stream_options.resumable")
     field(data, "user", STR)
     openai_names = {param.name: name for name, param in OPENAI_SAMPLING.items() if name in data}
