@@ -13,7 +13,7 @@ A beat that finds this worker gone from the workers set (the reaper forgot it wh
 alive) puts it back, and says so; what the reaper took off it, the worker learns from its
 fence (bus/fenced_stream.py).
 
-Each beat also reads the fleet's weights record (jobs/weights.py) in its MULTI, for the
+Each beat also reads the fleet's weights record (jobs/weights.py) in its round trip, for the
 worker's `WeightsUpdates`, and announces the version the worker serves.
 """
 

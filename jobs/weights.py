@@ -7,7 +7,7 @@
 
 Why a record and not a message on each worker's stream: a worker reads it when it starts (so a
 worker started after an update loads the new version, whatever its command line says) and at
-every heartbeat, in the heartbeat's own MULTI, so no extra round trip. That is level-triggered:
+every heartbeat, in the heartbeat's own round trip, so no extra one. That is level-triggered:
 a worker that was restarting, fenced or partitioned when the update was made still converges,
 a repeated call cannot make a worker load twice, and there is no message for the reaper to move
 off a dead worker's stream or for a worker to dead-letter. The price is latency: a worker

@@ -148,8 +148,8 @@ class BusConfig:
     # A busy worker publishes its tokens at most this often (0: every engine step): each
     # publish costs the bus about a dozen commands, whatever it carries.
     publish_interval_ms: int = 50
-    # A busy worker reads its jobs' abort flags (bus/aborts.py) at most this often, in its
-    # commit: one MGET for all of them. An abort ends a running job within about this.
+    # A busy worker reads the aborts stream (bus/aborts.py) at most this often, in its
+    # commit: one XREAD for all its jobs. An abort ends a running job within about this.
     abort_check_interval_ms: int = 500
     redis_maxmemory: str = "1gb"
     reply_timeout_s: float = 3_600.0  # as long as a reply stream outlives its last write
