@@ -281,6 +281,18 @@ def test_fields_sdks_send_by_default_are_taken_and_others_refused(ingress):
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=MODEL, input="Hi", reasoning={"effort": "high"})
     assert refused.value.body["param"] == "reasoning"
+    # OpenAI's stream obfuscation: events here carry no padding, so only false is taken.
+    events = list(
+        client.responses.create(
+            model=MODEL, input="Hi", stream=True, stream_options={"include_obfuscation": False}
+        )
+    )
+    assert events[-1].type == "response.completed"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(
+            model=MODEL, input="Hi", stream=True, stream_options={"include_obfuscation": True}
+        )
+    assert refused.value.body["param"] == "stream_options"
 
 
 def test_a_stream_its_client_leaves_is_stored_cancelled(ingress):

@@ -24,8 +24,13 @@ from stages.ingress.errors import ApiError
 # OpenAI fields taken at the values that ask nothing this server does not do (what SDKs send
 # by default); any other value is a 400 naming the field. Hints with no effect here:
 # prompt_cache_key (the router's prefix cache needs none), safety_identifier.
-INERT = {"truncation": ("disabled",), "include": ([],), "reasoning": ({},),
-         "service_tier": ("auto", "default")}  # fmt: skip
+INERT = {
+    "truncation": ("disabled",),
+    "include": ([],),
+    "reasoning": ({},),
+    "service_tier": ("auto", "default"),
+    "stream_options": ({}, {"include_obfuscation": False}),
+}  # no padding is added
 HINTS = ("prompt_cache_key", "safety_identifier")
 FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text",
           "tools", "tool_choice", "parallel_tool_calls", "stream", "store", "background",
