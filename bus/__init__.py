@@ -10,12 +10,13 @@ effects.py        what a stage's turn writes (`Outbound`, `SetKey`, `ExpireKey`,
 fenced_stream.py  a worker's own stream, written only under its fence (its progress log, which
                   carries its token batches and which the reaper closes)
 fence_off.py      the reaper's claim that closes a worker's log; the log read in order
-liveness.py       which workers are alive: the one reader of their heartbeats, sync and async
+liveness.py       which workers are alive: the shared reader of their heartbeats, sync and async
 scripted_multi.py a worker's fenced commit as one Lua script call (not WATCH, GET, MULTI, EXEC),
                   its first write the fence
 reconnect.py      every consumer loop's backoff on outages and its group made again
 stream_trim.py    trimming a stream only below what every group has read and acknowledged
-aborts.py         abort flags: all an abort writes; the worker holding the job reads them
+aborts.py         aborts: flags a worker checks as it admits a job, the aborts stream the
+                  worker holding it reads
 client.py         direct Redis jobs: `Client` and `AsyncClient`
 replies.py        reading a reply stream, in order, for many requests at once
 reply_router.py   what a reply stream's readers share: whose each entry is, where to read next

@@ -5,7 +5,7 @@ An abort writes the flag (`<p>:abort:<rid>`), one entry naming its rids on `<p>:
 (`aborts_stream`, capped at about `ABORTS_MAXLEN` entries), and an Abort entry for jobs
 whose worker the caller knows (below). A job still on its way to a worker (in the
 requests, tokenized or worker streams, or moving off a dead worker) is dropped when a worker
-admits it (one MGET of the flags per admission, gpu_worker/worker.py); one it holds
+admits it (one MGET of the flags per admission, gpu_worker/job_admission.py); one it holds
 (running, or waiting for its grammar) is ended by its worker, which reads the aborts
 stream from where it last read it in its commit, at most every `abort_check_interval_ms`
 (bus/fenced_stream.py ``abort_checks``), and frees it within about that. The job's stream

@@ -7,10 +7,10 @@ bus needs (``NoPermissionError``) would fail much later, mid-request. Both are c
 before a process starts its work. An unreachable server is not: under compose Redis may
 still be starting, and the reconnect loops wait for it.
 
-On a Redis Cluster a process checks on the shard it attached to (`attach_checked`,
-runtime/cluster.py), under that shard's names. A check made on a node by a URL alone may hash
-its probe to another node's slot: the MOVED reply still proves the user may write (a server
-checks ACLs before it redirects).
+On a Redis Cluster a process checks on the shard it attached to (`attach_checked` here, over
+runtime/cluster.py's `attach`), under that shard's names. A check made on a node by a URL
+alone may hash its probe to another node's slot: the MOVED reply still proves the user may
+write (a server checks ACLs before it redirects).
 """
 
 from __future__ import annotations

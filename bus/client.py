@@ -55,7 +55,7 @@ from runtime.config import REDIS_URL_ENV, BusConfig
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11+; annotations are never evaluated here
     from typing_extensions import Unpack
 
-SUBMIT_PIPELINE_SIZE = 1_000  # XADDs per round trip in submit_many
+SUBMIT_PIPELINE_SIZE = 1_000  # jobs per round trip in submit_many (bundle entries)
 CONNECT_TIMEOUT_S = 5.0
 
 

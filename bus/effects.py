@@ -1,9 +1,11 @@
 """What a stage's turn writes: effects queued on one MULTI with the acknowledgements.
 
-A stage returns outputs (messages to add to streams, keys to set or expire, hash counts) and the
-code that commits its turn queues them, with the turn's dead letters, on the MULTI that
-acknowledges its inputs: either all of it is written or none is. (A worker's commit queues the
-same commands on a script call that checks its fence first: bus/scripted_multi.py.) Executed with
+A stage returns outputs (messages to add to streams, keys to set or expire, hash counts) and
+the code that commits its turn queues them, with the turn's dead letters, on the MULTI that
+acknowledges its inputs: either all of it is written or none is (a replayable stage's, the
+detokenizer's, go on a pipeline and are acknowledged with its next read: bus/actor.py). (A
+worker's commit queues the same commands on a script call that checks its fence first:
+bus/scripted_multi.py.) Executed with
 `execute_logging_errors`, one command that fails (a reply stream that is a hash) is dropped
 without undoing the others; a Redis at ``maxmemory`` refuses the whole MULTI, and that is
 raised as the transient error it is (redis.OutOfMemoryError, in REDIS_TRANSIENT): the
@@ -57,7 +59,7 @@ class Outbound:
 
 @dataclass
 class SetKey:
-    """A key written in the same MULTI as the outputs (e.g. where a request was routed)."""
+    """A key set, with a TTL, in the same commit as the outputs."""
 
     key: str
     value: str | bytes
@@ -110,8 +112,9 @@ def dead_letter_fields(
 
 
 def write_outputs(pipe: Any, config: BusConfig, outputs: Sequence[Output]) -> None:
-    """Queue the commands of `outputs` on a pipeline (one MULTI with the acks); the jobs
-    among them for a job stream in one bundle entry per stream, in their order."""
+    """Queue the commands of `outputs` on a pipeline (the acks' MULTI, or a replayable
+    stage's pipeline); the jobs among them for a job stream in one bundle entry per stream,
+    in their order."""
     bundled = job_streams(config)
     jobs: dict[str, list[bytes]] = {}
     for out in outputs:

@@ -1,4 +1,5 @@
-"""Which workers are alive: the one reader of the workers set and their heartbeat keys.
+"""Which workers are alive: the shared reader of the workers set and their heartbeat keys
+(runtime/cluster.py's shard choice and the reaper check single keys themselves).
 
 A worker adds its id to the workers set (``<p>:workers``) and writes its `Heartbeat` under
 its heartbeat key (``<p>:heartbeat:<id>``) every ``heartbeat_interval_s``, with a TTL of

@@ -25,9 +25,10 @@ one slot (runtime/config.py ``prefix``): the script declares the first key its c
 so a node that does not own that slot answers MOVED; declaring each key would send every
 name twice. Redis 7 is required (shebang scripts), as the README says.
 
-Only the fenced commit is a script. Server CPU per commit on the embedded valkey 9.1
-(`python benchmarks/bench_commit_cost.py`, the median of alternating rounds): a worker's
-publish 76.0 µs as WATCH/GET then MULTI/EXEC, 44.6 as a script (then with its GET); a
+Of the hand-offs between stages, only the fenced commit is a script. Server CPU per commit
+on the embedded valkey 9.1 (`python benchmarks/bench_commit_cost.py`, the median of
+alternating rounds): a worker's publish 76.0 µs as WATCH/GET then MULTI/EXEC, 44.6 as a
+script (then with its GET); a
 detokenizer's hand-off (XADD, XACK) 27.8 µs as MULTI/EXEC, 39.2 as a script: with no round
 trip to save, the interpreter's cost per call outweighs the two commands it saves. Redis CPU
 is what a shard runs out of, so the stages' plain hand-offs stay MULTIs (bus/actor.py).

@@ -11,7 +11,7 @@ their own (runtime/child_process.py): a terminal's Ctrl-C reaches only this proc
 them in that order, rather than every process at once. A replica that dies once the system is up is
 started again (its work was picked up by its peers meanwhile: a dead worker's jobs move to
 live workers, a dead CPU stage's pending entries are claimed); one that dies
-``RESTART_LIMIT`` times within ``RESTART_WINDOW_S``, or before the system is up, stops
+more than ``RESTART_LIMIT`` times within ``RESTART_WINDOW_S``, or before the system is up, stops
 everything with a non-zero exit: a crash loop that looks healthy is worse than no system.
 """
 
@@ -128,8 +128,9 @@ class Launcher:
         self.server_restarts = [t for t in self.server_restarts if now - t < RESTART_WINDOW_S]
         self.server_restarts.append(now)
         if len(self.server_restarts) > RESTART_LIMIT:
-            logger.error("the embedded server exited with code %d, %d times in %g s; stopping "
-                         "everything", code, RESTART_LIMIT, RESTART_WINDOW_S)  # fmt: skip
+            logger.error("the embedded server exited with code %d, %d times in %g s; "
+                         "stopping everything", code, len(self.server_restarts),
+                         RESTART_WINDOW_S)  # fmt: skip
             return False
         try:
             self.server.revive()  # same socket, so the stages' URL stays right
@@ -258,7 +259,7 @@ class Launcher:
         replica.restarts = [t for t in replica.restarts if now - t < RESTART_WINDOW_S] + [now]
         if len(replica.restarts) > RESTART_LIMIT:
             logger.error("%s exited with code %d, %d times in %g s; stopping everything",
-                         replica.label, code, RESTART_LIMIT, RESTART_WINDOW_S)  # fmt: skip
+                         replica.label, code, len(replica.restarts), RESTART_WINDOW_S)  # fmt: skip
             return False
         replica.process = subprocess.Popen(replica.command, env=replica.env,
                                            stdin=subprocess.DEVNULL, **owned_child())  # fmt: skip

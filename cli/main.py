@@ -11,7 +11,8 @@
 
 Every command takes the Redis URL from --redis-url or $REDIS_URL, and the model from
 --model or $STREAMSERVE_MODEL; `status` and `batch` read an ingress's URL (--url) instead
-where Redis is out of reach, and need no model.
+where Redis is out of reach; `status`, `batch` and `weights` need no model, and `gpu-check`
+takes no Redis (its --model defaults to random:llama-3.1-8b).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A heartbeat written only between engine steps lapses whenever one step outlasts 
 long prefill on a CPU, a CUDA graph capture), and a live worker would be taken for dead and
 its jobs moved. So a thread beats every interval whatever the engine is doing, with the
 last load the main loop reported, for as long as that loop keeps turning. A loop that has
-not turned for ``stall_s`` is hung (a wedged GPU, a deadlock): the thread stops beating and
+not turned for ``worker_stall_s`` is hung (a wedged GPU, a deadlock): the thread stops beating and
 ends the process, so the reaper moves its jobs to live workers and the launcher (or the
 container runtime) starts a fresh one. Nothing it held is lost: its jobs are still pending
 on its stream, with their progress in Redis.
@@ -93,7 +93,8 @@ class HeartbeatThread(threading.Thread):
                                             weights_version=weights.version,
                                             weights_target=weights.target,
                                             weights_error=weights.error)  # fmt: skip
-        # One round trip, no MULTI (two commands a beat per worker, a fleet's background):
+        # One round trip, no MULTI (SET, SADD and the weights record's HGETALL a beat per
+        # worker, a fleet's background):
         # Redis runs them in order, so the beat exists before the membership that a reaper
         # reads with it, and a reaper that forgot this worker in between only makes the SADD
         # answer 1, which is warned about as any lapse is.

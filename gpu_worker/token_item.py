@@ -21,7 +21,7 @@ CONTEXT_TOKENS = 8
 class RunningJob:
     req: Req
     reply_to: str
-    entry_id: bytes  # acknowledged when the request finishes, not before
+    entry_id: bytes  # acknowledged once every job of its entry ended, not before
     window: int  # output tokens of context the detokenizer needs
     reported: int = 0  # output tokens already published
     created: float | None = None  # unix time the job entered the system

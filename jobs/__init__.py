@@ -1,5 +1,5 @@
 """The job contract: what a request is on the wire and the rules it must keep. No torch,
-no Redis; of the project it imports only runtime/ (its settings).
+no Redis; of the project it imports only runtime/ (its settings and the model's files).
 
 protocol.py            every message kind and `decode`; re-exports the next four's kinds
 heartbeat.py           `Heartbeat`: a worker's load and what it serves, under a key with a TTL

@@ -51,7 +51,7 @@ def token_item_fields_from_list(data: list[Any]) -> dict[str, Any]:
     """A version-1 token item's fields by name (its finish still a list)."""
     # 11 fields from a worker that predates prompt logprobs.
     if len(data) not in (11, 12):
-        raise ProtocolError("a version-1 token item must be a list of 12")
+        raise ProtocolError("a version-1 token item must be a list of 11 or 12")
     rid, reply_to, start, ids, context, prompt_context, stop, skip, finish, lps, tops = data[:11]
     fields = {
         "rid": check_field(STR, "rid", rid, False),

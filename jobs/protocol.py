@@ -143,7 +143,7 @@ class TextDelta(Message):
 
     def fields_wire(self, narrow: bool = False) -> dict[str, Any]:
         """Its map less ``kind`` (what a TextDeltas entry holds). Written field by field, not
-        through Record's loop over all 15: a detokenizer writes one per request per publish,
+        through Record's loop over all 20: a detokenizer writes one per request per publish,
         and most carry four. `narrow`: its ids packed as `pack_ids_narrow` does (in a
         TextDeltas, which only this project's readers take); else int32, as a program that
         reads its own reply stream has always had them."""

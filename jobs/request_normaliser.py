@@ -23,8 +23,8 @@ worker checks it all again, sampling included (`check_request`, through
 `Engine.build_request`). A prompt of token ids needs no tokenizer: the ingress checks it as
 the tokenizer stage would (`tokenized_job`, with the context length where the model's files
 are on its host) and sends it straight to the router. Tokenizing is passed in
-(`PromptTokenizer`): the stages render chat templates with jinja, the engine with
-transformers; they give the same ids (tests/test_stage_tokenizer.py).
+(`PromptTokenizer`): the stages and the engine share one tokenizer (jobs/model_tokenizer.py:
+tokenizers and jinja2), whose ids are transformers' (tests/test_stage_tokenizer.py).
 """
 
 from __future__ import annotations

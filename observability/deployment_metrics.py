@@ -92,7 +92,7 @@ def _server_families(client: redis.Redis) -> Iterable[Metric]:
 def _stream_families(client: redis.Redis, config: BusConfig) -> Iterable[Metric]:
     liveness = read_liveness(client, config)
     live = Metric(PREFIX + "live_workers", "Workers with a live heartbeat.", "gauge")
-    live.add_sample(PREFIX + "live_workers", {}, len(liveness.beats))
+    live.add_sample(PREFIX + "live_workers", {}, len(liveness.alive))
     yield live
     streams = pipeline_streams(config, liveness.registered)
     stats = read_stream_stats(client, list(streams))

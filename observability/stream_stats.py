@@ -1,5 +1,6 @@
 """The pipeline's streams as Redis sees them: length, and each consumer group's lag, pending
-entries and consumers (XLEN, XINFO GROUPS, XINFO CONSUMERS), read in one round trip.
+entries and consumers (XLEN, XINFO GROUPS, XINFO CONSUMERS), read in two round trips (the
+lengths and groups, then the groups' consumers).
 
 Lag is what the group has not read yet; pending, what it read and has not acknowledged. A
 stage keeping up shows both near 0; lag that grows says the stage needs replicas. All three

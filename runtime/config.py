@@ -370,7 +370,7 @@ class BusConfig:
         return self._name("frontend", _require_id("frontend_id", frontend_id))
 
     def abort_key(self, rid: str) -> str:
-        """Set when `rid` is aborted: dropped on arrival, or read by its worker (bus/aborts.py)."""
+        """Set when `rid` is aborted: a worker admitting its job drops it (bus/aborts.py)."""
         return self._name("abort", rid)
 
 

@@ -2,7 +2,7 @@
 
 The GPU worker loads a model's weights (gpu_worker/models/loader.py) and the tokenizer stage
 its tokenizer (jobs/model_tokenizer.py) from the same ``--model`` argument, so both
-must resolve it alike. It lives in bus/ because that is the one package both sides share, and
+must resolve it alike. It lives in runtime/ because that is a package both sides share, and
 it imports nothing heavy (no torch, no transformers), as the CPU stages require.
 
 Accepted forms, tried in this order:

@@ -7,7 +7,7 @@ extend_attention.c        prefill (extend) attention over the paged pool
 extend_attention_bf16.h   its bfloat16 products on AVX512-BF16
 extend_attention_amx.h    its bfloat16 products on AMX tiles
 gemm_bf16.c               bfloat16 matmuls on AVX512-BF16 (oneDNN's weakest at decode's rows)
-layers.c                  Linear and RMSNorm
-sampling.c                greedy argmax
+layers.c                  Linear, RMSNorm, rotary and SiLU·mul
+sampling.c                greedy argmax and the grammar's token mask
 common.h                  what the C files share
 """

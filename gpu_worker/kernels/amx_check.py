@@ -55,7 +55,7 @@ def check_amx(kernels: CpuKernels) -> bool:
 
 
 def _small_chunk() -> tuple:
-    """extend_attention's arguments (less `out`) for three requests, one continuing a
+    """extend_attention's arguments (less `out`) for three requests, two continuing a
     prefix, lengths off the tiles' 16 queries and 32 keys, three query heads per kv head."""
     generator = torch.Generator().manual_seed(0)
     kv_heads, heads, head_dim, slots = 2, 6, 64, 256

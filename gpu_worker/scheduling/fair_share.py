@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from gpu_worker.scheduling.req import Req
 
-# Tenants whose last finish tag is this far behind the virtual time start afresh anyway:
-# forget them, so the table holds only recent tenants.
+# Every this many tags, the tenants whose finish tag is not past the virtual time (they
+# start afresh anyway) are forgotten, so the table holds only recent tenants.
 PRUNE_EVERY = 1024
 
 

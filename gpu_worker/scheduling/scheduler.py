@@ -1,10 +1,11 @@
 """The engine loop's scheduler: admit, batch, run, sample, finish — one step at a time.
 
-Each step either extends (prefill chunks of waiting requests, under a token budget) or
-decodes every running request by one token. Prefill goes first, so new requests start
-quickly. When a decode step finds no KV room, the request with the least progress is
-retracted: its KV is released (whole pages stay in the prefix cache) and it goes back to
-the front of the queue, to be recomputed and continue where it stopped. What each sampled
+Each step extends (prefill chunks of waiting requests, under a token budget), verifies
+drafts (speculative decoding), or decodes every running request by one token. Prefill goes
+first, so new requests start quickly. When a decode step finds no KV room, the lowest-class
+request with the fewest output tokens is retracted: its KV is released (whole pages stay in
+the prefix cache) and it goes back to the front of the queue, to be recomputed and continue
+where it stopped. What each sampled
 token does to its request (stops, length, text) is outputs.py's.
 """
 

@@ -10,7 +10,7 @@ E(start + len(ids)) minus E(start). Both are computed from one short window: ``c
 first characters decode to (a cut character, a SentencePiece space) is the same in both
 decodes and cancels, so the delta equals what decoding from the first token would give,
 as long as the window spans the held-back text: the worker sizes ``context`` from the
-longest stop string (see gpu_worker/worker.py). The rules are TextStream's
+longest stop string (gpu_worker/token_item.py's `stop_window`). The rules are TextStream's
 (gpu_worker/text_stream.py), which the worker runs to find stop strings.
 
 While ``start`` is small the context also holds the last prompt tokens, decoded as a prefix

@@ -41,9 +41,10 @@ def serving_paths(liveness: Liveness) -> dict[str, str | None]:
 async def queue_depth(connection: Connection, config: BusConfig) -> int:
     """Jobs waiting for (or held by) the tokenizer and router stages.
 
-    A stream keeps entries after they are acknowledged (until MAXLEN trims them), so its
-    XLEN is not its backlog once a group reads it: the group's ``lag`` (never delivered) plus
-    ``pending`` (delivered, not yet acknowledged) is. Before any group exists, XLEN is.
+    A stream keeps entries after they are acknowledged (until bus/stream_trim.py trims below
+    what every group acknowledged), so its XLEN is not its backlog once a group reads it:
+    the group's ``lag`` (never delivered) plus ``pending`` (delivered, not yet acknowledged)
+    is. Before any group exists, XLEN is.
 
     Those count entries, and a bundle entry (jobs/wire.py) holds a commit's jobs: one ingress
     turn's, one tokenizer batch's. So each stream's backlog counts as many jobs a piece as

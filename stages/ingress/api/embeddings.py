@@ -2,7 +2,8 @@
 
 Each input is one embedding job on the bus, fanned out as a request's choices are (rid
 ``<request id>-<index>``): a GenerateRequest with ``pooling`` (jobs/requests.py), which goes
-ingress -> tokenizer -> router -> worker like any job. The worker runs its prompt's prefill
+through the tokenizer (text) or straight to the router (token ids), then to a worker, like
+any job. The worker runs its prompt's prefill
 only, batched and chunked with the other prefills, and pools the final hidden states (after
 the model's final norm, before lm_head) over the whole prompt, computed afresh (the prefix
 cache serves an embedding nothing: gpu_worker/scheduling/pooling.py); the vector comes back

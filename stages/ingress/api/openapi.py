@@ -59,7 +59,8 @@ def _errors(*statuses: int) -> dict[str, Any]:
         409: "a resume of a stream its ingress still serves",
         413: "a body over the limit",
         422: "JSON of the wrong shape or type",
-        429: "too many jobs waiting, or the API key past its limits (see Retry-After)",
+        429: "too many jobs waiting, the API key past its limits (see Retry-After), or its owner's "
+        "active batches at their bound",
         503: "Redis unreachable, no live worker, or too many connections open",
     }
     error = {"application/json": {"schema": _ref("Error")}}
@@ -184,7 +185,10 @@ def _batch_paths() -> dict[str, Any]:
         ),
         "/v1/batches": {
             **_operation(
-                "post", "Create a batch from an uploaded file", (400, 401, 404, 422), body=create
+                "post",
+                "Create a batch from an uploaded file",
+                (400, 401, 404, 422, 429),
+                body=create,
             ),
             **_operation("get", "List batches, newest first", (400, 401), query=("after", "limit")),
         },  # fmt: skip

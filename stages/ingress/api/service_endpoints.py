@@ -33,8 +33,9 @@ async def model(request: web.Request) -> web.Response:
 
 async def abort(request: web.Request) -> web.Response:
     """Stop a request some ingress replica is serving (its response ``id``, or a native
-    ``meta_info.id``): its workers free its KV within a step, and its stream ends with
-    finish_reason "abort". Another owner's request is as unknown as a finished one."""
+    ``meta_info.id``): its workers free its KV within about ``abort_check_interval_ms``
+    (they read the aborts stream, bus/aborts.py), and its stream ends with finish_reason
+    "abort". Another owner's request is as unknown as a finished one."""
     state = request.app[STATE]
     request_id = request.match_info["id"]
     found = await state.sub_requests(request_id, owner_of(request, state.tenants))

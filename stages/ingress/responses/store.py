@@ -14,7 +14,7 @@ a write after a cancel (the job's last replies) leaves it cancelled, and a write
 delete makes nothing again (both in one script, `_UPDATE`). A background response also
 keeps its runner (the replica running it) and tenant, and is listed in
 ``<p>:responses:background`` until it ends, so that another replica takes it over if its
-runner dies (keeper.py).
+runner dies (background.py).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class ResponseStore:
 
     @property
     def background_index(self) -> str:
-        """The background responses still running (keeper.py watches their runners)."""
+        """The background responses still running (background.py watches their runners)."""
         return self.config.key_name("responses", "background")
 
     async def create(
