@@ -6,12 +6,12 @@ requests on an idle system, while a batch runs, and while another key floods the
 
 One `streamserve up` (float32, its own embedded Redis) with two API keys, each its own
 tenant with `--max-concurrent` requests at most (STREAMSERVE_KEY_LIMITS). Phases, in turn:
-`idle` (the probes alone); `batch` (a `--lines`-line completions batch made with the first
-key, probed once it is in progress, then waited for to its end: it must finish); `flood`
-(the first key keeps `--flood` streams going, each retrying after its 429s as Retry-After
-says, while the second key probes). Probes go one at a time, a short pause apart. Targets
-(the Batch issue): TTFT p50 during the batch and during the flood <= 1.5x idle. One JSON
-line per phase.
+`idle` (the probes alone); `batch` (a `--lines`-line completions batch made with the flood
+key, the second, probed once it is in progress, then waited for to its end: it must finish);
+`flood` (the flood key keeps `--flood` streams going, each retrying after its 429s as
+Retry-After says, while the interactive key, the first, probes). Probes go one at a time, a
+short pause apart. Targets (the Batch issue): TTFT p50 during the batch and during the flood
+<= 1.5x idle. One JSON line per phase.
 """
 
 from __future__ import annotations

@@ -3,13 +3,14 @@ engine, in one run.
 
     python benchmarks/bench_pipeline.py [--workloads mixed-64] [--via http,redis] [--out f.jsonl]
 
-`engine` is gpu_worker's Engine in this process. `pipeline-http` and `pipeline-redis` are
-`streamserve up` (its own embedded Redis-protocol server, every stage its own process)
-driven by `streamserve bench` over HTTP streaming and over direct Redis jobs. The engine
-runs first and is freed before the pipeline starts: with two cores, both at once would
-measure contention, not the bus. Targets (shared/BENCHMARKS.md): pipeline >= 0.9x engine
-output tok/s, and <= 2 ms added p50 inter-token latency. One JSON line per (workload,
-system) on stdout, with the ratios on the pipeline lines; a table on stderr.
+`engine` is gpu_worker's Engine in this process. `pipeline-native` (`pipeline-http` in
+earlier results) and `pipeline-redis` are `streamserve up` (its own embedded Redis-protocol
+server, every stage its own process) driven by `streamserve bench` over HTTP streaming
+(/generate) and over direct Redis jobs. The engine runs first and is freed before the
+pipeline starts: with two cores, both at once would measure contention, not the bus. Targets
+(shared/BENCHMARKS.md): pipeline >= 0.9x engine output tok/s, and <= 2 ms added p50
+inter-token latency. One JSON line per (workload, system) on stdout, with the ratios on the
+pipeline lines; a table on stderr.
 """
 
 from __future__ import annotations
