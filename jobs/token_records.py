@@ -178,7 +178,7 @@ class TokenItem(Record):
             "start": self.start, "ids": pack_ids_narrow(self.ids),
             "context": pack_ids_narrow(self.context),
         }  # fmt: skip
-        if self.tag is None or self.start == 0:
+        if self.tag is None or self.start == 0 or not self.bundle:  # read by its tag: bundled
             wire["rid"] = self.rid
         if self.tag is not None:
             wire["tag"] = self.tag

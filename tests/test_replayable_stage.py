@@ -85,12 +85,11 @@ def test_a_replica_that_dies_before_acknowledging_has_its_batch_written_again_an
 def test_a_stopped_replica_acknowledges_what_it_wrote(redis_client, config):
     actor = _actor(redis_client, config)
     _submit(redis_client, config, "a")
+    assert actor.run_once() == 1
+    assert _replies(redis_client) and _pending(redis_client, config) == 1  # held for a read
+    actor.stop.set()  # stopped before that read: its exit acknowledges what it wrote
     thread = threading.Thread(target=actor.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 5
-    while not _replies(redis_client) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    actor.stop.set()
     thread.join(timeout=5)
     assert not thread.is_alive()
     assert _pending(redis_client, config) == 0

@@ -63,6 +63,10 @@ def test_a_tagged_item_names_its_rid_only_at_output_index_zero():
 def test_an_untagged_or_unbundled_item_keeps_its_rid():
     (untagged,) = _wire_items(_item(4, tag=None))
     assert untagged["rid"] == RID and "tag" not in untagged
+    (unbundled,) = _wire_items(_item(4, bundle=False))  # its reader takes no tag alone
+    assert unbundled["rid"] == RID
+    read = decode(encode(TokenBatch("w", 1, [_item(4, bundle=False)])), TokenBatch).items
+    assert [item.rid for item in read] == [RID]
 
 
 @pytest.mark.parametrize(
@@ -160,4 +164,7 @@ def test_a_forgotten_request_s_tag_no_longer_routes():
     router.register("a")
     tag = router.tag("a")
     router.unregister("a")
-    assert _routed(router, _entry(TextDelta(None, 1, [1], "x", tag=tag))) == []
+    assert tag not in router.tags.rid_of
+    router.register("a")  # the rid again, under a new tag: the old one names nothing
+    assert router.tag("a") != tag
+    assert _routed(router, _entry(TextDelta(None, 0, [1], "x", tag=tag))) == []

@@ -142,8 +142,9 @@ def test_usage_reports_the_accepted_tokens_per_step():
     out = engine.generate(input_ids=[5, 9, 5, 9, 5, 9, 5, 9],
                           sampling_params={**GREEDY, "max_new_tokens": 30})  # fmt: skip
     usage = out["usage"]
-    assert usage["accepted_draft_tokens"] <= usage["draft_tokens"]
-    assert usage["accepted_tokens_per_step"] >= 1.0
+    # The prompt repeats, and so does this model's greedy output: drafts are taken.
+    assert 0 < usage["accepted_draft_tokens"] <= usage["draft_tokens"]
+    assert usage["accepted_tokens_per_step"] > 1.0
     plain = Engine("random:tiny-llama", dtype="float32").generate(
         input_ids=[5, 9, 5, 9, 5, 9, 5, 9], sampling_params={**GREEDY, "max_new_tokens": 30}
     )

@@ -159,6 +159,7 @@ def test_status_once_json_shows_the_replicas_running_and_follows_requests(pipeli
     # The router says why it routed each job; the worker what its prefix cache found.
     status = eventually(lambda: status_json(pipeline, source),
                         lambda s: sum(s["routing"].values()) >= SENT)  # fmt: skip
+    assert sum(status["routing"].values()) >= SENT  # eventually() gives up without asserting
     assert set(status["routing"]) <= {"prefix", "load", "balance"}
     (worker,) = status["workers"]
     assert worker["prefix_hit_rate"] is not None

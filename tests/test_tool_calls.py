@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+from jobs.field_error import FieldError
 from jobs.grammar import grammar_problem
 from jobs.model_tokenizer import cached_tokenizer_folder, load_model_tokenizer
 from jobs.tool_format import call_text
@@ -127,8 +128,9 @@ def test_a_template_with_tools_renders_them_as_transformers_does(smollm_tokenize
 
 def test_a_direct_job_with_malformed_tool_calls_is_a_field_error(smollm_tokenizer):
     broken = [{"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}]
-    with pytest.raises(ValueError, match="tool call needs"):
+    with pytest.raises(FieldError, match="tool call needs") as caught:
         smollm_tokenizer.render_chat(broken, [WEATHER])
+    assert caught.value.field == "messages"
 
 
 def test_auto_beside_a_response_format_leaves_the_grammar_to_the_format():
