@@ -366,5 +366,6 @@ def test_a_reply_stream_holding_a_500_expires_after_reply_ttl(redis_client, conf
     actor = _actor(redis_client, config, EchoStage())
     _submit(redis_client, config, "boom", reply_to="t:lonely-reply")
     actor.run_once()
-    assert len(_replies(redis_client, "t:lonely-reply")) == 1
+    (reply,) = _replies(redis_client, "t:lonely-reply")
+    assert isinstance(reply, ErrorReply) and reply.status == 500
     assert 0 < redis_client.ttl("t:lonely-reply") <= config.reply_ttl_s

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 
 import aiohttp
 import pytest
@@ -74,10 +75,17 @@ def test_streams_cut_at_any_point_are_no_failures(ingress, caplog, path, body):
     with caplog.at_level(logging.ERROR), Upstream(ingress.config.redis_url, ingress.config,
                                                   _answered):  # fmt: skip
         cut = asyncio.run(_cut_streams(ingress.url, path, body))
-    assert cut > STREAMS // 2
+        assert cut > STREAMS // 2
+        # Every stream counted (its handler's end, after its client left) before looking.
+        deadline = time.monotonic() + 10
+        while True:
+            text = ingress.request("GET", "/metrics")[2].decode()
+            if (total(text, "streamserve:requests_total", endpoint=path) or 0) >= STREAMS:
+                break
+            assert time.monotonic() < deadline, "the cut streams were never counted"
+            time.sleep(0.05)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, errors[:3]
-    text = ingress.request("GET", "/metrics")[2].decode()
     assert not total(text, "streamserve:requests_total", endpoint=path, status="500")
 
 

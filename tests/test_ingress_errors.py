@@ -262,6 +262,7 @@ def test_one_failed_choice_fails_the_request_and_aborts_the_others(ingress, redi
     assert_openai_error(status, reply, 400)
     assert time.monotonic() - start < 2
     others = [r.rid for r in up.requests if not r.rid.endswith("-1")]
+    assert len(others) == 2
     deadline = time.monotonic() + 2
     while not all(redis_client.exists(ingress.config.abort_key(rid)) for rid in others):
         assert time.monotonic() < deadline, "the other choices were not aborted"

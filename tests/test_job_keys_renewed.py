@@ -36,15 +36,19 @@ def test_a_job_longer_than_the_ttl_keeps_its_progress(redis_client, redis_url):
                                                           "ignore_eos": True})  # fmt: skip
     redis_client.xadd(config.worker_stream("w"), {ENTRY_FIELD: encode(job)})
     try:
-        seen = []
-        deadline = time.monotonic() + 2.5  # well past the 1 s TTL
+        seen, seen_late = [], []
+        started = time.monotonic()
+        deadline = started + 2.5  # well past the 1 s TTL
         while time.monotonic() < deadline:
             produced = rebuild(read_progress_log(redis_client, config, "w"), {rid: []})[rid]
             if produced:
                 seen.append(len(produced))
+                if time.monotonic() - started > 1.5 * config.reply_ttl_s:
+                    seen_late.append(len(produced))
             time.sleep(0.05)
         assert seen and max(seen) < MAX_NEW, "the job ended too soon to say anything"
         assert seen == sorted(seen) and max(seen) > 1  # the log kept all of it, growing
+        assert seen_late, "nothing rebuilt from the log once the TTL had passed"
     finally:
         worker.stop.set()
         thread.join(timeout=30)
