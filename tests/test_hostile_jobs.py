@@ -137,7 +137,8 @@ STREAM_CORPUS: list[tuple[str, str, Any]] = [
     # whole, a bad job in a good one alone (the good one runs).
     ("worker", "bundle-not-msgpack", Fields({JOBS_FIELD: b"\xc1\xc1"})),
     ("worker", "bundle-with-a-bad-job",
-     Fields({JOBS_FIELD: msgpack.packb([msgpack.packb(_tokenized("w-b")), b"\x80"])})),
+     Fields({JOBS_FIELD: msgpack.packb([msgpack.packb(_tokenized("w-b", **_sampling())),
+                                        b"\x80"])})),
 ]  # fmt: skip
 
 CHAT = "/v1/chat/completions"
@@ -229,8 +230,8 @@ def test_every_hostile_job_is_answered_and_every_process_lives(pipeline):
             name for name, (stream, rid, entry_id) in sent.items()
             if not (rid in answers if rid else (stream, entry_id) in dead)
         ]  # fmt: skip
-        # The good job of a bundle holding a bad one runs (it asks no length: it runs on).
-        if not any(isinstance(a, TextDelta) for a in answers.get("w-b", [])):
+        # The good job of a bundle holding a bad one runs to its end.
+        if not any(isinstance(a, TextDelta) and a.finish for a in answers.get("w-b", [])):
             missing.append("worker/bundle-with-a-bad-job's good job")
         if not missing or time.monotonic() > deadline:
             break
