@@ -5,11 +5,11 @@ the code that commits its turn queues them, with the turn's dead letters, on the
 acknowledges its inputs: either all of it is written or none is (a replayable stage's, the
 detokenizer's, go on a pipeline and are acknowledged with its next read: bus/actor.py). (A
 worker's commit queues the same commands on a script call that checks its fence first:
-bus/scripted_multi.py.) Executed with
-`execute_logging_errors`, one command that fails (a reply stream that is a hash) is dropped
-without undoing the others; a Redis at ``maxmemory`` refuses the whole MULTI, and that is
-raised as the transient error it is (redis.OutOfMemoryError, in REDIS_TRANSIENT): the
-inputs stay pending, to be handled again once memory is freed.
+bus/scripted_multi.py.) Executed with `execute_logging_errors`, one command that fails (a
+reply stream that is a hash) is dropped without undoing the others; a Redis at ``maxmemory``
+refuses the whole MULTI, and that is raised as the transient error it is
+(redis.OutOfMemoryError, in REDIS_TRANSIENT): the inputs stay pending, to be handled again
+once memory is freed.
 
 The jobs of one commit bound for a job stream (`job_streams`), or for a worker that reads
 bundles (`Outbound.bundle`), go in one bundle entry per stream (`add_jobs`, jobs/wire.py):

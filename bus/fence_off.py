@@ -43,13 +43,12 @@ def read_progress_log(
 def fence_off(
     client: redis.Redis, config: BusConfig, worker_id: str, consumer: str, count: int
 ) -> tuple[list[Entry], dict[bytes, int]]:
-    """The reaper's claim: up to `count` of the worker's pending entries, claimed by `consumer` in
-    the MULTI that closes the worker's progress log (its fence: `CLOSED_LOG_ID`), else its
-    unread ones, read by an XREADGROUP right after it, so their old owner can write nothing
-    more about them (a worker that never opened its log has none to close: it has written
-    nothing). Also
-    returns, by entry id, how many times each claimed entry had been delivered to a worker
-    (none for unread ones)."""
+    """The reaper's claim: up to `count` of the worker's pending entries, claimed by
+    `consumer` in the MULTI that closes the worker's progress log (its fence:
+    `CLOSED_LOG_ID`), else its unread ones, read by an XREADGROUP right after it, so their
+    old owner can write nothing more about them (a worker that never opened its log has none
+    to close: it has written nothing). Also returns, by entry id, how many times each
+    claimed entry had been delivered to a worker (none for unread ones)."""
     stream = config.worker_stream(worker_id)
     try:
         pipe = client.pipeline(transaction=True)

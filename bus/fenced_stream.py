@@ -210,11 +210,11 @@ class FencedStream:
         return response[0][1] if response else []
 
     def commit(self, read: bool) -> list[Entry]:
-        """One script call (the log's XADD alone where that is all it writes), valid only under
-        our fence: outputs, dead letters, acks, the
-        aborts stream read for `abort_checks` (those aborted then in `flagged`), and (optionally) a
-        non-blocking read of new jobs. Returns the jobs read; raises `Fenced`
-        (having written nothing) when a reaper closed or deleted our log since we opened it."""
+        """One script call (the log's XADD alone where that is all it writes), valid only
+        under our fence: outputs, dead letters, acks, the aborts stream read for
+        `abort_checks` (those aborted then in `flagged`), and (optionally) a non-blocking
+        read of new jobs. Returns the jobs read; raises `Fenced` (having written nothing)
+        when a reaper closed or deleted our log since we opened it."""
         self.trimmer.maybe_trim()
         self.progress_written = None
         self.acked_ended = self._ended_due()

@@ -20,8 +20,8 @@ landing between a submit and the first XREAD.
 No writer caps a reply stream's length: a cap by count would cut replies the reader has not
 read yet, or the history a resumed stream replays. Its reader trims it (`trim_point`) and it
 expires ``reply_ttl_s`` after its expiry's last renewal (a live ingress renews it; at least
-3/4 of it after its last write), so what a dead
-reader leaves goes too; Redis's ``maxmemory`` bounds the rest.
+3/4 of it after its last write), so what a dead reader leaves goes too; Redis's
+``maxmemory`` bounds the rest.
 """
 
 from __future__ import annotations

@@ -28,10 +28,10 @@ name twice. Redis 7 is required (shebang scripts), as the README says.
 Of the hand-offs between stages, only the fenced commit is a script. Server CPU per commit
 on the embedded valkey 9.1 (`python benchmarks/bench_commit_cost.py`, the median of
 alternating rounds): a worker's publish 76.0 µs as WATCH/GET then MULTI/EXEC, 44.6 as a
-script (then with its GET); a
-detokenizer's hand-off (XADD, XACK) 27.8 µs as MULTI/EXEC, 39.2 as a script: with no round
-trip to save, the interpreter's cost per call outweighs the two commands it saves. Redis CPU
-is what a shard runs out of, so the stages' plain hand-offs stay MULTIs (bus/actor.py).
+script (then with its GET); a detokenizer's hand-off (XADD, XACK) 27.8 µs as MULTI/EXEC,
+39.2 as a script: with no round trip to save, the interpreter's cost per call outweighs the
+two commands it saves. Redis CPU is what a shard runs out of, so the stages' plain hand-offs
+stay MULTIs (bus/actor.py).
 """
 
 from __future__ import annotations
