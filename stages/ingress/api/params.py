@@ -255,16 +255,17 @@ def _job(data: dict[str, Any], prompts: list[dict[str, Any]], sampling: dict) ->
             param="stream_options",
             code="invalid_value",
         )
-    reject_unknown(options or {}, STREAM_OPTIONS, where="in stream_options: ")
+    options = options or {}
+    reject_unknown(options, STREAM_OPTIONS, where="in stream_options: ")
     include_usage = bool(
-        field(options or {}, "include_usage", BOOL, label="stream_options.include_usage")
+        field(options, "include_usage", BOOL, label="stream_options.include_usage")
     )
     label = "stream_options.include_obfuscation"
-    if field(options or {}, "include_obfuscation", BOOL, label=label):
+    if field(options, "include_obfuscation", BOOL, label=label):
         raise ApiError(400, f"{label}: true is not supported: events carry no obfuscation "
                        "padding (send false or leave it out)", param=label,
                        code="unsupported_value")  # fmt: skip
-    resumable = field(options or {}, "resumable", BOOL, label="stream_options.resumable")
+    resumable = field(options, "resumable", BOOL, label="stream_options.resumable")
     field(data, "user", STR)
     openai_names = {param.name: name for name, param in OPENAI_SAMPLING.items() if name in data}
     openai_names["json_schema"] = response_format.NAME

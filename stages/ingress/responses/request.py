@@ -29,8 +29,8 @@ INERT = {
     "include": ([],),
     "reasoning": ({},),
     "service_tier": ("auto", "default"),
-    "stream_options": ({}, {"include_obfuscation": False}),
-}  # no padding is added
+    "stream_options": ({}, {"include_obfuscation": False}),  # events carry no padding here
+}
 HINTS = ("prompt_cache_key", "safety_identifier")
 FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text",
           "tools", "tool_choice", "parallel_tool_calls", "stream", "store", "background",
