@@ -86,6 +86,8 @@ def chat_body(**extra):
             400,
             "messages",
         ),  # fmt: skip
+        (CHAT, chat_body(messages=[{"role": "user"}]), 400, "messages"),
+        (CHAT, chat_body(messages=[{"role": "system", "content": None}]), 400, "messages"),
         (CHAT, {"messages": MESSAGES}, 400, "model"),
         ("/v1/completions", {"model": MODEL}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [1, -2]}, 400, "prompt"),

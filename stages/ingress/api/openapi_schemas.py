@@ -86,6 +86,9 @@ def chat_request() -> dict[str, Any]:
             },  # fmt: skip
             **tool_request.openapi_message_properties(),
         },
+        # Only an assistant's message (a reply that may be tool calls alone) lacks content.
+        "if": {"properties": {"role": {"const": "assistant"}}},
+        "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
     }
     properties = _openai_properties()
     properties.update(

@@ -341,6 +341,9 @@ def chat_messages(value: Any) -> list[dict[str, str]]:
                 param="messages",
                 code="invalid_value",
             )
+        if message.get("content") is None and role != "assistant":  # a reply may be calls alone
+            raise ApiError(400, f"{where}.content is required for a {role} message",
+                           param="messages", code="missing_field")  # fmt: skip
         entry = {"role": CHAT_ROLES[role], "content": _content(message.get("content"), where)}
         if role == "assistant" and message.get("tool_calls"):
             entry["tool_calls"] = tool_request.assistant_tool_calls(message, where)
