@@ -20,24 +20,10 @@ from jobs.protocol import MAX_TOKEN_ID, GenerateRequest
 from jobs.request_bounds import request_bounds
 from jobs.requests import lift_priority
 from jobs.sampling_checks import SEED_LIMIT
-from jobs.sampling_params import (
-    FIELD_NAMES,
-    SAMPLING_FIELDS,
-    Param,
-    wire_sampling,
-)
+from jobs.sampling_params import FIELD_NAMES, SAMPLING_FIELDS, Param, wire_sampling
 from stages.ingress.api import response_format, tool_request
 from stages.ingress.api.tool_request import ToolCalling
-from stages.ingress.body import (
-    BOOL,
-    INT,
-    OBJECT,
-    STR,
-    field,
-    int_list,
-    reject_unknown,
-    wrong_type,
-)
+from stages.ingress.body import BOOL, INT, OBJECT, STR, field, int_list, reject_unknown, wrong_type
 from stages.ingress.errors import ApiError
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
