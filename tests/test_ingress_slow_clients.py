@@ -4,9 +4,13 @@ connections past a replica's cap get a 503 before a byte of them is read."""
 
 from __future__ import annotations
 
+import gzip
 import json
+import logging
 import socket
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -179,3 +183,34 @@ def test_a_request_that_is_not_http_is_a_400_and_one_info_line(capped, caplog, r
             sock.recv(4096)
         time.sleep(0.2)
     assert not [r for r in caplog.records if r.name == "aiohttp.server"]
+
+
+def test_a_body_that_cannot_be_decoded_is_a_400_and_one_info_line(capped, caplog):
+    """A body marked gzip that is not, or one that inflates past the body limit: the client's
+    fault, answered as such (a 500 and an ERROR traceback before); a real gzip body is read."""
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    with caplog.at_level("INFO"):
+        status, body = post_raw_bytes(capped.url + "/v1/chat/completions", b"garbage", headers)
+        deadline = time.monotonic() + 5
+        while not [r for r in caplog.records if r.name == "aiohttp.server"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    error = json.loads(body)["error"]
+    assert status == 400 and error["code"] == "invalid_body", body
+    assert error["message"].endswith("cannot be read: Can not decode content-encoding: gzip")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    bomb = gzip.compress(b'{"model": "' + b"a" * (64 * 1024 * 1024) + b'"}')
+    status, body = post_raw_bytes(capped.url + "/v1/chat/completions", bomb, headers)
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+    unknown = gzip.compress(json.dumps({"model": "nope", "messages": []}).encode())
+    status, body = post_raw_bytes(capped.url + "/v1/chat/completions", unknown, headers)
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+
+
+def post_raw_bytes(url: str, data: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=data, method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()

@@ -134,6 +134,8 @@ class BadRequestLog(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, web.RequestPayloadError):  # a body it could not decode, met again
+            exc = exc.__cause__  # as it drains what the handler's 400 left unread
         if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500:
             fault = " ".join(str(exc.message).split())[:200]  # its message spans lines
             record.msg, record.args = "%s (%d: %s)", (record.getMessage(), exc.code, fault)

@@ -125,6 +125,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except redis.OutOfMemoryError as exc:
         logger.warning("%s %s: Redis full: %s", request.method, request.path, exc)
         return redis_full(exc).response()
+    except web.RequestPayloadError as exc:  # a body aiohttp cannot read: a bad gzip, a bad chunk
+        if client_gone(request):
+            raise asyncio.CancelledError from exc  # a body cut by its client's leaving
+        cause = exc.__cause__  # aiohttp's own error, whose text is the fault alone
+        fault = " ".join(str(getattr(cause, "message", None) or exc).split())
+        return ApiError(400, f"the request body cannot be read: {fault}",
+                        code="invalid_body").response()  # fmt: skip
     except Exception as exc:
         if client_gone(request):
             # Met as its client left (a send to the closed connection, a handler whose
