@@ -226,3 +226,33 @@ def test_a_batch_of_grammar_rows_filled_in_parallel_matches_them_one_by_one(engi
     for prompt, out in zip(prompts, together, strict=True):
         assert re.fullmatch(PHONE, out["text"])
         assert out["output_ids"] == engine.generate(prompt, params[0])["output_ids"]
+
+
+# A regex whose lexer outgrows llguidance's expression budget within two masks: the first
+# is computed as it compiles, the second fails ("too many expressions constructed").
+OUTGROWN = "(a{1000}){1000}"
+
+
+def test_a_grammar_past_llguidances_limits_is_refused_and_the_engine_serves_on(engine):
+    """It ended with a bare end-of-sequence and "stop" (a matcher in error masks all but
+    it), then, once its lexer was exhausted, did the same for every later copy."""
+    for _ in range(2):  # the second time from a fresh compile, not a poisoned template
+        with pytest.raises(FieldError, match="lexer error") as caught:
+            engine.generate("a", {"regex": OUTGROWN, "max_new_tokens": 4})
+        assert caught.value.field == "regex" and "\n" not in str(caught.value)
+    out = engine.generate("Phone:", dict(GREEDY, regex=PHONE))
+    assert re.fullmatch(PHONE, out["text"])
+
+
+def test_a_matcher_in_error_that_takes_end_of_sequence_is_an_error_not_an_end(engine):
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+    from gpu_worker.sampling.grammar import _template, consume
+
+    template = _template(engine.grammars._llg_tokenizer(), "regex", OUTGROWN)
+    matcher = template.deep_copy()
+    mask = allocate_token_bitmask(1, engine.vocab_size)
+    fill_next_token_bitmask(matcher, mask, 0)
+    eos = min(engine.eos_ids)
+    assert matcher.is_error() and mask[0][eos // 32] >> (eos % 32) & 1  # only EOS is allowed
+    assert consume(matcher, eos).startswith("lexer error: too many expressions")

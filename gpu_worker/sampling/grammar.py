@@ -116,7 +116,15 @@ class Grammars:
                 self._templates.popitem(last=False)
         else:
             self._templates.move_to_end((field, spec))
-        return template.deep_copy()
+        matcher = template.deep_copy()
+        # Its first mask (tens of µs): an earlier request's states may have taken the lexer
+        # its copies share past llguidance's limits, and then every copy masks all but
+        # end-of-sequence. Such a grammar is refused (and compiled afresh next time).
+        fill_next_token_bitmask(matcher, allocate_token_bitmask(1, self.vocab_size), 0)
+        if matcher.is_error():
+            del self._templates[(field, spec)]
+            raise FieldError(field, f"{field} cannot be matched: {first_line(matcher.get_error())}")
+        return matcher
 
     def _llg_tokenizer(self) -> LLTokenizer:
         if self._tokenizer is None:
@@ -147,6 +155,12 @@ def _template(tokenizer: LLTokenizer, field: str, spec: str) -> LLMatcher:
         raise FieldError(field, f"{field} does not compile: {type(exc).__name__}: {exc}") from None
     if template.is_error():
         raise FieldError(field, f"{field}: {template.get_error()}")
+    # The first mask here, in the pool, not in an engine step that every request waits on
+    # (a grammar's first mask can take a second); its lexer states stay for the copies.
+    probe = template.deep_copy()
+    fill_next_token_bitmask(probe, allocate_token_bitmask(1, tokenizer.vocab_size), 0)
+    if probe.is_error():
+        raise FieldError(field, f"{field} cannot be matched: {first_line(probe.get_error())}")
     return template
 
 
@@ -226,7 +240,14 @@ def _index(rows: list[int], device) -> torch.Tensor:
 
 
 def consume(matcher: LLMatcher, token: int) -> str | None:
-    """Advance `matcher` by the token the request emitted; why it cannot, or None."""
-    if matcher.consume_token(token):
+    """Advance `matcher` by the token the request emitted; why it cannot, or None. A matcher
+    in error (its grammar outgrew llguidance's limits) masks all but end-of-sequence and
+    takes it: that is its error too, not the grammar's end."""
+    if matcher.consume_token(token) and not matcher.is_error():
         return None
-    return matcher.get_error() or f"token {token} is not allowed by the grammar"
+    return first_line(matcher.get_error()) or f"token {token} is not allowed by the grammar"
+
+
+def first_line(error: str) -> str:
+    """llguidance's error without the parser state it appends on later lines."""
+    return error.strip().split("\n", 1)[0]

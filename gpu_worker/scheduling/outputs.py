@@ -52,8 +52,9 @@ def append_token(req: Req, token: int, logprob, top_logprobs, context_length: in
     num_out = len(req.output_ids)
     grammar_error = None if req.matcher is None else consume(req.matcher, token)
     if grammar_error is not None:
-        # The mask allows only tokens the grammar takes, so this is a bug, not a user's.
-        logger.error("request %s: grammar matcher failed: %s", req.rid, grammar_error)
+        # The mask allows only tokens the grammar takes, so this is the grammar outgrowing
+        # llguidance's limits mid-answer (a state past its lexer's budget), or a bug.
+        logger.warning("request %s: grammar matcher failed: %s", req.rid, grammar_error)
         req.finished_reason = FinishReason("abort", f"grammar matcher failed: {grammar_error}")
     elif token in req.stop_ids and num_out >= req.params.min_new_tokens:
         req.finished_reason = FinishReason("stop", token)
