@@ -238,6 +238,31 @@ def test_a_downstream_rejection_becomes_the_http_status(ingress):
     assert_openai_error(stream_status, json.loads(data), 400, param="input_ids")
 
 
+def test_a_downstream_rejection_names_the_requests_own_field(ingress):
+    """A worker refuses a job's json_schema or max_new_tokens: the answer names what the
+    request sent (response_format, max_tokens, text, max_output_tokens)."""
+
+    def reject(request: GenerateRequest):
+        field = "json_schema" if request.sampling.get("json_schema") else "max_new_tokens"
+        return [ErrorReply(request.rid, 400, f"{field} cannot be matched", "invalid_request_error",
+                           field)]  # fmt: skip
+
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string"}}}
+    with Upstream(ingress.config.redis_url, ingress.config, reject):
+        answers = [
+            ingress.post(CHAT, chat_body(response_format=schema)),
+            ingress.post(CHAT, chat_body(max_tokens=5)),
+            ingress.post("/v1/responses", {"model": MODEL, "input": "x", "text": {"format": {
+                "type": "json_schema", "name": "x", "schema": {"type": "string"}}}}),
+            ingress.post("/v1/responses", {"model": MODEL, "input": "x", "max_output_tokens": 5}),
+        ]  # fmt: skip
+    for (status, reply), param in zip(
+        answers, ["response_format", "max_tokens", "text", "max_output_tokens"], strict=True
+    ):
+        assert_openai_error(status, reply, 400, param=param)
+        assert reply["error"]["message"] == f"{param} cannot be matched"
+
+
 def test_an_error_after_the_stream_began_is_an_sse_error_event(ingress):
     def fail_midway(request: GenerateRequest):
         first = deltas(request.rid, [("Hel", [1]), ("lo", [2])])[0]

@@ -66,6 +66,17 @@ def error_body(error: RequestError | ErrorReply) -> dict[str, Any]:
     }
 
 
+def in_request_words(error: ApiError, names: Mapping[str, str]) -> ApiError:
+    """`error` naming its field as the request does (a job's max_new_tokens is a chat's
+    max_tokens, its json_schema the request's response_format), its message too."""
+    param = names.get(error.param or "")
+    if param is not None:
+        if error.message.startswith(error.param or ""):
+            error.message = param + error.message[len(error.param or "") :]
+        error.param = param
+    return error
+
+
 def redis_unavailable(exc: Exception) -> ApiError:
     return ApiError(
         503,

@@ -92,7 +92,7 @@ async def _submit(
     requests = job.requests(request_id, state.reply_stream, tenant.id, tenant.weight)
     resumable = job.stream if resumable is None else resumable
     return Submission(state, request_id, requests, resumable=resumable, tenant=tenant,
-                      owner=owner)  # fmt: skip
+                      owner=owner, names=job.names)  # fmt: skip
 
 
 # What the Responses API (stages/ingress/responses/) submits its chat jobs through.

@@ -24,7 +24,7 @@ from jobs.sampling_params import FIELD_NAMES, SAMPLING_FIELDS, Param, wire_sampl
 from stages.ingress.api import response_format, tool_request
 from stages.ingress.api.tool_request import ToolCalling
 from stages.ingress.body import BOOL, INT, OBJECT, STR, field, int_list, reject_unknown, wrong_type
-from stages.ingress.errors import ApiError
+from stages.ingress.errors import ApiError, in_request_words
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
               "tool": "tool"}  # fmt: skip
@@ -276,11 +276,8 @@ def _checked(sampling: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
 
 def field_error(exc: FieldError, names: dict[str, str]) -> ApiError:
     """A 400 for `exc`, naming its field as the request does."""
-    param = names.get(exc.field, exc.field)
-    message = str(exc)
-    if param != exc.field and message.startswith(exc.field):
-        message = param + message[len(exc.field) :]  # in the request's own words
-    return ApiError(400, message, param=param, code=exc.code or "invalid_value")
+    error = ApiError(400, str(exc), param=exc.field, code=exc.code or "invalid_value")
+    return in_request_words(error, names)
 
 
 def check_prompt_size(prompts: list[dict[str, Any]], n: int, param: str) -> None:

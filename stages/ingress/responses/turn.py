@@ -19,6 +19,7 @@ from stages.ingress.api import handlers
 from stages.ingress.api.params import ApiRequest
 from stages.ingress.errors import ApiError
 from stages.ingress.responses.output import ResponseBuilder
+from stages.ingress.responses.request import renamed
 from stages.ingress.responses.store import ResponseStore, StreamOrigin
 from stages.ingress.state import IngressState
 from stages.ingress.streaming.submission import Submission
@@ -66,7 +67,10 @@ class Turn:
             sub = await handlers.submit(self.state, self.job, self.response["id"], self.tenant,
                                         self.owner)  # fmt: skip
         async with sub:
-            await sub.first_replies()
+            try:
+                await sub.first_replies()
+            except ApiError as exc:  # a refusal downstream names the chat job's field
+                raise renamed(exc) from None
             started = self.builder.started()
             await self.save()
             yield started

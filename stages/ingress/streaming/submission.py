@@ -42,7 +42,7 @@ from typing import Any
 from bus.replies import AsyncReplyReader, Reply, is_terminal
 from jobs.protocol import ErrorReply, Finish, GenerateRequest, TextDelta
 from runtime.task_cancel import raise_if_cancel_lost
-from stages.ingress.errors import ApiError
+from stages.ingress.errors import ApiError, in_request_words
 from stages.ingress.shards import Shard
 from stages.ingress.state import IngressState
 from stages.ingress.streaming.reply_queue import NUDGE, TIMED_OUT, Failed, ReplyQueue
@@ -65,8 +65,10 @@ class Submission:
         tenant: Tenant | None = None,
         owner: str | None = None,
         shard: Shard | None = None,
+        names: dict[str, str] | None = None,  # a job's field -> the request's (ApiRequest's)
     ) -> None:
         self.state = state
+        self.names = names or {}
         self.shard = shard  # a resumed request's, where another replica submitted it
         self.resumable = resumable  # streamed: its client can resume it elsewhere
         self.request_id = request_id
@@ -201,7 +203,7 @@ class Submission:
                 self.first_token_at.setdefault(reply.rid, time.monotonic())
             if isinstance(reply, ErrorReply):
                 self._note(reply)
-                raise ApiError.from_reply(reply)
+                raise in_request_words(ApiError.from_reply(reply), self.names)
 
     def early_replies(self) -> list[Reply]:
         """The replies `first_replies` read, which `replies` hands out first."""
