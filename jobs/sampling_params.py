@@ -77,7 +77,7 @@ class Param:
     doc: str  # one line, for the OpenAPI description
     check: Check | None  # its range check, run by `validate`
     openai: tuple[str, ...] | None = None  # its names in OpenAI requests; None: its own name
-    openai_off: int | None = None  # an OpenAI value that means null (vLLM's top_k: -1)
+    off_value: int | None = None  # a value the HTTP APIs take as null (top_k: -1, as vLLM, SGLang)
     name: str = ""  # filled in from the dataclass field
 
 
@@ -106,7 +106,7 @@ class SamplingParams:
     )
     top_k: int | None = _param(
         None, OPTIONAL_INTEGER, check_top_k, "sample from the k likeliest tokens; null: all",
-        openai_off=-1,
+        off_value=-1,
     )  # fmt: skip
     min_p: float = _param(
         0.0, NUMBER, check_min_p, "drop tokens less likely than min_p x the likeliest"

@@ -238,6 +238,19 @@ def test_native_generate_whole_and_streamed(ingress):
     assert parsed[-1]["meta_info"]["finish_reason"] == "stop"
 
 
+def test_top_k_minus_one_is_no_top_k_on_generate_as_on_the_openai_doors(ingress, client):
+    """-1 is SGLang's default top_k (its /generate's clients send it) and vLLM's "off"."""
+    sampling = {"max_new_tokens": 3, "top_k": -1, "temperature": 0.7}
+    with upstream(ingress) as up:
+        status, _ = ingress.post("/generate", {"text": "Hi", "sampling_params": sampling})
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, extra_body={"top_k": -1})
+        status_k, _ = ingress.post("/generate", {"text": "Hi", "sampling_params": {"top_k": 5}})
+    assert status == status_k == 200
+    assert [r.sampling.get("top_k") for r in up.requests] == [None, None, 5]
+    status, reply = ingress.post("/generate", {"text": "Hi", "sampling_params": {"top_k": -2}})
+    assert status == 400 and reply["error"]["param"] == "top_k"
+
+
 def test_empty_finish_delta_ends_the_stream_after_the_tokens_before_it(ingress, client):
     def late_finish(request):
         ordered = deltas(request.rid, HELLO)

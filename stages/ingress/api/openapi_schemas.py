@@ -29,7 +29,8 @@ TOKEN_IDS = {
 
 def _sampling_property(param: Param) -> dict[str, Any]:
     """A sampling parameter's schema, read off its row in the table (null: not given)."""
-    return {"type": [*param.kind.json, "null"], **param.kind.schema, "description": param.doc}
+    doc = param.doc if param.off_value is None else f"{param.doc}; {param.off_value} too means null"
+    return {"type": [*param.kind.json, "null"], **param.kind.schema, "description": doc}
 
 
 def _sampling_properties() -> dict[str, Any]:
@@ -40,8 +41,6 @@ def _openai_properties() -> dict[str, Any]:
     properties = {}
     for name, param in OPENAI_SAMPLING.items():
         properties[name] = _sampling_property(param)
-        if param.openai_off is not None:
-            properties[name]["description"] += f"; {param.openai_off} too means null"
     properties.update(
         model={"type": "string", "description": "the served model (GET /v1/models)"},
         n={"type": ["integer", "null"], "minimum": 1, "maximum": request_bounds().max_choices},

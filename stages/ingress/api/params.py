@@ -184,8 +184,9 @@ def parse_generate(data: dict[str, Any], served: str) -> ApiRequest:
     prompt = {"prompt": text} if text is not None else {"input_ids": token_ids(ids, "input_ids")}
     given = field(data, "sampling_params", OBJECT) or {}
     reject_unknown(given, FIELD_NAMES, where="in sampling_params: ")
-    checked = {p.name: field(given, p.name, *p.kind.json) for p in SAMPLING_FIELDS}
-    sampling = {name: value for name, value in checked.items() if value is not None}
+    checked = [(p, field(given, p.name, *p.kind.json)) for p in SAMPLING_FIELDS]
+    # As SGLang's /generate: top_k -1 (its default) is no top-k, null here.
+    sampling = {p.name: v for p, v in checked if v is not None and v != p.off_value}
     if field(data, "return_prompt_logprobs", BOOL):
         sampling["prompt_logprobs"] = True
     stream = bool(field(data, "stream", BOOL))
@@ -206,7 +207,7 @@ def openai_sampling(data: dict[str, Any]) -> dict[str, Any]:
         value = field(data, name, *param.kind.json)
         if value is not None:
             # A value that means null: vLLM's top_k: -1 is no top-k.
-            sampling[param.name] = None if value == param.openai_off else value
+            sampling[param.name] = None if value == param.off_value else value
     return sampling
 
 
