@@ -141,8 +141,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise asyncio.CancelledError from exc  # a body cut by its client's leaving
         cause = exc.__cause__  # aiohttp's own error, whose text is the fault alone
         fault = " ".join(str(getattr(cause, "message", None) or exc).split())
-        return ApiError(400, f"the request body cannot be read: {fault}",
-                        code="invalid_body").response()  # fmt: skip
+        response = ApiError(400, f"the request body cannot be read: {fault}",
+                            code="invalid_body").response()  # fmt: skip
+        response.force_close()  # aiohttp drops the connection after it: say so to the client
+        return response
     except Exception as exc:
         if client_gone(request):
             # Met as its client left (a send to the closed connection, a handler whose
