@@ -176,8 +176,9 @@ def chunk_of(rid: str, message: Reply | None) -> dict[str, Any]:
     """One reply as a chunk dict; None (aborted here) ends with finish_reason "abort"."""
     if message is None:
         return {"rid": rid, "text": "", "output_ids": [], "finish_reason": "abort"}
-    if isinstance(message, ErrorReply):
-        raise RequestError.from_reply(message)
+    failure = message if isinstance(message, ErrorReply) else message.failure()
+    if failure is not None:  # an ErrorReply, or a Finish of reason error
+        raise RequestError.from_reply(failure)
     chunk: dict[str, Any] = {
         "rid": rid,
         "text": message.text or "",

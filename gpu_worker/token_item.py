@@ -80,7 +80,7 @@ def finish_of(req: Req, queue_seconds: float | None) -> Finish:
     drafted = (req.draft.drafted, req.draft.accepted) if req.draft else (0, 0)
     return Finish(
         reason.kind, reason.matched, len(req.origin_input_ids), len(req.output_ids),
-        req.prompt_cache_hit or 0, *drafted, queue_seconds,
+        req.prompt_cache_hit or 0, *drafted, queue_seconds, param=reason.param,
     )  # fmt: skip
 
 

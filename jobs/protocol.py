@@ -203,6 +203,15 @@ class TextDelta(Message):
         check_floats("embedding", delta.embedding)
         return delta
 
+    def failure(self) -> ErrorReply | None:
+        """The ErrorReply a last delta whose Finish is an error stands for; else None."""
+        finish = self.finish_info()
+        if finish is None or finish.reason != "error":
+            return None
+        assert self.rid is not None  # a reader names its deltas before it reads their ends
+        return ErrorReply(self.rid, 400, str(finish.matched or "the request failed"),
+                          param=finish.param)  # fmt: skip
+
     def finish_info(self) -> Finish | None:
         """Its ``finish`` as a Finish (read once per delta: a reader asks several times)."""
         if self.finish is None:

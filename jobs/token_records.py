@@ -39,13 +39,15 @@ PROMPT_CONTEXT_TOKENS = 5
 @dataclass
 class Finish(Record):
     """How a request ended: ``reason`` is stop, length, abort or error; ``matched`` the stop
-    string or token id that ended it."""
+    string or token id that ended it, or an abort's or an error's message. An error is the
+    request's own fault found as it ran (a grammar past the matcher's limits mid-answer):
+    readers answer it as a 400 naming ``param``, the field at fault."""
 
     FIELDS: ClassVar[dict[str, str]] = {
         "reason": STR, "matched": "str or int", "prompt_tokens": INT, "completion_tokens": INT,
         "cached_tokens": INT, "draft_tokens": INT, "accepted_draft_tokens": INT,
         "queue_seconds": FLOAT, "route_reason": STR, "expected_cached_tokens": INT,
-        "weights_version": STR, "worker": STR,
+        "weights_version": STR, "worker": STR, "param": STR,
     }  # fmt: skip
     OPTIONAL: ClassVar[frozenset[str]] = frozenset(FIELDS) - {
         "reason", "prompt_tokens", "completion_tokens"
@@ -71,6 +73,7 @@ class Finish(Record):
     weights_version: str | None = None
     # The worker that finished it, for a routed job (nothing else records where a job ran).
     worker: str | None = None
+    param: str | None = None  # an error's field at fault
 
     def to_wire(self) -> dict[str, Any]:
         wire = super().to_wire()

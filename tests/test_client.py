@@ -63,6 +63,20 @@ def test_an_error_reply_raises_request_error(config, upstream):
     assert (error.status, error.param, error.code) == (400, "prompt", "context_length_exceeded")
 
 
+def test_a_finish_of_reason_error_raises_request_error_naming_the_field(config):
+    def midway(request: GenerateRequest):
+        out = deltas(request.rid, [("{", [1])], reason="error", matched="regex cannot be...")
+        out[-1].finish["param"] = "regex"
+        return out
+
+    with Upstream(config.redis_url, config, midway), Client(config=config) as client:
+        rid = client.submit(input_ids=[1, 2])
+        with pytest.raises(RequestError) as caught:
+            list(client.stream(rid, timeout=2))
+    error = caught.value
+    assert (error.status, error.param, error.message) == (400, "regex", "regex cannot be...")
+
+
 @pytest.mark.parametrize(
     ("job", "message"),
     [

@@ -10,7 +10,7 @@ import msgpack
 import openai
 import pytest
 
-from jobs.protocol import ENTRY_FIELD, ErrorReply, GenerateRequest
+from jobs.protocol import ENTRY_FIELD, ErrorReply, Finish, GenerateRequest
 from tests.ingress_harness import MODEL, RunningIngress, Upstream, add_worker, deltas
 
 CHAT = "/v1/chat/completions"
@@ -261,6 +261,37 @@ def test_a_downstream_rejection_names_the_requests_own_field(ingress):
     ):
         assert_openai_error(status, reply, 400, param=param)
         assert reply["error"]["message"] == f"{param} cannot be matched"
+
+
+def test_a_finish_of_reason_error_is_the_requests_400_whole_or_streamed(ingress):
+    """A worker ends a request as its own fault mid-answer (a grammar past the matcher's
+    limits): a 400 naming the request's field, or an SSE error event after what was sent."""
+    message = "json_schema cannot be followed further: lexer error"
+
+    def fail_midway(request: GenerateRequest):
+        out = deltas(request.rid, [("{", [1]), ('"a', [2])], reason="error", matched=message)
+        finish = Finish.from_wire(out[-1].finish)
+        finish.param = "json_schema"
+        out[-1].finish = finish.to_wire()
+        return out
+
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    with Upstream(ingress.config.redis_url, ingress.config, fail_midway):
+        status, reply = ingress.post(CHAT, chat_body(response_format=schema))
+        native, native_reply = ingress.post("/generate", {"text": "x", "sampling_params": {
+            "json_schema": '{"type": "object"}'}})  # fmt: skip
+        _, _, data = ingress.request("POST", CHAT, chat_body(response_format=schema, stream=True))
+        text_format = {"format": {"type": "json_schema", "name": "x", "schema": {}}}
+        responses = ingress.post("/v1/responses", {"model": MODEL, "input": "x",
+                                                   "text": text_format})  # fmt: skip
+    assert_openai_error(*responses, 400, param="text")
+    assert_openai_error(status, reply, 400, param="response_format")
+    assert reply["error"]["message"] == message.replace("json_schema", "response_format", 1)
+    assert_openai_error(native, native_reply, 400, param="json_schema")
+    events = [e.removeprefix("data: ") for e in data.decode().split("\n\n") if e]
+    assert json.loads(events[1])["choices"][0]["delta"]["content"] == "{"  # sent before it
+    errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
+    assert [e["param"] for e in errors] == ["response_format"]
 
 
 def test_an_error_after_the_stream_began_is_an_sse_error_event(ingress):

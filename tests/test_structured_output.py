@@ -256,3 +256,19 @@ def test_a_matcher_in_error_that_takes_end_of_sequence_is_an_error_not_an_end(en
     eos = min(engine.eos_ids)
     assert matcher.is_error() and mask[0][eos // 32] >> (eos % 32) & 1  # only EOS is allowed
     assert consume(matcher, eos).startswith("lexer error: too many expressions")
+
+
+def test_a_grammar_that_outgrows_the_matcher_mid_answer_ends_the_request_as_an_error(engine):
+    """Its first masks pass admission; property b's lexeme exhausts the lexer once the answer
+    reaches it. The request ends with reason "error" naming the field (readers answer a
+    400), where it ended "abort" with the text cut short and no word to an OpenAI client."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3},
+              "b": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+              "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
+    params = SamplingParams.from_dict(dict(GREEDY, json_schema=json.dumps(schema)))
+    req = engine.build_request("mid", engine.tokenizer.encode("JSON please"), params)
+    run_to_end(engine, req)
+    reason = req.finished_reason
+    assert (reason.kind, reason.param) == ("error", "json_schema")
+    assert reason.matched.startswith("json_schema cannot be followed further: lexer error")
+    assert 0 < len(req.output_ids) < GREEDY["max_new_tokens"]

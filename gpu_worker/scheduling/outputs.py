@@ -11,8 +11,10 @@ from gpu_worker.sampling.grammar import consume
 from gpu_worker.sampling.penalties import SamplingRows
 from gpu_worker.sampling.sampler import SamplingBatch
 from gpu_worker.scheduling.req import FinishReason, Req
+from jobs.grammar import grammar_field
 
 logger = logging.getLogger(__name__)
+ENDED_SHORT = ("abort", "error")  # ends whose held-back text is not output
 
 
 def sampling_batch(
@@ -55,7 +57,10 @@ def append_token(req: Req, token: int, logprob, top_logprobs, context_length: in
         # The mask allows only tokens the grammar takes, so this is the grammar outgrowing
         # llguidance's limits mid-answer (a state past its lexer's budget), or a bug.
         logger.warning("request %s: grammar matcher failed: %s", req.rid, grammar_error)
-        req.finished_reason = FinishReason("abort", f"grammar matcher failed: {grammar_error}")
+        field = grammar_field(vars(req.params)) or "grammar"
+        req.finished_reason = FinishReason(
+            "error", f"{field} cannot be followed further: {grammar_error}", field
+        )
     elif token in req.stop_ids and num_out >= req.params.min_new_tokens:
         req.finished_reason = FinishReason("stop", token)
     elif req.matcher is not None and req.matcher.is_stopped():
@@ -72,7 +77,7 @@ def finish_output(req: Req, reason: FinishReason) -> None:
     stopped_by_string = reason.kind == "stop" and isinstance(reason.matched, str)
     # Text held back as a possible stop-string start is real output unless the request
     # was aborted or that stop string did complete.
-    if req.text_stream is not None and reason.kind != "abort" and not stopped_by_string:
+    if req.text_stream is not None and reason.kind not in ENDED_SHORT and not stopped_by_string:
         flushed = req.text_stream.flush()
         if flushed:
             req.pending_text.append(flushed)

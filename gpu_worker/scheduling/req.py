@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class FinishReason:
-    kind: str  # "stop" | "length" | "abort"
-    # The stop token id or stop string that ended the request, or an abort's message.
+    kind: str  # "stop" | "length" | "abort" | "error" (the request's fault, found as it ran)
+    # The stop token id or stop string that ended the request, or an abort's or error's message.
     matched: int | str | None = None
+    param: str | None = None  # an error's field at fault
 
 
 class Req:

@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from aiohttp import web
@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 REDIS_FULL_RETRY_AFTER_S = 5
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Refusal = TypeVar("Refusal", "ApiError", ErrorReply)  # what carries a param and a message
 
 
 class ApiError(RequestError):
@@ -66,7 +67,7 @@ def error_body(error: RequestError | ErrorReply) -> dict[str, Any]:
     }
 
 
-def in_request_words(error: ApiError, names: Mapping[str, str]) -> ApiError:
+def in_request_words(error: Refusal, names: Mapping[str, str]) -> Refusal:
     """`error` naming its field as the request does (a job's max_new_tokens is a chat's
     max_tokens, its json_schema the request's response_format), its message too."""
     param = names.get(error.param or "")

@@ -76,7 +76,7 @@ class Turn:
             yield started
             async for reply in sub.replies():
                 if isinstance(reply, ErrorReply):
-                    self.error = ApiError.from_reply(reply)
+                    self.error = renamed(ApiError.from_reply(reply))
                     yield self.builder.failed(self.error)
                     break
                 events = self.builder.add(reply)

@@ -203,7 +203,7 @@ class Submission:
                 self.first_token_at.setdefault(reply.rid, time.monotonic())
             if isinstance(reply, ErrorReply):
                 self._note(reply)
-                raise in_request_words(ApiError.from_reply(reply), self.names)
+                raise ApiError.from_reply(reply)
 
     def early_replies(self) -> list[Reply]:
         """The replies `first_replies` read, which `replies` hands out first."""
@@ -243,6 +243,12 @@ class Submission:
             return reply if reply is NUDGE else None
         if isinstance(reply, Failed):
             raise reply.exc
+        failure = reply.failure() if type(reply) is TextDelta and reply.finish is not None else None
+        if failure is not None:  # a Finish of reason error: answered as an ErrorReply
+            self._charge_reply(reply)  # what it used, as any end's
+            reply = failure
+        if type(reply) is ErrorReply:
+            reply = in_request_words(reply, self.names)
         self._received(reply)
         return reply
 
