@@ -169,6 +169,7 @@ def parse_completion(data: dict[str, Any], served: str) -> ApiRequest:
         sampling["prompt_logprobs"] = True
     job = _job(data, completion_prompts(data["prompt"]), sampling)
     job.echo = echo
+    job.names["input_ids"] = "prompt"  # its token ids, refused downstream (past the context)
     return job
 
 
