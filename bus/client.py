@@ -16,7 +16,9 @@ TextDeltas entries ``{kind: "deltas", deltas: [{tag, rid (on the first only), se
 finish?}]}`` (``finish`` on the last one: ``{reason, matched, prompt_tokens,
 completion_tokens, cached_tokens}``, with ``draft_tokens, accepted_draft_tokens`` when the
 worker speculated; ``tag`` the number this client gave the job: bus/reply_tags.py) or one
-ErrorReply ``{kind: "error", rid, status, message, type, param, code}``.
+ErrorReply ``{kind: "error", rid, status, message, type, param, code}``. A finish of reason
+``error`` (the job's own fault found as it ran: ``matched`` says what, ``param`` names the
+field) raises `RequestError` as an ErrorReply does.
 
 A submitted job's replies are kept for its `stream` until the request ends or is aborted;
 stream (or abort) every job you submit. A job with ``pooling="mean"`` or ``"last"`` is an
