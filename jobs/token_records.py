@@ -34,6 +34,8 @@ from jobs.wire import (
 
 # Prompt tokens decoded as context for the first output tokens (vLLM and SGLang use 5).
 PROMPT_CONTEXT_TOKENS = 5
+# Finish reasons whose text held back (a possible stop string's start) is not output.
+ENDED_SHORT = frozenset({"abort", "error"})
 
 
 @dataclass

@@ -12,9 +12,9 @@ from gpu_worker.sampling.penalties import SamplingRows
 from gpu_worker.sampling.sampler import SamplingBatch
 from gpu_worker.scheduling.req import FinishReason, Req
 from jobs.grammar import grammar_field
+from jobs.token_records import ENDED_SHORT
 
 logger = logging.getLogger(__name__)
-ENDED_SHORT = ("abort", "error")  # ends whose held-back text is not output
 
 
 def sampling_batch(

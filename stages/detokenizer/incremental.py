@@ -23,6 +23,7 @@ from typing import Any
 
 from jobs.protocol import TokenItem
 from jobs.stop_strings import find_stop, stop_prefix_len
+from jobs.token_records import ENDED_SHORT
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -59,7 +60,7 @@ def _delta(tokenizer: Any, item: TokenItem, texts: list[str]) -> str:
         before = item.context[item.prompt_context :]
         prefix = ""
         old, new = tokenizer.decode_batch([before, before + item.ids], item.skip_special_tokens)
-    final = item.finish is not None and item.finish.reason not in ("abort", "error")
+    final = item.finish is not None and item.finish.reason not in ENDED_SHORT
     old_visible = _visible(old[len(prefix) :], item.stop, final=False)
     new_visible = _visible(new[len(prefix) :], item.stop, final=final)
     return new_visible[len(old_visible) :]
