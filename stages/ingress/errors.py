@@ -70,10 +70,11 @@ def error_body(error: RequestError | ErrorReply) -> dict[str, Any]:
 def in_request_words(error: Refusal, names: Mapping[str, str]) -> Refusal:
     """`error` naming its field as the request does (a job's max_new_tokens is a chat's
     max_tokens, its json_schema the request's response_format), its message too."""
-    param = names.get(error.param or "")
-    if param is not None:
-        if error.message.startswith(error.param or ""):
-            error.message = param + error.message[len(error.param or "") :]
+    field = error.param
+    param = names.get(field) if field else None
+    if param is not None:  # so field is set
+        if error.message.startswith(field):
+            error.message = param + error.message[len(field) :]
         error.param = param
     return error
 
