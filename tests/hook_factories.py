@@ -27,6 +27,23 @@ def force_token(config: dict):
     return hook
 
 
+KEPT: dict[str, list] = {}
+
+
+def keep_outputs(config: dict):
+    """Keep every tensor a module takes or returns, with a copy of each: the model must not
+    write over a tensor a hook holds (gpu_worker/models/llama.py writes over its own
+    intermediates)."""
+    kept = KEPT.setdefault(config["key"], [])
+
+    def hook(module, args, output):
+        for tensor in (*args, output):
+            if hasattr(tensor, "clone"):
+                kept.append((tensor, tensor.clone()))
+
+    return hook
+
+
 def returns_none(config: dict):
     return None
 

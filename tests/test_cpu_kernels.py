@@ -136,6 +136,15 @@ def test_add_rms_norm_matches_the_add_then_the_torch_layer(kernels, dtype, rows,
     norm.register_forward_hook(lambda module, args, out: seen.append(out))
     hooked_total, hooked = norm.add_then_norm(x, residual)
     assert len(seen) == 1 and torch.equal(hooked_total, total) and hooked is seen[0]
+    # Written over its operands: the same values, in residual's and x's memory.
+    x_copy, residual_copy = x.clone(), residual.clone()
+    over_total, over = kernels.add_rms_norm(
+        x_copy, residual_copy, norm.weight.detach(), norm.eps, True
+    )
+    assert (
+        over_total.data_ptr() == residual_copy.data_ptr() and over.data_ptr() == x_copy.data_ptr()
+    )
+    assert torch.equal(over_total, got_total) and torch.equal(over, got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

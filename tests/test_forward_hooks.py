@@ -3,6 +3,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from gpu_worker import Engine
 from gpu_worker.models.random_shapes import fill_random_weights
@@ -93,3 +94,38 @@ def test_hooked_decoder_layer_sees_its_whole_output(layer):
     assert greedy(_hook("tests.hook_factories:count_calls", target, key="layer")) == plain
     assert hook_factories.CALLS["layer"] == 4  # one prefill + three decode forwards
     assert greedy(_hook("tests.tp_probe:steer", target, amount=1.0)) != plain
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [
+        "model.layers.*.self_attn.o_proj",
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.down_proj",
+        "model.layers.*.mlp",
+        "model.layers.*.input_layernorm",
+        "model.layers.*.post_attention_layernorm",
+        "model.embed_tokens",
+        "model.layers.0",
+    ],
+)
+def test_tensors_a_hook_keeps_are_not_written_over(targets):
+    """The decoder layers' norms write their sums and outputs over the layer's own
+    intermediates (on CPU kernels): never over one a hook has seen. Tokens stay those of
+    the model without hooks."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [9, 8, 7]]
+    hook_factories.KEPT.pop("kept", None)
+
+    def greedy(*hooks):
+        engine = Engine(MODEL, dtype="float32", forward_hooks=list(hooks))
+        assert engine.runner.cpu_kernels is not None or not hooks
+        fill_random_weights(engine.runner.model, seed=0, std=0.2)
+        outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        return [out["output_ids"] for out in outputs]
+
+    plain = greedy()
+    assert greedy(_hook("tests.hook_factories:keep_outputs", targets, key="kept")) == plain
+    kept = hook_factories.KEPT["kept"]
+    assert kept
+    for output, copy in kept:
+        assert torch.equal(output, copy)

@@ -249,12 +249,24 @@ class CpuKernels:
         return out
 
     def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        overwrite: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, RMSNorm of that sum) in one pass, both new tensors of x's dtype
-        (x, residual [rows, hidden] and weight of one dtype; the sum rounded as torch's add)."""
+        """(x + residual, RMSNorm of that sum) in one pass (x, residual [rows, hidden] and
+        weight of one dtype; the sum rounded as torch's add): new tensors, or with
+        `overwrite` the sum in residual's memory and the norm in x's."""
         x, residual = x.contiguous(), residual.contiguous()
-        total, out = torch.empty_like(x), torch.empty_like(x)
+        if overwrite:
+            # Memory the pass has just read is in cache; two fresh prefill-size outputs
+            # were not, and writing them took a prefill's norms 0.3-0.6 s some rounds
+            # against 0.10-0.14 in place (mixed-64, bench_prefill_profile.py).
+            total, out = residual, x
+        else:
+            total, out = torch.empty_like(x), torch.empty_like(x)
         self._add_rms_norm(
             x.data_ptr(), residual.data_ptr(), weight.data_ptr(), total.data_ptr(),
             out.data_ptr(), _DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], eps,

@@ -179,7 +179,8 @@ int rms_norm(const void *x, const void *weight, void *out, int dtype, int64_t ro
 
 /* sum = x + residual (rounded to the dtype, as torch's add stores it) and out = RMSNorm(sum),
  * in one pass: the decoder layer's residual adds before its norms, which on torch read both
- * operands and wrote the sum only for the norm to read it again. */
+ * operands and wrote the sum only for the norm to read it again. sum may be residual and out
+ * x: a row is read whole before either is written. */
 int add_rms_norm(const void *x, const void *residual, const void *weight, void *sum, void *out,
                  int dtype, int64_t rows, int64_t hidden, float eps)
 {

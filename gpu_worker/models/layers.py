@@ -29,6 +29,12 @@ PACKING_ROWS_HINT = 64
 PACKED_GEMM_FROM_ROWS = 3
 
 
+def hooked(*modules: nn.Module) -> bool:
+    """Whether a forward hook or pre-hook of any of these modules may see, and keep, the
+    tensors they take or return (so a caller must not write over those)."""
+    return any(module._forward_hooks or module._forward_pre_hooks for module in modules)
+
+
 class RMSNorm(nn.Module):
     """transformers' LlamaRMSNorm: float32 statistics, cast back before the weight multiply."""
 
@@ -50,19 +56,17 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(input_dtype)
 
     def add_then_norm(
-        self, x: torch.Tensor, residual: torch.Tensor
+        self, x: torch.Tensor, residual: torch.Tensor, overwrite: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + x, this norm of it): one kernel pass on CPU, where the add on torch
-        wrote a sum only for the norm to read it again. A hook on this norm keeps the two
-        calls, so it sees the module called as before."""
+        wrote a sum only for the norm to read it again. `overwrite`: x and residual are the
+        caller's own intermediates, which nothing reads afterwards, so the kernel may write
+        the sum over residual and the norm over x. A hook on this norm keeps the two calls,
+        so it sees the module called as before."""
         kernels = self.cpu_kernels
-        if (
-            kernels is not None
-            and x.dim() == 2
-            and x.dtype == residual.dtype == self.weight.dtype
-            and not (self._forward_hooks or self._forward_pre_hooks)
-        ):
-            return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        if kernels is not None and x.dim() == 2 and x.dtype == residual.dtype == self.weight.dtype:
+            if not hooked(self):
+                return kernels.add_rms_norm(x, residual, self.weight, self.eps, overwrite)
         total = residual + x
         return total, self(total)
 

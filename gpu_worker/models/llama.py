@@ -20,7 +20,7 @@ from torch import nn
 from gpu_worker.attention.layer import PagedAttention
 from gpu_worker.kernels.cpu_kernels import CpuKernels
 from gpu_worker.models.config import ModelConfig
-from gpu_worker.models.layers import Linear, RMSNorm
+from gpu_worker.models.layers import Linear, RMSNorm, hooked
 from gpu_worker.models.rotary import RotaryEmbedding, apply_rotary
 from gpu_worker.parallel.layers import (
     RowParallelLinear,
@@ -118,18 +118,35 @@ class LlamaDecoderLayer(nn.Module):
         pending: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        owned: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer on the hidden state `residual + pending` (pending None: `residual`
         alone), returning its output the same way, as (residual, MLP output) not yet added:
         the next layer's input norm (or the final norm) adds them in its own pass, where an
-        add on torch wrote a prefill-size sum only for the norm to read it again."""
+        add on torch wrote a prefill-size sum only for the norm to read it again.
+
+        `owned`: residual and pending are the caller's intermediates, which nothing else
+        holds, so the input norm may write over them; the post-attention norm writes over
+        its own operands when no hook has seen them (`outputs_owned` says the same of what
+        this returns)."""
         if pending is None:
             normed = self.input_layernorm(residual)
         else:
-            residual, normed = self.input_layernorm.add_then_norm(pending, residual)
+            residual, normed = self.input_layernorm.add_then_norm(pending, residual, owned)
         attended = self.self_attn(normed, cos, sin)
-        residual, normed = self.post_attention_layernorm.add_then_norm(attended, residual)
+        # The sum is the input norm's own unless a hook on that norm saw it (its torch path),
+        # and attention's output o_proj's own unless a hook on either module saw it.
+        overwrite = pending is not None and not hooked(
+            self.input_layernorm, self.self_attn, self.self_attn.o_proj
+        )
+        residual, normed = self.post_attention_layernorm.add_then_norm(
+            attended, residual, overwrite
+        )
         return residual, self.mlp(normed)
+
+    def outputs_owned(self) -> bool:
+        """Whether forward_unsummed's two outputs are tensors no hook has seen."""
+        return not hooked(self.post_attention_layernorm, self.mlp, self.mlp.down_proj)
 
 
 class LlamaModel(nn.Module):
@@ -155,17 +172,19 @@ class LlamaModel(nn.Module):
         # One cos/sin for all layers: the positions are the same in each.
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         pending = None  # the last layer's MLP output, not yet added to hidden
+        owned = False  # whether hidden and pending are this forward's, seen by no hook
         for layer in self.layers:
-            if layer._forward_hooks or layer._forward_pre_hooks:
+            if hooked(layer):
                 # A hook on the layer sees (and may change) its whole output.
                 if pending is not None:
                     hidden, pending = hidden + pending, None
-                hidden = layer(hidden, cos, sin)
+                hidden, owned = layer(hidden, cos, sin), False
             else:
-                hidden, pending = layer.forward_unsummed(hidden, pending, cos, sin)
+                hidden, pending = layer.forward_unsummed(hidden, pending, cos, sin, owned)
+                owned = layer.outputs_owned()
         if pending is None:
             return self.norm(hidden)
-        return self.norm.add_then_norm(pending, hidden)[1]
+        return self.norm.add_then_norm(pending, hidden, owned)[1]
 
 
 class LlamaForCausalLM(nn.Module):
