@@ -285,9 +285,12 @@ int extend_attention(const void *q, int q_dtype, int64_t q_token_stride,
                 continue;
             }
 #endif
-            /* Row g * QUERY_BLOCK + i: query head h * group + g of new token first + i; as
-             * float32 pre-scaled, or as the bfloat16 it is (qf's bytes hold either). */
-            for (int64_t g = 0; g < group; g++)
+            /* A whole bfloat16 block reads its queries where they are (rows q_token_stride
+             * apart); otherwise row g * QUERY_BLOCK + i, query head h * group + g of new
+             * token first + i, is copied to qf: float32 pre-scaled, or the bfloat16 it is
+             * (qf's bytes hold either), zeros past the block's count. */
+            const int in_place = bf16 && count == QUERY_BLOCK && q_token_stride % 2 == 0;
+            for (int64_t g = 0; !in_place && g < group; g++)
                 for (int64_t i = 0; i < QUERY_BLOCK; i++) {
                     const int64_t r = g * QUERY_BLOCK + i;
                     const int64_t src = (token0[b] + first + i) * q_token_stride + (h * group + g) * head_dim;
@@ -313,7 +316,12 @@ int extend_attention(const void *q, int q_dtype, int64_t q_token_stride,
                 float row_max[MAX_EXT_GROUP * QUERY_BLOCK], top[QUERY_BLOCK * 16];
                 for (int64_t r = 0; r < rows; r += QUERY_BLOCK) {
                     for (int i = 0; i < QUERY_BLOCK * 16; i++) top[i] = -INFINITY;
-                    scores_8_rows_bf16((const uint16_t *)qf + r * head_dim, head_dim,
+                    const int64_t g = r / QUERY_BLOCK;
+                    const uint16_t *rows_q =
+                        in_place ? (const uint16_t *)q + (token0[b] + first) * q_token_stride +
+                                       (h * group + g) * head_dim
+                                 : (const uint16_t *)qf + r * head_dim;
+                    scores_8_rows_bf16(rows_q, in_place ? q_token_stride : head_dim, head_dim,
                                        (const uint16_t *)kt + base, visible,
                                        scores + r * max_keys, max_keys, seen[0], count, top);
                     for (int64_t i = 0; i < QUERY_BLOCK; i++)

@@ -16,25 +16,37 @@
  * top lives in the caller's memory on purpose: kept in registers beside the 16 sums (tried),
  * gcc 12 spilled the key vectors on every dot-product step and the scores took 1.7x as long.
  * Not inlined either: inside the work-item loop gcc spilled a key vector there too. */
-__attribute__((noinline)) static void scores_8_rows_bf16(const uint16_t *q, int64_t head_dim,
-                                                         const uint16_t *kp, int64_t keys,
-                                                         float *scores, int64_t score_stride,
-                                                         int64_t seen0, int64_t seeing, float *top) {
+/* 8 rows' sums against one key block: both halves (32 keys), or the first 16 alone. */
+static inline __attribute__((always_inline)) void score_block_8_rows(
+    const uint32_t *qp, int64_t row_pairs, int64_t pairs, const uint16_t *block,
+    __m512 acc[8][2], const int HALVES)
+{
+    for (int r = 0; r < 8; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t dp = 0; dp < pairs; dp++) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(block + dp * 2 * KEY_BLOCK);
+        const __m512bh k1 = HALVES == 2 ? (__m512bh)_mm512_loadu_si512(block + dp * 2 * KEY_BLOCK + 32) : k0;
+        for (int r = 0; r < 8; r++) {
+            const __m512bh qd = (__m512bh)_mm512_set1_epi32((int)qp[r * row_pairs + dp]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, qd);
+            if (HALVES == 2) acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, qd);
+        }
+    }
+}
+
+__attribute__((noinline)) static void scores_8_rows_bf16(const uint16_t *q, int64_t q_stride,
+                                                         int64_t head_dim, const uint16_t *kp,
+                                                         int64_t keys, float *scores,
+                                                         int64_t score_stride, int64_t seen0,
+                                                         int64_t seeing, float *top) {
     const uint32_t *qp = (const uint32_t *)q; /* a (d, d + 1) pair per element */
-    const int64_t pairs = head_dim / 2;
+    const int64_t pairs = head_dim / 2, row_pairs = q_stride / 2;
     for (int64_t kb = 0; kb * KEY_BLOCK < keys; kb++) {
         const uint16_t *block = kp + kb * head_dim * KEY_BLOCK;
         __m512 acc[8][2];
-        for (int r = 0; r < 8; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        for (int64_t dp = 0; dp < pairs; dp++) {
-            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(block + dp * 2 * KEY_BLOCK);
-            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(block + dp * 2 * KEY_BLOCK + 32);
-            for (int r = 0; r < 8; r++) {
-                const __m512bh qd = (__m512bh)_mm512_set1_epi32((int)qp[r * pairs + dp]);
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, qd);
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, qd);
-            }
-        }
+        /* A last block of 16 keys or fewer: its second half's sums stay zeros that no row
+         * reads (the softmax stops at the keys' even count). */
+        if (keys - kb * KEY_BLOCK > 16) score_block_8_rows(qp, row_pairs, pairs, block, acc, 2);
+        else score_block_8_rows(qp, row_pairs, pairs, block, acc, 1);
         for (int r = 0; r < 8; r++) {
             float *dst = scores + r * score_stride + kb * KEY_BLOCK;
             _mm512_storeu_ps(dst, acc[r][0]);
