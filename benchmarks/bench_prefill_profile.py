@@ -6,10 +6,12 @@ Prefills every prompt of a workload (one output token each, greedy) through `Eng
 the prefix cache cleared before each round, and times on the wall clock each call into a
 linear layer (the matmuls: oneDNN, or the small-row kernel), into each CPU kernel (extend
 attention, RMSNorm with or without its residual add, rotary, SiLU-and-mul, the KV write) and
-the whole. "rest" is what is left: the embedding, copies, Python per layer and the
-scheduler (and residual adds on torch, where a hook keeps a layer from fusing its add into
-the next norm). Prints one JSON line per round (seconds per part, and
-`outside_matmuls_s`: everything but the matmuls, issue 30's figure) and a table on stderr.
+the whole; where the decoder layers run in one C call (gpu_worker/models/fused_layers.py)
+that call times the same parts itself. "rest" is what is left: the embedding, copies,
+Python per layer (none where the layers are one call) and the scheduler (and residual adds
+on torch, where a hook keeps a layer from fusing its add into the next norm). Prints one
+JSON line per round (seconds per part, and `outside_matmuls_s`: everything but the
+matmuls, issue 30's figure) and a table on stderr.
 `--no-amx` keeps extend attention off AMX tiles on a CPU that has them (the before figure).
 Run alone on the machine: the parts are wall-clock times.
 """
@@ -17,6 +19,7 @@ Run alone on the machine: the parts are wall-clock times.
 from __future__ import annotations
 
 import collections
+import ctypes
 import functools
 import sys
 import time
@@ -29,7 +32,7 @@ from benchmarks.jsonl import emit, machine  # noqa: E402
 from cli.workloads import WORKLOADS, make_workload  # noqa: E402
 from gpu_worker import Engine  # noqa: E402
 from gpu_worker.kernels import cpu_kernels  # noqa: E402
-from gpu_worker.models import layers  # noqa: E402
+from gpu_worker.models import fused_layers, layers  # noqa: E402
 
 # The kernels a prefill calls, by the part of the table they count in.
 KERNEL_PARTS = {
@@ -88,12 +91,16 @@ def main() -> None:
     amx = kernels is not None and kernels.use_amx(not args.no_amx)
     params = [{"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}] * len(workload.prompts)
     engine.generate(input_ids=workload.prompts[:2], sampling_params=params[:2])  # warm-up
+    # Inside the one-call decoder layers (fused_layers.py) the C code times each part.
+    fused_layers.part_seconds = fused = (ctypes.c_double * len(fused_layers.FUSED_PARTS))()
     for round_ in range(args.rounds):
         engine.flush_cache()
         timers.seconds.clear()
+        ctypes.memset(fused, 0, ctypes.sizeof(fused))
         started = time.perf_counter()
         engine.generate(input_ids=workload.prompts, sampling_params=params)
         wall = time.perf_counter() - started
+        timers.seconds.update(dict(zip(fused_layers.FUSED_PARTS, fused, strict=True)))
         parts = {part: round(seconds, 3) for part, seconds in timers.seconds.most_common()}
         rest = wall - sum(timers.seconds.values())
         row = {

@@ -13,6 +13,8 @@ inherits.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -27,6 +29,18 @@ from gpu_worker.model_executor.forward_batch import ForwardBatch, ForwardMode
 # one request still gives each thread several chunks.
 MIN_CHUNK, MAX_CHUNK, CHUNK_ALIGN = 32, 256, 32
 CHUNKS_PER_THREAD = 8
+
+
+class FusedAttention(NamedTuple):
+    """A batch's attention inputs as this backend's kernels take them (prepare_metadata's)."""
+
+    decode: bool
+    kv_pool: TokenToKVPool
+    req_to_token: Tensor
+    prefix_lens: Tensor  # extend: [bs] int64
+    extend_lens: Tensor
+    seq_lens: Tensor  # decode: [bs] int64
+    chunk: int
 
 
 class CpuKernelAttnBackend(TorchNativeAttnBackend):
@@ -56,6 +70,17 @@ class CpuKernelAttnBackend(TorchNativeAttnBackend):
         chunk = -(-work // (CHUNKS_PER_THREAD * torch.get_num_threads()))
         chunk = -(-chunk // CHUNK_ALIGN) * CHUNK_ALIGN
         self._chunk = min(MAX_CHUNK, max(MIN_CHUNK, chunk))
+
+    def fused_attention(self, forward_batch: ForwardBatch) -> FusedAttention | None:
+        """What the one-call decoder layers (gpu_worker/models/fused_layers.py) need to
+        attend this batch as `forward` would, or None where `forward` attends on torch."""
+        decode = forward_batch.forward_mode == ForwardMode.DECODE
+        if not decode and self._extend_on_torch:
+            return None
+        return FusedAttention(
+            decode, self.kv_pool, self.req_to_token_pool.req_to_token, self._prefix_lens,
+            self._extend_lens, self._seq_lens, self._chunk,
+        )  # fmt: skip
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch

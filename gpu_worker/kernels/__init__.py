@@ -9,5 +9,6 @@ extend_attention_amx.h    its bfloat16 products on AMX tiles
 gemm_bf16.c               bfloat16 matmuls on AVX512-BF16 (oneDNN's weakest at decode's rows)
 layers.c                  Linear, RMSNorm, rotary and SiLU·mul
 sampling.c                greedy argmax and the grammar's token mask
+decoder_layers.c          a bfloat16 model's decoder layers in one call of the kernels above
 common.h                  what the C files share
 """

@@ -1,7 +1,8 @@
 """The CPU kernels (attention.c, extend_attention.c with its bfloat16 and AMX halves
-extend_attention_bf16.h and extend_attention_amx.h, gemm_bf16.c, layers.c, sampling.c and
-common.h beside this file): built once per machine into one library with the system C
-compiler, cached, and called through ctypes with the tensors' data pointers. Where it runs
+extend_attention_bf16.h and extend_attention_amx.h, gemm_bf16.c, layers.c, sampling.c,
+decoder_layers.c and common.h beside this file): built once per machine into one library
+with the system C compiler, cached, and called through ctypes with the tensors' data
+pointers. Where it runs
 extend attention on AMX tiles, amx_check.py checks them against the AVX512-BF16 path once
 loaded.
 
@@ -36,7 +37,14 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = [
     _HERE / name
-    for name in ("attention.c", "extend_attention.c", "gemm_bf16.c", "layers.c", "sampling.c")
+    for name in (
+        "attention.c",
+        "decoder_layers.c",
+        "extend_attention.c",
+        "gemm_bf16.c",
+        "layers.c",
+        "sampling.c",
+    )
 ]
 HEADERS = [
     _HERE / name for name in ("common.h", "extend_attention_bf16.h", "extend_attention_amx.h")
@@ -98,6 +106,8 @@ class CpuKernels:
         self._rotary = _entry(library, "rotary_inplace",
             _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64,
         )  # fmt: skip
+        # Every decoder layer in one call (decoder_layers.c; gpu_worker/models/fused_layers.py).
+        self.decoder_layers = _entry(library, "decoder_layers_bf16", _ptr, _ptr, optional=True)
         self._argmax = _entry(library, "argmax_rows", _ptr, _i64, _i64, _i64, _ptr)
         self._bitmask = _entry(library, "apply_token_bitmask",
             _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64,

@@ -122,6 +122,8 @@ def attach_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
     says which rows each takes)."""
     onednn_too = cpu_has_amx()  # oneDNN multiplies on the tiles from PACKED_GEMM_FROM_ROWS
     for module in model.modules():
+        if hasattr(module, "fused_layers"):
+            module.fused_layers = None  # it points at the weights packed before
         if not hasattr(module, "cpu_kernels"):
             continue
         module.cpu_kernels = kernels

@@ -20,6 +20,7 @@ from torch import nn
 from gpu_worker.attention.layer import PagedAttention
 from gpu_worker.kernels.cpu_kernels import CpuKernels
 from gpu_worker.models.config import ModelConfig
+from gpu_worker.models.fused_layers import FusedLayers, run_fused_layers
 from gpu_worker.models.layers import Linear, RMSNorm, hooked
 from gpu_worker.models.rotary import RotaryEmbedding, apply_rotary
 from gpu_worker.parallel.layers import (
@@ -150,6 +151,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # The layers as one C call takes them on CPU (fused_layers.py): built on first use,
+    # dropped when attach_cpu_kernels packs the weights anew.
+    fused_layers: FusedLayers | None = None
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None, plan: ShardPlan) -> None:
         super().__init__()
         if plan.is_split:
@@ -171,6 +176,10 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         # One cos/sin for all layers: the positions are the same in each.
         cos, sin = self.rotary_emb(positions, hidden.dtype)
+        fused = run_fused_layers(self, hidden, cos, sin)
+        if fused is not None:  # every layer in one C call, as the loop below would run them
+            hidden, pending = fused
+            return self.norm.add_then_norm(pending, hidden, True)[1]
         pending = None  # the last layer's MLP output, not yet added to hidden
         owned = False  # whether hidden and pending are this forward's, seen by no hook
         for layer in self.layers:

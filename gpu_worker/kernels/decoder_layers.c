@@ -1,0 +1,152 @@
+/* A bfloat16 model's decoder layers, all of them, in one call: the same kernels the layer
+ * modules call one by one (add_rms_norm, gemm_bf16, rotary_inplace, write_kv, extend or
+ * decode attention, silu_and_mul), in the same order on the same values, so the result is
+ * bit for bit theirs.
+ *
+ * Why: between two kernels the modules run Python and torch ops (views, splits, fresh
+ * output tensors, the attention backend), and each of those starts cold, its code and data
+ * pushed out of the caches by the kernel before it: ~100 us a kernel. Timed around the C
+ * calls alone, a mixed-64 prefill (19,208 tokens, SmolLM2, two AMD cores) spent 0.30-0.35 s
+ * of its 11 s outside them, against 1.1 s in every kernel but the matmuls. Here a forward
+ * crosses from Python once, and its intermediates live in buffers the caller allocates once
+ * a forward, reused by every layer while they are warm.
+ *
+ * The caller (gpu_worker/models/fused_layers.py) takes this path only where each module
+ * would have called these kernels: bfloat16 weights packed for gemm_bf16, no hooks, no
+ * tensor parallelism, the attention kernels taking the shape. */
+#include <time.h>
+
+#include "common.h"
+
+int rms_norm(const void *x, const void *weight, void *out, int dtype, int64_t rows,
+             int64_t hidden, float eps);
+int add_rms_norm(const void *x, const void *residual, const void *weight, void *sum, void *out,
+                 int dtype, int64_t rows, int64_t hidden, float eps);
+int gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
+              const uint16_t *bias, uint16_t *y);
+int rotary_inplace(void *x, const void *cos, const void *sin, int dtype, int64_t tokens,
+                   int64_t heads, int64_t head_dim, int64_t row_stride);
+int write_kv(const void *k_new, const void *v_new, int new_dtype, int64_t k_row_stride,
+             int64_t v_row_stride, const int64_t *loc, int64_t tokens, int64_t kv_heads,
+             int64_t head_dim, void *k_cache, void *v_cache, int cache_dtype,
+             int64_t head_stride, int64_t slot_stride);
+int extend_attention(const void *q, int q_dtype, int64_t q_token_stride, const void *k_cache,
+                     const void *v_cache, int kv_dtype, int64_t kv_head_stride,
+                     int64_t kv_slot_stride, const int64_t *req_to_token, int64_t table_stride,
+                     const int64_t *req_pool_indices, const int64_t *prefix_lens,
+                     const int64_t *extend_lens, int64_t bs, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, float scale, void *out,
+                     int out_dtype);
+int paged_decode_attention(const void *q, int q_dtype, int64_t q_stride, const void *k_cache,
+                           const void *v_cache, int kv_dtype, int64_t kv_head_stride,
+                           int64_t kv_slot_stride, const int64_t *req_to_token,
+                           int64_t table_stride, const int64_t *req_pool_indices,
+                           const int64_t *seq_lens, int64_t bs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, float scale, int64_t chunk,
+                           void *out, int out_dtype);
+int silu_and_mul(const void *x, int64_t x_row_stride, void *out, int dtype, int64_t rows,
+                 int64_t inter);
+
+/* One layer's weights (bfloat16; the four matmuls' packed by gemm_bf16_pack, biases or
+ * NULL) and its part of the KV pool. */
+typedef struct {
+    const uint16_t *input_norm, *post_norm;
+    const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    void *k_cache, *v_cache;
+} LayerWeights;
+
+/* One forward: shapes, the batch's attention metadata, the buffers, the part timers. */
+typedef struct {
+    int64_t layers, tokens, width, heads, kv_heads, head_dim, inter; /* width: hidden size */
+    float eps, scale;
+    int kv_dtype;
+    int64_t kv_head_stride, kv_slot_stride;
+    const uint16_t *cos, *sin;  /* [tokens, head_dim] */
+    const int64_t *out_cache_loc;
+    const int64_t *req_to_token;
+    int64_t table_stride;
+    const int64_t *req_pool_indices;
+    int64_t bs;
+    int decode;                 /* 1: seq_lens and chunk; 0: prefix_lens and extend_lens */
+    const int64_t *prefix_lens, *extend_lens, *seq_lens;
+    int64_t chunk;
+    /* residual [tokens, hidden] holds the embeddings and ends with the last layer's sum;
+     * hidden [tokens, hidden] holds each norm's output, then the matmul's after it, which
+     * the next norm writes over as it reads (as the modules' in-place norms do: a norm
+     * written to another buffer took 1.5-2x as long); it ends with the last MLP's output,
+     * not yet added to residual */
+    uint16_t *residual, *hidden, *qkv_out, *attended, *gate_up_out, *act;
+    double *seconds;            /* NULL, or += seconds per part (FUSED_PARTS) */
+} LayerRun;
+
+enum { PART_MATMULS, PART_ATTENTION, PART_RMS_NORM, PART_ROTARY, PART_KV_WRITE, PART_SILU, FUSED_PARTS };
+
+static double now_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Runs `call` (a kernel returning its status) and adds its time to part `part`; any status
+ * but 0 ends the layers with it. */
+#define TIMED(part, call)                                                     \
+    do {                                                                      \
+        const double started_ = run->seconds ? now_seconds() : 0.0;           \
+        const int status_ = (call);                                           \
+        if (run->seconds) run->seconds[part] += now_seconds() - started_;     \
+        if (status_ != 0) return status_;                                     \
+    } while (0)
+
+/* Returns 0; a kernel's status otherwise (-1: the attention kernel does not take the shape,
+ * which only the first layer can meet, before it has written anything but the KV pool). */
+int decoder_layers_bf16(const LayerWeights *weights, const LayerRun *run) {
+    const int64_t M = run->tokens, width = run->width, dim = run->head_dim;
+    const int64_t q_size = run->heads * dim, kv_size = run->kv_heads * dim;
+    const int64_t qkv_width = q_size + 2 * kv_size;
+    for (int64_t l = 0; l < run->layers; l++) {
+        const LayerWeights *w = weights + l;
+        if (l == 0)
+            TIMED(PART_RMS_NORM, rms_norm(run->residual, w->input_norm, run->hidden, DT_BF16, M,
+                                          width, run->eps));
+        else
+            TIMED(PART_RMS_NORM, add_rms_norm(run->hidden, run->residual, w->input_norm,
+                                              run->residual, run->hidden, DT_BF16, M, width,
+                                              run->eps));
+        TIMED(PART_MATMULS, gemm_bf16(run->hidden, M, width, w->qkv, qkv_width, w->qkv_bias,
+                                      run->qkv_out));
+        TIMED(PART_ROTARY, rotary_inplace(run->qkv_out, run->cos, run->sin, DT_BF16, M,
+                                          run->heads + run->kv_heads, dim, qkv_width));
+        TIMED(PART_KV_WRITE, write_kv(run->qkv_out + q_size, run->qkv_out + q_size + kv_size,
+                                      DT_BF16, qkv_width, qkv_width, run->out_cache_loc, M,
+                                      run->kv_heads, dim, w->k_cache, w->v_cache, run->kv_dtype,
+                                      run->kv_head_stride, run->kv_slot_stride));
+        if (run->decode)
+            TIMED(PART_ATTENTION, paged_decode_attention(
+                                      run->qkv_out, DT_BF16, qkv_width, w->k_cache, w->v_cache,
+                                      run->kv_dtype, run->kv_head_stride, run->kv_slot_stride,
+                                      run->req_to_token, run->table_stride,
+                                      run->req_pool_indices, run->seq_lens, run->bs, run->heads,
+                                      run->kv_heads, dim, run->scale, run->chunk, run->attended,
+                                      DT_BF16));
+        else
+            TIMED(PART_ATTENTION, extend_attention(
+                                      run->qkv_out, DT_BF16, qkv_width, w->k_cache, w->v_cache,
+                                      run->kv_dtype, run->kv_head_stride, run->kv_slot_stride,
+                                      run->req_to_token, run->table_stride,
+                                      run->req_pool_indices, run->prefix_lens, run->extend_lens,
+                                      run->bs, run->heads, run->kv_heads, dim, run->scale,
+                                      run->attended, DT_BF16));
+        TIMED(PART_MATMULS, gemm_bf16(run->attended, M, q_size, w->o, width, w->o_bias,
+                                      run->hidden));
+        TIMED(PART_RMS_NORM, add_rms_norm(run->hidden, run->residual, w->post_norm,
+                                          run->residual, run->hidden, DT_BF16, M, width,
+                                          run->eps));
+        TIMED(PART_MATMULS, gemm_bf16(run->hidden, M, width, w->gate_up, 2 * run->inter,
+                                      w->gate_up_bias, run->gate_up_out));
+        TIMED(PART_SILU, silu_and_mul(run->gate_up_out, 2 * run->inter, run->act, DT_BF16, M,
+                                      run->inter));
+        TIMED(PART_MATMULS, gemm_bf16(run->act, M, run->inter, w->down, width, w->down_bias,
+                                      run->hidden));
+    }
+    return 0;
+}
