@@ -216,9 +216,18 @@ class Launcher:
         deadline = time.monotonic() + self.args.ready_timeout
         try:
             while not self.stop.is_set():
-                if self._first_dead() is not None:
+                if self._first_dead() is not None or not self._keep_server_up():
                     return False
-                if all(len(read_liveness(c, s).beats) >= self.args.workers for c, s in shards):
+                try:
+                    live = all(
+                        len(read_liveness(c, s).beats) >= self.args.workers for c, s in shards
+                    )
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    # A Redis restart while the workers start: the stages ride it out, and
+                    # so does this wait (it ended the whole system before).
+                    logger.info("Redis unreachable while waiting for workers (%s)", exc)
+                    live = False
+                if live:
                     return True
                 if time.monotonic() > deadline:
                     logger.error("fewer than %d workers live on each of %d shards after %g s; "

@@ -51,3 +51,22 @@ def test_every_stage_rides_out_a_redis_restart_and_serves_after_it():
             assert time.monotonic() < deadline, "not serving again after the restart"
             time.sleep(0.5)
         assert {stage: pipeline.replica_pids(stage) for stage in STAGES} == pids  # none died
+
+
+def test_the_launchers_wait_for_workers_outlasts_a_redis_that_is_down():
+    """`up` waits for every worker's first heartbeat after /health is 200: a Redis restart
+    in that window ended the whole system with a ConnectionError (seen in this file's test
+    above). Now the wait keeps polling: here, with nothing to revive it, until its deadline."""
+    import argparse
+
+    from cli.launcher import Launcher
+    from runtime.config import BusConfig
+    from runtime.embedded_server import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        url = server.url
+        server.kill()
+        launcher = Launcher(argparse.Namespace(workers=1, ready_timeout=1.0), BusConfig())
+        started = time.monotonic()
+        assert launcher._wait_for_workers(url) is False
+        assert time.monotonic() - started >= 1.0
