@@ -136,15 +136,17 @@ def test_where_onednn_multiplies_many_rows_only_few_row_forwards_are_one_call(mo
     from gpu_worker.models import layers
 
     monkeypatch.setattr(layers, "cpu_has_amx", lambda: True)
+    engine = Engine("random:tiny-llama", dtype="bfloat16")
     rows = []
-    call = kernels.decoder_layers
+    # The engine's kernels: another test may have loaded the library anew since this
+    # module's import.
+    call = engine.runner.cpu_kernels.decoder_layers
 
     def counted(weights, run):
         rows.append(run._obj.tokens)
         return call(weights, run)
 
-    monkeypatch.setattr(kernels, "decoder_layers", counted)
-    engine = Engine("random:tiny-llama", dtype="bfloat16")
+    monkeypatch.setattr(engine.runner.cpu_kernels, "decoder_layers", counted)
     params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
     engine.generate(input_ids=[5, 6, 7, 8], sampling_params=params)
     assert rows == [1, 1, 1]  # the three decode steps, not the 4-token prefill
