@@ -83,6 +83,14 @@ class FusedLayers:
         k_cache = kv_pool.get_kv_buffer(first.attn.layer_id)[0]
         self.kv_dtype = _DT_BF16 if k_cache.dtype == torch.bfloat16 else _DT_F32
         self.kv_strides = k_cache.stride(0), k_cache.stride(1)
+        # One dtype and layout for every layer's keys and values, as the C call takes them.
+        buffers = [
+            b for layer in self.layers for b in kv_pool.get_kv_buffer(layer.self_attn.attn.layer_id)
+        ]
+        self.kv_uniform = all(
+            b.dtype == k_cache.dtype and b.stride() == k_cache.stride() and b.stride(2) == 1
+            for b in buffers
+        )
         # oneDNN multiplies from PACKED_GEMM_FROM_ROWS rows where it holds a packed copy (AMX).
         packed = any(getattr(m, "packed_weight", None) is not None for m in self.modules)
         self.max_rows = PACKED_GEMM_FROM_ROWS - 1 if packed else None
@@ -125,10 +133,18 @@ def run_fused_layers(
         if not fusable(model):
             return None
         fused = model.fused_layers = FusedLayers(model, attention.kv_pool)
+    if not fused.kv_uniform or not _int64_vectors(context.forward_batch, attention):
+        return None  # the modules' own checks then say what is wrong
     tokens = hidden.shape[0]
     if (fused.max_rows is not None and tokens > fused.max_rows) or hooked(*fused.modules):
         return None
     return _call(kernels, fused, model, attention, context.forward_batch, hidden, cos, sin)
+
+
+def _int64_vectors(batch, attention) -> bool:
+    """Whether the batch's slot and index tensors are the int64 rows the C code reads."""
+    vectors = (batch.out_cache_loc, batch.req_pool_indices, attention.req_to_token)
+    return all(v.dtype == torch.int64 and v.stride(-1) == 1 for v in vectors)
 
 
 def _call(kernels, fused, model, attention, batch, hidden, cos, sin):
