@@ -143,7 +143,7 @@ def run_fused_layers(
     tokens = hidden.shape[0]
     if (fused.max_rows is not None and tokens > fused.max_rows) or any(fused.hook_dicts):
         return None
-    return _call(kernels, fused, model, attention, context.forward_batch, hidden, cos, sin)
+    return _call(kernels, fused, attention, context.forward_batch, hidden, cos, sin)
 
 
 def _int64_vectors(batch, attention) -> bool:
@@ -152,7 +152,9 @@ def _int64_vectors(batch, attention) -> bool:
     return all(v.dtype == torch.int64 and v.stride(-1) == 1 for v in vectors)
 
 
-def _call(kernels, fused, model, attention, batch, hidden, cos, sin):
+def _call(kernels, fused, attention, batch, hidden, cos, sin):
+    """decoder_layers_bf16 on this forward's buffers: (residual, the last MLP's output), or
+    None where the attention kernel declined the shape."""
     first = fused.layers[0]
     attn = first.self_attn
     tokens, width = hidden.shape
