@@ -68,9 +68,11 @@ class FusedLayers:
         ]
         self.weights = (_LayerWeights * len(self.layers))()
         self.keep: list[torch.Tensor] = []
+        pools: list[torch.Tensor] = []  # every layer's keys and values
         for row, layer in zip(self.weights, self.layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             k_cache, v_cache = kv_pool.get_kv_buffer(attn.attn.layer_id)
+            pools += [k_cache, v_cache]
             tensors = {
                 "input_norm": layer.input_layernorm.weight,
                 "post_norm": layer.post_attention_layernorm.weight,
@@ -84,17 +86,13 @@ class FusedLayers:
                 if tensor is not None:
                     setattr(row, name, tensor.data_ptr())
                     self.keep.append(tensor)
-        first = self.layers[0].self_attn
-        k_cache = kv_pool.get_kv_buffer(first.attn.layer_id)[0]
-        self.kv_dtype = _DT_BF16 if k_cache.dtype == torch.bfloat16 else _DT_F32
-        self.kv_strides = k_cache.stride(0), k_cache.stride(1)
+        first = pools[0]
+        self.kv_dtype = _DT_BF16 if first.dtype == torch.bfloat16 else _DT_F32
+        self.kv_strides = first.stride(0), first.stride(1)
         # One dtype and layout for every layer's keys and values, as the C call takes them.
-        buffers = [
-            b for layer in self.layers for b in kv_pool.get_kv_buffer(layer.self_attn.attn.layer_id)
-        ]
         self.kv_uniform = all(
-            b.dtype == k_cache.dtype and b.stride() == k_cache.stride() and b.stride(2) == 1
-            for b in buffers
+            b.dtype == first.dtype and b.stride() == first.stride() and b.stride(2) == 1
+            for b in pools
         )
         # oneDNN multiplies from PACKED_GEMM_FROM_ROWS rows where it holds a packed copy (AMX).
         packed = any(getattr(m, "packed_weight", None) is not None for m in self.modules)
