@@ -89,8 +89,8 @@ def test_extend_attention_matches_reference(kernels, dtype, head_dim, heads, kv_
     args = extend_case(dtype, head_dim, heads, kv_heads)
     out = torch.empty(args[0].shape, dtype=dtype)
     handled = kernels.extend_attention(*args, out)
-    if heads // kv_heads > 8 or not kernels.avx512:
-        # More query heads per kv head than the kernel holds, or a CPU without AVX-512: the
+    if heads // kv_heads > 8 or not kernels.vector_extend:
+        # More query heads per kv head than the kernel holds, or a CPU without AVX-512 or AVX2: the
         # caller attends on the torch path (test_engine_with_kernels_equals_engine_without).
         assert not handled
         return
@@ -286,7 +286,7 @@ def test_engine_with_kernels_equals_engine_without(monkeypatch, shape, options):
             r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)
         ]
         if enabled:
-            on_torch = shape == "tiny-mqa" or not engine.runner.cpu_kernels.avx512
+            on_torch = shape == "tiny-mqa" or not engine.runner.cpu_kernels.vector_extend
             assert engine.runner.attn_backend._extend_on_torch == on_torch
     assert outputs[True] == outputs[False]
 

@@ -14,7 +14,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
+/* 256-bit vectors with FMA (every x86 CPU since 2013-15): the float32 kernels' fallback
+ * where there is no AVX-512. */
+#define HAVE_AVX2_FMA 1
+#endif
+#if defined(__AVX512F__) || defined(HAVE_AVX2_FMA)
 #include <immintrin.h>
 #endif
 
@@ -86,6 +91,38 @@ static inline __m512 exp_nonpositive(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
 }
+#elif defined(HAVE_AVX2_FMA)
+/* The same for 8 lanes; 2^n goes into the exponent field (n >= -126 after the clamp, so the
+ * power stays a normal number). */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147182f), x);
+    __m256 p = _mm256_set1_ps(1.f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
+}
+
+/* The sum and the largest of 8 lanes. */
+static inline float hsum8(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float hmax8(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -139,6 +176,10 @@ static inline float max_f32(const float *s, int64_t n) {
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (; j + 16 <= n; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
     m = _mm512_reduce_max_ps(top);
+#elif defined(HAVE_AVX2_FMA)
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= n; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + j));
+    m = hmax8(top);
 #endif
     for (; j < n; j++) m = s[j] > m ? s[j] : m;
     return m;
@@ -156,6 +197,14 @@ static inline float exp_shifted_sum(float *s, int64_t n, float m) {
         total = _mm512_add_ps(total, e);
     }
     sum = _mm512_reduce_add_ps(total);
+#elif defined(HAVE_AVX2_FMA)
+    __m256 total = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(s + j, e);
+        total = _mm256_add_ps(total, e);
+    }
+    sum = hsum8(total);
 #endif
     for (; j < n; j++) {
         s[j] = expf(s[j] - m);

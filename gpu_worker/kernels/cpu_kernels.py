@@ -47,7 +47,13 @@ SOURCES = [
     )
 ]
 HEADERS = [
-    _HERE / name for name in ("common.h", "extend_attention_bf16.h", "extend_attention_amx.h")
+    _HERE / name
+    for name in (
+        "common.h",
+        "extend_attention_avx2.h",
+        "extend_attention_bf16.h",
+        "extend_attention_amx.h",
+    )
 ]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # linear_small_m handles at most this many rows (MAX_SMALL_M in layers.c).
@@ -73,10 +79,11 @@ class CpuKernels:
     """The loaded library with typed entry points."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        # Built with -march=native: without AVX-512 the extend attention and silu_and_mul
-        # kernels refuse and their callers keep torch's ops.
+        # Built with -march=native: without AVX-512 the silu_and_mul kernel refuses, and
+        # without AVX-512 or AVX2 with FMA the extend attention; their callers keep torch's.
         features = library.kernel_features()
         self.avx512, self.avx512_bf16 = bool(features & 1), bool(features & 2)
+        self.vector_extend = bool(features & 4)
         self._attention = _entry(library, "paged_decode_attention",
             _ptr, _int, _i64, _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _ptr, _ptr,
             _i64, _i64, _i64, _i64, _f32, _i64, _ptr, _int,
@@ -157,7 +164,8 @@ class CpuKernels:
         """Causal attention of each request's new tokens over its prefix and themselves, with
         every key and value read from the pool (the new ones already written). False where
         the kernel does not handle the shape (head_dim not a multiple of 16, or more than 8
-        query heads per kv head, or no AVX-512): the caller attends another way."""
+        query heads per kv head) or the CPU (neither AVX-512 nor AVX2 with FMA): the caller
+        attends another way."""
         tokens, num_heads, head_dim = q.shape
         assert q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous()
         assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1

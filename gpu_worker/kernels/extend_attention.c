@@ -14,7 +14,7 @@
  * never computed.
  *
  * Two precisions: float32 throughout (a float32 model gets float32 attention; 0.42 s for the
- * chunk above), or, for a bfloat16 query and pool on a CPU with AVX512-BF16, vdpbf16ps on
+ * chunk above; in AVX-512 registers, or AVX2 ones: extend_attention_avx2.h), or, for a bfloat16 query and pool on a CPU with AVX512-BF16, vdpbf16ps on
  * pairs of bfloat16 values with float32 sums (0.20 s; extend_attention_bf16.h).
  *
  * The bfloat16 path runs its two products at the CPU's vdpbf16ps rate (one zmm a cycle on
@@ -106,6 +106,7 @@ static void pv_4_rows_all(const float *p, int64_t p_stride, const float *v, int6
 }
 #endif
 
+#include "extend_attention_avx2.h"
 #include "extend_attention_bf16.h"
 #include "extend_attention_amx.h"
 
@@ -123,7 +124,7 @@ int extend_attention_amx(int enable) {
 #endif
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(HAVE_AVX2_FMA)
 /* The finished rows of a work item (row g * qblock + i: query head h * group + g of new
  * token `token` + i, for i < count), each scaled by its 1 / softmax sum, into out. */
 static void store_rows(float *acc, const float *inv, int64_t group, int64_t qblock,
@@ -134,6 +135,7 @@ static void store_rows(float *acc, const float *inv, int64_t group, int64_t qblo
         if (i >= count) continue;
         float *row = acc + r * head_dim;
         const int64_t dst = ((token + i) * num_heads + h * group + g) * head_dim;
+#if defined(__AVX512F__)
         if (out_dtype == DT_BF16) { /* vcvtneps2bf16 where the scalar rounding was 5% */
             for (int64_t d = 0; d < head_dim; d += 16)
                 _mm256_storeu_si256((__m256i *)((uint16_t *)out + dst + d),
@@ -141,6 +143,7 @@ static void store_rows(float *acc, const float *inv, int64_t group, int64_t qblo
                                                                  _mm512_set1_ps(inv[r]))));
             continue;
         }
+#endif
         for (int64_t d = 0; d < head_dim; d++) row[d] *= inv[r];
         store_f32(out, out_dtype, dst, head_dim, row);
     }
@@ -152,7 +155,7 @@ static void store_rows(float *acc, const float *inv, int64_t group, int64_t qblo
  * positions prefix_lens[b] ..; its keys (prefix and new, already written) are in the pool at
  * req_to_token[req_pool_indices[b]][0 .. prefix + extend). Returns 0, -1 for shapes it does
  * not handle (head_dim not a multiple of 16 up to MAX_EXT_HEAD_DIM, group above
- * MAX_EXT_GROUP, no AVX-512), -2 when out of memory. */
+ * MAX_EXT_GROUP, neither AVX-512 nor AVX2 with FMA), -2 when out of memory. */
 int extend_attention(const void *q, int q_dtype, int64_t q_token_stride,
                      const void *k_cache, const void *v_cache, int kv_dtype,
                      int64_t kv_head_stride, int64_t kv_slot_stride,
@@ -161,7 +164,7 @@ int extend_attention(const void *q, int q_dtype, int64_t q_token_stride,
                      const int64_t *extend_lens, int64_t bs, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, float scale, void *out, int out_dtype)
 {
-#if !defined(__AVX512F__)
+#if !defined(__AVX512F__) && !defined(HAVE_AVX2_FMA)
     return -1;
 #else
     const int64_t group = num_heads / num_kv_heads;

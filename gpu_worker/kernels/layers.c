@@ -8,8 +8,9 @@
  */
 #include "common.h"
 
-/* What this build's vector paths use (bit 0: AVX-512F, bit 1: AVX512-BF16): the kernels
- * without them refuse (extend attention, silu_and_mul) or take their generic loops. */
+/* What this build's vector paths use (bit 0: AVX-512F, bit 1: AVX512-BF16, bit 2: AVX-512F or
+ * AVX2 with FMA): the kernels without them refuse (extend attention without bit 2,
+ * silu_and_mul without bit 0) or take their generic loops. */
 int kernel_features(void) {
     int features = 0;
 #if defined(__AVX512F__)
@@ -17,6 +18,9 @@ int kernel_features(void) {
 #endif
 #if defined(__AVX512BF16__)
     features |= 2;
+#endif
+#if defined(__AVX512F__) || defined(HAVE_AVX2_FMA)
+    features |= 4; /* the float32 extend attention */
 #endif
     return features;
 }
