@@ -8,6 +8,8 @@ see what they expect; the ModelRunner attaches the kernels (gpu_worker/kernels) 
   streams 28 GB/s, the kernel at about 25. gemm_bf16, on a copy of the weights packed once
   for it, takes every bfloat16 row count where the CPU has AVX512-BF16, except the 3 rows
   and more that oneDNN multiplies on AMX tiles where the CPU has those.
+  In float32 on a CPU without AVX-512 the few-row kernel has no vector path, and oneDNN
+  takes every row count on a packed copy.
 - RMSNorm: eight elementwise torch ops, each a pass over the rows, become one.
 """
 
@@ -27,6 +29,11 @@ PACKING_ROWS_HINT = 64
 # where oneDNN holds a packed copy (gemm_bf16, else the few-row kernel), and the few-row
 # kernel up to MAX_SMALL_M in float32 (no packed weight; MKL's sgemm took 2x its time at 8).
 PACKED_GEMM_FROM_ROWS = 3
+# Without AVX-512 (an AVX2-only AMD EPYC, 2 threads, 30 SmolLM2 layers' float32 weights) the
+# few-row kernel's scalar loop took 79 ms at one row and 409 at 8, MKL's sgemm 42-58, and
+# oneDNN on packed weights 30-37; at 64 and 2048 rows oneDNN packed led MKL by 1.25x and
+# 1.12x (benchmarks/NOTES.md, 2026-11-28 (tenth session)). There float32 products of any
+# row count go to oneDNN's packed copy.
 
 
 def hooked(*modules: nn.Module) -> bool:
@@ -90,6 +97,9 @@ class Linear(nn.Linear):
     # oneDNN's 22.9 and 15.8): a third copy of the weights there, for one request decoding
     # 1.14x faster in the engine (benchmarks/NOTES.md, 2026-11-27 (late)).
     gemm_weight: torch.Tensor | None = None
+    # Fewer rows than this go to a kernel (gemm_bf16 or the few-row one) where packed_weight
+    # is set: PACKED_GEMM_FROM_ROWS for bfloat16, 1 for float32 (set at attach time).
+    packed_from_rows: int = PACKED_GEMM_FROM_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
@@ -100,15 +110,16 @@ class Linear(nn.Linear):
         kernels = self.cpu_kernels
         if kernels is not None and x.dim() == 2:
             packed = self.packed_weight is not None and x.dtype == self.weight.dtype
+            rows = x.shape[0]
             if (
                 self.gemm_weight is not None
                 and x.dtype == self.weight.dtype
-                and (not packed or x.shape[0] < PACKED_GEMM_FROM_ROWS)
+                and (not packed or rows < self.packed_from_rows)
             ):
                 return kernels.gemm(x, self.gemm_weight, bias)
-            if x.shape[0] <= (PACKED_GEMM_FROM_ROWS - 1 if packed else MAX_SMALL_M):
+            if 0 < rows < (self.packed_from_rows if packed else MAX_SMALL_M + 1):
                 return kernels.linear(x, self.weight, bias)
-            if packed:
+            if packed and rows:
                 return torch.ops.mkldnn._linear_pointwise(
                     x, self.packed_weight, bias, "none", [], ""
                 )
@@ -119,7 +130,7 @@ def attach_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
     """Give every module of `model` that has a kernel path (a `cpu_kernels` attribute) the
     kernels (None detaches), and pack Linears' bfloat16 weights for gemm_bf16, and for
     oneDNN where gemm_bf16 does not take them or the CPU has AMX tiles (Linear.gemm_weight
-    says which rows each takes)."""
+    says which rows each takes); float32 weights for oneDNN where the CPU lacks AVX-512."""
     onednn_too = cpu_has_amx()  # oneDNN multiplies on the tiles from PACKED_GEMM_FROM_ROWS
     for module in model.modules():
         if hasattr(module, "fused_layers"):
@@ -129,6 +140,17 @@ def attach_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
         module.cpu_kernels = kernels
         if isinstance(module, Linear):
             module.packed_weight = module.gemm_weight = None
+            module.packed_from_rows = PACKED_GEMM_FROM_ROWS
+            if (
+                kernels is not None
+                and module.weight.dtype == torch.float32
+                and not kernels.avx512  # the few-row kernel's loop is scalar without it
+            ):
+                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
+                    module.weight.detach(), PACKING_ROWS_HINT
+                )
+                module.packed_from_rows = 1
+                continue
             if kernels is not None and module.weight.dtype == torch.bfloat16:
                 module.gemm_weight = kernels.pack_gemm_weight(module.weight)
                 if module.gemm_weight is not None and not onednn_too:
@@ -142,3 +164,12 @@ def attach_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
                 module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
                     module.weight.detach(), PACKING_ROWS_HINT
                 )
+
+
+def repack_cpu_weights(model: nn.Module) -> None:
+    """attach_cpu_kernels again with the kernels `model` has: after its weights changed in
+    place, the packed copies the products read are packed anew (a no-op without kernels)."""
+    attached = (getattr(module, "cpu_kernels", None) for module in model.modules())
+    kernels = next((k for k in attached if k is not None), None)
+    if kernels is not None:
+        attach_cpu_kernels(model, kernels)

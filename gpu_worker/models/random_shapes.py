@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from gpu_worker.models.config import ModelConfig
+from gpu_worker.models.layers import repack_cpu_weights
 
 _LLAMA3_EOS = [128001, 128008, 128009]
 
@@ -207,6 +208,7 @@ def fill_random_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     # named_parameters yields each tied parameter once, in a fixed order.
     for name, param in model.named_parameters():
         fill_random_(name, param, generator, std)
+    repack_cpu_weights(model)  # a model already serving multiplies on packed copies
 
 
 def fill_random_(name: str, tensor: torch.Tensor, generator: torch.Generator, std: float) -> None:
