@@ -221,6 +221,7 @@ int extend_attention(const void *q, int q_dtype, int64_t q_token_stride,
             const int64_t padded = (kv0[b + 1] - kv0[b]) / head_dim;
             const int64_t *slots = req_to_token + req_pool_indices[b] * table_stride;
             const int64_t base = kv0[b] * num_kv_heads + h * (kv0[b + 1] - kv0[b]);
+#if defined(__AVX512BF16__)
             if (bf16) {
                 uint16_t *kp = (uint16_t *)kt + base, *vp = (uint16_t *)vt + base;
                 memset(vp + keys / 2 * 2 * head_dim, 0, (size_t)((padded - keys / 2 * 2) * head_dim) * element);
@@ -238,6 +239,7 @@ int extend_attention(const void *q, int q_dtype, int64_t q_token_stride,
                 }
                 continue;
             }
+#endif
             float *kf = (float *)kt + base, *vf = (float *)vt + base;
             float row[MAX_EXT_HEAD_DIM];
             for (int64_t j = 0; j < padded; j++) {
