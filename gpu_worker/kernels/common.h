@@ -23,6 +23,21 @@
 #include <immintrin.h>
 #endif
 
+#if defined(HAVE_AVX2_FMA)
+/* The sum and the largest of 8 lanes. */
+static inline float hsum8(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float hmax8(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+#endif
+
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -67,6 +82,10 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     __m512 acc = _mm512_setzero_ps();
     for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     sum = _mm512_reduce_add_ps(acc);
+#elif defined(HAVE_AVX2_FMA)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    sum = hsum8(acc);
 #endif
     for (; i < n; i++) sum += a[i] * b[i];
     return sum;
@@ -111,18 +130,6 @@ static inline __m256 exp_nonpositive8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
 }
 
-/* The sum and the largest of 8 lanes. */
-static inline float hsum8(__m256 x) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-static inline float hmax8(__m256 x) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
 #endif
 
 #if defined(__AVX512F__)
