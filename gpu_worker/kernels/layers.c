@@ -58,10 +58,33 @@ static inline __attribute__((always_inline)) void row_dots(
         }
     }
     for (int m = 0; m < M; m++) dots[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+#elif defined(HAVE_AVX2_FMA)
+    /* The same in 8-float registers: the loop over a copied row it replaces read 30 SmolLM2
+     * layers' float32 weights at 5 GB/s for one row, and 1 GB/s for eight. */
+    __m256 acc[MAX_SMALL_M][2];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+        __m256 w0, w1;
+        if (w_dtype == DT_BF16) {
+            const uint16_t *wr = (const uint16_t *)w + n * K + k;
+            w0 = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)wr)), 16));
+            w1 = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wr + 8))), 16));
+        } else {
+            w0 = _mm256_loadu_ps((const float *)w + n * K + k);
+            w1 = _mm256_loadu_ps((const float *)w + n * K + k + 8);
+        }
+        for (int m = 0; m < M; m++) {
+            acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xf + m * K + k), acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xf + m * K + k + 8), acc[m][1]);
+        }
+    }
+    for (int m = 0; m < M; m++) dots[m] = hsum8(_mm256_add_ps(acc[m][0], acc[m][1]));
 #else
     for (int m = 0; m < M; m++) dots[m] = 0.f;
 #endif
-    if (k < K) { /* the tail, or everything without AVX-512 (auto-vectorized) */
+    if (k < K) { /* the tail, or everything without vector registers (auto-vectorized) */
         float wf[K - k];
         load_f32(w, w_dtype, n * K + k, K - k, wf);
         for (int m = 0; m < M; m++) dots[m] += dot_f32(wf, xf + m * K + k, K - k);

@@ -8,8 +8,8 @@ see what they expect; the ModelRunner attaches the kernels (gpu_worker/kernels) 
   streams 28 GB/s, the kernel at about 25. gemm_bf16, on a copy of the weights packed once
   for it, takes every bfloat16 row count where the CPU has AVX512-BF16, except the 3 rows
   and more that oneDNN multiplies on AMX tiles where the CPU has those.
-  In float32 on a CPU without AVX-512 the few-row kernel has no vector path, and oneDNN
-  takes every row count on a packed copy.
+  In float32 on a CPU without AVX-512, oneDNN takes the products of more rows than that
+  kernel does on a packed copy.
 - RMSNorm: eight elementwise torch ops, each a pass over the rows, become one.
 """
 
@@ -30,10 +30,10 @@ PACKING_ROWS_HINT = 64
 # kernel up to MAX_SMALL_M in float32 (no packed weight; MKL's sgemm took 2x its time at 8).
 PACKED_GEMM_FROM_ROWS = 3
 # Without AVX-512 (an AVX2-only AMD EPYC, 2 threads, 30 SmolLM2 layers' float32 weights) the
-# few-row kernel's scalar loop took 79 ms at one row and 409 at 8, MKL's sgemm 42-58, and
-# oneDNN on packed weights 30-37; at 64 and 2048 rows oneDNN packed led MKL by 1.25x and
-# 1.12x (benchmarks/NOTES.md, 2026-11-28 (tenth session)). There float32 products of any
-# row count go to oneDNN's packed copy.
+# few-row kernel in ymm registers took 22-43 ms at 1-8 rows, oneDNN on packed weights 35-49
+# and MKL's sgemm 48-97; at 64 and 2048 rows oneDNN packed led MKL by 1.25x and 1.12x
+# (benchmarks/NOTES.md, 2026-11-28 (tenth session)). There float32 products of more than
+# MAX_SMALL_M rows go to oneDNN's packed copy.
 
 
 def hooked(*modules: nn.Module) -> bool:
@@ -98,7 +98,7 @@ class Linear(nn.Linear):
     # 1.14x faster in the engine (benchmarks/NOTES.md, 2026-11-27 (late)).
     gemm_weight: torch.Tensor | None = None
     # Fewer rows than this go to a kernel (gemm_bf16 or the few-row one) where packed_weight
-    # is set: PACKED_GEMM_FROM_ROWS for bfloat16, 1 for float32 (set at attach time).
+    # is set: PACKED_GEMM_FROM_ROWS for bfloat16, past MAX_SMALL_M for float32.
     packed_from_rows: int = PACKED_GEMM_FROM_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,12 +144,12 @@ def attach_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
             if (
                 kernels is not None
                 and module.weight.dtype == torch.float32
-                and not kernels.avx512  # the few-row kernel's loop is scalar without it
+                and not kernels.avx512  # MKL's sgemm led by oneDNN there
             ):
                 module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
                     module.weight.detach(), PACKING_ROWS_HINT
                 )
-                module.packed_from_rows = 1
+                module.packed_from_rows = MAX_SMALL_M + 1
                 continue
             if kernels is not None and module.weight.dtype == torch.bfloat16:
                 module.gemm_weight = kernels.pack_gemm_weight(module.weight)
