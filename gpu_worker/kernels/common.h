@@ -118,14 +118,9 @@ static inline __m256 exp_nonpositive8(__m256 x) {
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147182f), x);
-    __m256 p = _mm256_set1_ps(1.f / 5040);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    static const float taylor[8] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+    __m256 p = _mm256_set1_ps(taylor[0]);
+    for (int k = 1; k < 8; k++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(taylor[k]));
     const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
     return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
 }
@@ -205,12 +200,10 @@ static inline float exp_shifted_sum(float *s, int64_t n, float m) {
     }
     sum = _mm512_reduce_add_ps(total);
 #elif defined(HAVE_AVX2_FMA)
-    __m256 total = _mm256_setzero_ps();
-    for (; j + 8 <= n; j += 8) {
-        const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
-        _mm256_storeu_ps(s + j, e);
-        total = _mm256_add_ps(total, e);
-    }
+    const __m256 shift = _mm256_set1_ps(m);
+    __m256 total = _mm256_setzero_ps(), e;
+    for (; j + 8 <= n; j += 8, total = _mm256_add_ps(total, e))
+        _mm256_storeu_ps(s + j, e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift)));
     sum = hsum8(total);
 #endif
     for (; j < n; j++) {
