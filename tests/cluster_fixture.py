@@ -31,6 +31,7 @@ def slot_ranges(primaries: int) -> list[tuple[int, int]]:
 
 SLOT_RANGES = tuple(slot_ranges(3))  # (0, 5460), (5461, 10922), (10923, 16383)
 READY_TIMEOUT_S = 30.0
+BIND_ATTEMPTS = 5
 
 
 @contextlib.contextmanager
@@ -39,30 +40,28 @@ def running_cluster(tmp_path: Path, primaries: int = 3) -> Iterator[list[str]]:
     block ends."""
     binary = str(find_server_binary())
     processes: list[subprocess.Popen[bytes]] = []
+    clients: list[redis.Redis] = []
     ports: list[int] = []
     bus_ports: list[int] = []
     try:
         ranges = slot_ranges(primaries)
         for index in range(primaries):
-            port, bus_port = free_port(), free_port()
             node_dir = tmp_path / f"node-{index}"
             node_dir.mkdir(parents=True, exist_ok=True)
-            log = open(node_dir / "server.log", "wb")  # noqa: SIM115 - the process holds it
-            processes.append(subprocess.Popen(
-                # A bus port of its own: the default, port + 10000, may be past 65535.
-                [binary, "--port", str(port), "--cluster-port", str(bus_port),
-                 "--bind", "127.0.0.1", "--dir", str(node_dir),
-                 "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{index}.conf",
-                 "--save", "", "--appendonly", "no", "--protected-mode", "no",
-                 "--hz", str(TEST_SERVER_HZ)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            ))  # fmt: skip
-            log.close()
+            for attempt in range(BIND_ATTEMPTS):
+                port, bus_port = free_port(), free_port()
+                process = _start_node(binary, node_dir, index, port, bus_port)
+                processes.append(process)
+                client = _wait_for_ping(port, process)
+                if client is not None:
+                    break
+                # A free port stays free only until something binds it: an outgoing
+                # connection's ephemeral port took one of the two. New ports, a new start.
+                if attempt == BIND_ATTEMPTS - 1:
+                    raise RuntimeError(f"cluster node {index} exited: {process.returncode}")
+            clients.append(client)
             ports.append(port)
             bus_ports.append(bus_port)
-        clients = [
-            _wait_for_ping(port, process) for port, process in zip(ports, processes, strict=True)
-        ]
         for client, (first, last) in zip(clients, ranges, strict=True):
             client.execute_command("CLUSTER ADDSLOTSRANGE", first, last)
         for port, bus_port in zip(ports[1:], bus_ports[1:], strict=True):
@@ -78,12 +77,30 @@ def running_cluster(tmp_path: Path, primaries: int = 3) -> Iterator[list[str]]:
             process.wait()
 
 
-def _wait_for_ping(port: int, process: subprocess.Popen[bytes]) -> redis.Redis:
+def _start_node(
+    binary: str, node_dir: Path, index: int, port: int, bus_port: int
+) -> subprocess.Popen[bytes]:
+    log = open(node_dir / "server.log", "ab")  # noqa: SIM115 - the process holds it
+    process = subprocess.Popen(
+        # A bus port of its own: the default, port + 10000, may be past 65535.
+        [binary, "--port", str(port), "--cluster-port", str(bus_port),
+         "--bind", "127.0.0.1", "--dir", str(node_dir),
+         "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{index}.conf",
+         "--save", "", "--appendonly", "no", "--protected-mode", "no",
+         "--hz", str(TEST_SERVER_HZ)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    log.close()
+    return process
+
+
+def _wait_for_ping(port: int, process: subprocess.Popen[bytes]) -> redis.Redis | None:
+    """A client of the node once it answers; None if it exited first (it could not bind)."""
     client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2.0)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"the cluster node on port {port} exited: {process.returncode}")
+            return None
         try:
             client.ping()
             return client
