@@ -31,14 +31,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpu_worker.kernels import cpu_kernels  # noqa: E402
+from gpu_worker.kernels import cpu_kernels, kernel_build  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PREFIX = 9, 3, 64, 300
 
 
 def build(folder: Path, target: Path) -> cpu_kernels.CpuKernels:
     """The library from the kernel sources in `folder`, as cpu_kernels builds it."""
-    cpu_kernels.compile_library(cpu_kernels.find_compiler() or "gcc", target, folder)
+    kernel_build.compile_library(kernel_build.find_compiler() or "gcc", target, folder)
     return cpu_kernels.CpuKernels(ctypes.CDLL(str(target)))
 
 
@@ -56,7 +56,7 @@ class Toggled:
 
 def checkout_kernels(revision: str, folder: Path) -> None:
     """The kernel files as they were at `revision` (those it has) into `folder`."""
-    for path in cpu_kernels.SOURCES + cpu_kernels.HEADERS:
+    for path in kernel_build.SOURCES + kernel_build.HEADERS:
         spec = f"{revision}:{path.relative_to(ROOT)}"
         shown = subprocess.run(["git", "-C", str(ROOT), "show", spec], capture_output=True)
         if shown.returncode == 0:

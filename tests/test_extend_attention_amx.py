@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from gpu_worker.kernels import cpu_kernels
+from gpu_worker.kernels import cpu_kernels, kernel_build
 from gpu_worker.kernels.amx_check import check_amx
 from tests.extend_chunks import EXTEND_SHAPES, extend_case, reference_extend
 
@@ -21,8 +21,8 @@ def _emulated(tmp_path_factory, *defines: str) -> cpu_kernels.CpuKernels:
     if native is None or not native.avx512_bf16:
         pytest.skip("the emulated AMX path runs on the AVX512-BF16 kernels: this CPU has none")
     target = tmp_path_factory.mktemp("amx") / "emulated.so"
-    compiler = cpu_kernels.find_compiler()
-    cpu_kernels.compile_library(compiler, target, defines=["STREAMSERVE_EMULATE_AMX", *defines])
+    compiler = kernel_build.find_compiler()
+    kernel_build.compile_library(compiler, target, defines=["STREAMSERVE_EMULATE_AMX", *defines])
     return cpu_kernels.CpuKernels(ctypes.CDLL(str(target)))
 
 

@@ -3,17 +3,14 @@ the shapes it leaves to oneDNN, which rows of a Linear it computes, and an engin
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker import Engine
 from gpu_worker.kernels import cpu_kernels
 from gpu_worker.models import layers
 from gpu_worker.models.layers import PACKED_GEMM_FROM_ROWS, Linear, attach_cpu_kernels
-from gpu_worker.models.random_shapes import fill_random_weights
+from tests.gemm_engines import greedy_with_and_without_gemm
 
 
 @pytest.fixture(scope="module")
@@ -87,19 +84,7 @@ def test_a_linear_computes_its_row_counts_on_the_kernel_and_on_amx_a_few(kernels
 
 
 def test_a_bfloat16_engine_on_it_generates_what_it_generates_on_onednn(kernels, monkeypatch):
-    """Greedy, mixed batch sizes; peaked logits, so a summation order cannot flip a choice."""
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 5, 17, 40, 3, 90, 2, 8)]
-    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
-    outputs = []
-    for use_gemm in (True, False):
-        if not use_gemm:
-            monkeypatch.setattr(type(kernels), "pack_gemm_weight", lambda self, weight: None)
-        engine = Engine("random:tiny-llama", dtype="bfloat16")
-        fill_random_weights(engine.runner.model, seed=0, std=0.2)
-        attach_cpu_kernels(engine.runner.model, engine.runner.cpu_kernels)  # weights changed
-        linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
-        assert all((m.gemm_weight is not None) == use_gemm for m in linears)
-        result = engine.generate(input_ids=prompts, sampling_params=params)
-        outputs.append([r["output_ids"] for r in result])
-    assert outputs[0] == outputs[1]
+    """Greedy, mixed batch sizes."""
+    lengths = (1, 5, 17, 40, 3, 90, 2, 8)
+    with_gemm, without = greedy_with_and_without_gemm(monkeypatch, "bfloat16", lengths)
+    assert with_gemm == without

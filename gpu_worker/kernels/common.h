@@ -170,6 +170,20 @@ static inline void store16(void *base, int dtype, int64_t offset, __m512 x) {
 static inline __m512 round_to_bf16_16(__m512 x) { return widen_bf16_16(f32_to_bf16_16(x)); }
 #endif
 
+/* The GEMMs' micro-tiles are compiled for each constant row count, 1 to 6, so that their
+ * accumulators stay in registers: EACH_TILE_ROWS(DEFINE) defines them, and TILE_OF_ROWS calls
+ * tile_R(...) for R = rows (6 for more). */
+#define EACH_TILE_ROWS(DEFINE) DEFINE(1) DEFINE(2) DEFINE(3) DEFINE(4) DEFINE(5) DEFINE(6)
+#define TILE_OF_ROWS(tile, rows, ...)                        \
+    switch (rows) {                                          \
+        case 1: tile##_1(__VA_ARGS__); break;                \
+        case 2: tile##_2(__VA_ARGS__); break;                \
+        case 3: tile##_3(__VA_ARGS__); break;                \
+        case 4: tile##_4(__VA_ARGS__); break;                \
+        case 5: tile##_5(__VA_ARGS__); break;                \
+        default: tile##_6(__VA_ARGS__); break;               \
+    }
+
 /* The largest of s[0..n) (-inf for n = 0). */
 static inline float max_f32(const float *s, int64_t n) {
     float m = -INFINITY;

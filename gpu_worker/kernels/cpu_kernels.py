@@ -1,10 +1,9 @@
 """The CPU kernels (attention.c, extend_attention.c with its bfloat16 and AMX halves
-extend_attention_bf16.h and extend_attention_amx.h, gemm_bf16.c, layers.c, sampling.c,
-decoder_layers.c and common.h beside this file): built once per machine into one library
-with the system C compiler, cached, and called through ctypes with the tensors' data
-pointers. Where it runs
-extend attention on AMX tiles, amx_check.py checks them against the AVX512-BF16 path once
-loaded.
+extend_attention_bf16.h and extend_attention_amx.h, gemm_bf16.c, gemm_f32.c, layers.c,
+sampling.c, decoder_layers.c and common.h beside this file): built once per machine into one
+library (kernel_build.py), cached, and called through ctypes with the tensors' data pointers.
+Where it runs extend attention on AMX tiles, amx_check.py checks them against the
+AVX512-BF16 path once loaded.
 
 Why C and ctypes rather than a torch C++ extension: the files need no torch headers, so it
 compiles in about a second where an extension takes a minute on two cores; and it is built
@@ -17,37 +16,18 @@ PyTorch's own ops, and one warning says so (STREAMSERVE_CPU_KERNELS=0 also turns
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
-from collections.abc import Sequence
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from runtime.model_files import default_cache_dir
+from gpu_worker.kernels.kernel_build import build_library, find_compiler
 
 logger = logging.getLogger(__name__)
 
-_HERE = Path(__file__).parent
-SOURCES = [
-    _HERE / name
-    for name in (
-        "attention.c",
-        "decoder_layers.c",
-        "extend_attention.c",
-        "gemm_bf16.c",
-        "layers.c",
-        "sampling.c",
-    )
-]
-HEADERS = sorted(_HERE.glob("*.h"))  # every one is part of the build (its cache key)
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # linear_small_m handles at most this many rows (MAX_SMALL_M in layers.c).
 MAX_SMALL_M = 8
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -86,11 +66,14 @@ class CpuKernels:
         )  # fmt: skip
         # None from libraries of revisions before them (bench_extend_attention loads those).
         self._amx = _entry(library, "extend_attention_amx", _int, optional=True)
-        self._gemm = _entry(library, "gemm_bf16", _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr,
-                            optional=True)  # fmt: skip
-        if self._gemm is not None:
-            self._gemm_pack = _entry(library, "gemm_bf16_pack", _ptr, _i64, _i64, _ptr)
-            self._gemm_supported = _entry(library, "gemm_bf16_supported", _i64, _i64)
+        # dtype -> (gemm, pack, supported): gemm_bf16.c's and gemm_f32.c's, where present.
+        self._gemms: dict[torch.dtype, tuple[Any, Any, Any]] = {}
+        for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
+            args = (_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr)
+            if (gemm := _entry(library, f"gemm_{name}", *args, optional=True)) is not None:
+                pack = _entry(library, f"gemm_{name}_pack", _ptr, _i64, _i64, _ptr)
+                supported = _entry(library, f"gemm_{name}_supported", _i64, _i64)
+                self._gemms[dtype] = (gemm, pack, supported)
         self._linear = _entry(library, "linear_small_m",
             _ptr, _int, _i64, _i64, _ptr, _int, _i64, _ptr, _int, _ptr, _int,
         )  # fmt: skip
@@ -220,32 +203,34 @@ class CpuKernels:
         return out
 
     def pack_gemm_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """`weight` [N, K] bfloat16 in gemm_bf16's layout (gemm_bf16.c), or None where that
-        kernel does not take its shape or this CPU has no AVX512-BF16."""
+        """`weight` [N, K] in its gemm's layout (gemm_bf16.c for bfloat16, gemm_f32.c for
+        float32), or None where that kernel does not take its shape or this CPU (gemm_bf16
+        needs AVX512-BF16; gemm_f32 is built only where AVX2 and FMA lack AVX-512)."""
         n, k = weight.shape
-        if weight.dtype != torch.bfloat16 or self._gemm is None or not self._gemm_supported(n, k):
+        gemm = self._gemms.get(weight.dtype)
+        if gemm is None or not gemm[2](n, k):
             return None
         weight = weight.detach().contiguous()
         packed = torch.empty_like(weight)
-        if self._gemm_pack(weight.data_ptr(), n, k, packed.data_ptr()) != 0:
+        if gemm[1](weight.data_ptr(), n, k, packed.data_ptr()) != 0:
             return None
         return packed
 
     def gemm(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """x [M, K] bfloat16 @ W^T + bias, W packed by `pack_gemm_weight` (packed's shape)."""
+        """x [M, K] @ W^T + bias, W packed by `pack_gemm_weight` (packed's shape and dtype)."""
         x = x.contiguous()
         n, k = packed.shape
-        assert x.dtype == torch.bfloat16 and x.shape[1] == k
-        assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
-        out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
-        status = self._gemm(
+        assert x.dtype == packed.dtype and x.shape[1] == k
+        assert bias is None or (bias.dtype == x.dtype and bias.is_contiguous())
+        out = torch.empty((x.shape[0], n), dtype=x.dtype)
+        status = self._gemms[x.dtype][0](
             x.data_ptr(), x.shape[0], k, packed.data_ptr(), n,
             None if bias is None else bias.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         if status != 0:
-            raise RuntimeError(f"gemm_bf16 failed with status {status}")
+            raise RuntimeError(f"gemm failed with status {status}")
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -340,7 +325,7 @@ def load() -> CpuKernels | None:
         )
         return None
     try:
-        kernels = CpuKernels(ctypes.CDLL(str(_build(compiler))))
+        kernels = CpuKernels(ctypes.CDLL(str(build_library(compiler))))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or error
         logger.warning("could not build the CPU kernels (%s): serving with torch ops", detail)
@@ -349,50 +334,3 @@ def load() -> CpuKernels | None:
 
     check_amx(kernels)
     return kernels
-
-
-def find_compiler() -> str | None:
-    """The C compiler the kernels are built with: CC, else cc, else gcc (None: none)."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def compile_library(
-    compiler: str, target: Path, folder: Path | None = None, defines: Sequence[str] = ()
-) -> None:
-    """Builds the kernel sources in `folder` (default: beside this file) into `target`, with
-    `defines` as -D flags (STREAMSERVE_EMULATE_AMX: the tests' build of the AMX path)."""
-    # A revision's folder holds the sources it had (bench_extend_attention builds older ones).
-    sources = [str(f) for path in SOURCES if (f := (folder or _HERE) / path.name).exists()]
-    flags = [f"-D{define}" for define in defines]
-    command = [compiler, *CFLAGS, *flags, *sources, "-o", str(target), "-lm"]
-    subprocess.run(command, check=True, capture_output=True, text=True)
-
-
-def _build(compiler: str) -> Path:
-    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    key = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode() + _cpu_flags())
-    target = default_cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("building the CPU kernels with %s (once per machine)", compiler)
-    # Build beside the target and rename: concurrent workers never load a half-written file.
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-        partial = Path(tmp.name)
-    try:
-        compile_library(compiler, partial)
-        partial.replace(target)
-    finally:
-        partial.unlink(missing_ok=True)
-    return target
-
-
-def _cpu_flags() -> bytes:
-    """The CPU's feature flags: a library built with -march=native runs only where they match."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.encode()
-    except OSError:
-        pass
-    return b""

@@ -69,12 +69,7 @@ int gemm_bf16_pack(const uint16_t *w, int64_t N, int64_t K, uint16_t *packed) {
             for (int j = 0; j < 4; j++)                                                     \
                 _mm512_storeu_ps(acc_out + r * GEMM_NR + 16 * j, acc[r][j]);                \
     }
-GEMM_TILE(1)
-GEMM_TILE(2)
-GEMM_TILE(3)
-GEMM_TILE(4)
-GEMM_TILE(5)
-GEMM_TILE(6)
+EACH_TILE_ROWS(GEMM_TILE)
 #endif
 
 /* y[M, N] bfloat16 = x[M, K] bfloat16 (contiguous) @ W^T + bias[N] (bfloat16, or NULL), W
@@ -90,14 +85,7 @@ int gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, i
         const int64_t rows = M - m0 < GEMM_MR ? M - m0 : GEMM_MR;
         const uint16_t *panel = packed + p * (K / 2) * GEMM_NR * 2, *xr = x + m0 * K;
         float acc[GEMM_MR * GEMM_NR];
-        switch (rows) { /* a constant row count per case keeps acc[][] in registers */
-            case 1: gemm_tile_1(xr, K, panel, acc); break;
-            case 2: gemm_tile_2(xr, K, panel, acc); break;
-            case 3: gemm_tile_3(xr, K, panel, acc); break;
-            case 4: gemm_tile_4(xr, K, panel, acc); break;
-            case 5: gemm_tile_5(xr, K, panel, acc); break;
-            default: gemm_tile_6(xr, K, panel, acc); break;
-        }
+        TILE_OF_ROWS(gemm_tile, rows, xr, K, panel, acc);
         for (int64_t r = 0; r < rows; r++)
             for (int j = 0; j < 4; j++) {
                 const int64_t n = p * GEMM_NR + 16 * j;

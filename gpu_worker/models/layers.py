@@ -32,8 +32,12 @@ PACKED_GEMM_FROM_ROWS = 3
 # Without AVX-512 (an AVX2-only AMD EPYC, 2 threads, 30 SmolLM2 layers' float32 weights) the
 # few-row kernel in ymm registers took 22-43 ms at 1-8 rows, oneDNN on packed weights 35-49
 # and MKL's sgemm 48-97; at 64 and 2048 rows oneDNN packed led MKL by 1.25x and 1.12x
-# (benchmarks/NOTES.md, 2026-11-28 (tenth session)). There float32 products of more than
-# MAX_SMALL_M rows go to oneDNN's packed copy.
+# (benchmarks/NOTES.md, 2026-11-28 (tenth session)). gemm_f32 (gpu_worker/kernels/gemm_f32.c)
+# then took 31-116 ms at 1-64 rows against the few-row kernel's 29-1000 and oneDNN packed's
+# 59-141, tied with oneDNN at 128 and fell behind past it (118 against 132 GFLOPS at 2048;
+# 2026-11-29): float32 products there take gemm_f32 below this many rows, oneDNN's packed
+# copy from it. Three copies of the float32 weights, as on an AMX host's bfloat16.
+GEMM_F32_UNTIL_ROWS = 128
 
 
 def hooked(*modules: nn.Module) -> bool:
@@ -95,10 +99,12 @@ class Linear(nn.Linear):
     # cores: 11.6 ms at 4 rows against gemm_bf16's 16.1, 4.7x at 64), and gemm_bf16 takes
     # one and two rows (17.1 and 15.7 ms against the few-row kernel's 21.3 and 17.9 and
     # oneDNN's 22.9 and 15.8): a third copy of the weights there, for one request decoding
-    # 1.14x faster in the engine (benchmarks/NOTES.md, 2026-11-27 (late)).
+    # 1.14x faster in the engine (benchmarks/NOTES.md, 2026-11-27 (late)). float32 weights
+    # in gemm_f32's layout where the CPU lacks AVX-512 (see GEMM_F32_UNTIL_ROWS).
     gemm_weight: torch.Tensor | None = None
-    # Fewer rows than this go to a kernel (gemm_bf16 or the few-row one) where packed_weight
-    # is set: PACKED_GEMM_FROM_ROWS for bfloat16, past MAX_SMALL_M for float32.
+    # Fewer rows than this go to a kernel (gemm_bf16, gemm_f32 or the few-row one) where
+    # packed_weight is set: PACKED_GEMM_FROM_ROWS for bfloat16, GEMM_F32_UNTIL_ROWS for
+    # float32 (past MAX_SMALL_M where gemm_f32 does not take the shape).
     packed_from_rows: int = PACKED_GEMM_FROM_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +120,7 @@ class Linear(nn.Linear):
             if (
                 self.gemm_weight is not None
                 and x.dtype == self.weight.dtype
-                and (not packed or rows < self.packed_from_rows)
+                and (not packed or 0 < rows < self.packed_from_rows)
             ):
                 return kernels.gemm(x, self.gemm_weight, bias)
             if 0 < rows < (self.packed_from_rows if packed else MAX_SMALL_M + 1):
@@ -130,7 +136,8 @@ def attach_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
     """Give every module of `model` that has a kernel path (a `cpu_kernels` attribute) the
     kernels (None detaches), and pack Linears' bfloat16 weights for gemm_bf16, and for
     oneDNN where gemm_bf16 does not take them or the CPU has AMX tiles (Linear.gemm_weight
-    says which rows each takes); float32 weights for oneDNN where the CPU lacks AVX-512."""
+    says which rows each takes); float32 weights for oneDNN and gemm_f32 where the CPU lacks
+    AVX-512."""
     onednn_too = cpu_has_amx()  # oneDNN multiplies on the tiles from PACKED_GEMM_FROM_ROWS
     for module in model.modules():
         if hasattr(module, "fused_layers"):
@@ -149,7 +156,10 @@ def attach_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
                 module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
                     module.weight.detach(), PACKING_ROWS_HINT
                 )
-                module.packed_from_rows = MAX_SMALL_M + 1
+                module.gemm_weight = kernels.pack_gemm_weight(module.weight)
+                module.packed_from_rows = (
+                    MAX_SMALL_M + 1 if module.gemm_weight is None else GEMM_F32_UNTIL_ROWS
+                )
                 continue
             if kernels is not None and module.weight.dtype == torch.bfloat16:
                 module.gemm_weight = kernels.pack_gemm_weight(module.weight)

@@ -1,0 +1,111 @@
+/* A float32 matmul for the row counts of decode steps, on CPUs with AVX2 and FMA but no
+ * AVX-512: y[M, N] = x[M, K] W^T (+ bias), summed in float32 as every path there is.
+ *
+ * Why not oneDNN's: on SmolLM2's shapes, with 30 layers' weights coming from DRAM on two
+ * Zen 3 cores, oneDNN's packed GEMM ran at 17-96 GFLOPS for 8-64 rows and this loop at
+ * 34-117 (1.2-2x), and it beats the few-row kernel from 4 rows (34 against 38 ms at 4 rows,
+ * 50 against 73 at 8; benchmarks/NOTES.md, 2026-11-29). From ~128 rows oneDNN leads
+ * (132 against 118 GFLOPS at 2048): Linear keeps oneDNN's packed copy for those.
+ *
+ * A micro-tile is 6 rows x 16 columns: 12 accumulators, two weight loads and six broadcasts
+ * of x per k, which ran at 91-93 GFLOPS a core in L1 (94-96% of the FMA peak). The weight
+ * is packed once (gemm_f32_pack) into panels of 16 columns, each k's 16 side by side. A
+ * thread takes a run of panels; for each block of KC k's (the panel's 16 KB of it stays in
+ * L1) and MC rows of x (in L2), it sweeps the rows six at a time, adding into y. Each tile
+ * asks for its y rows when it starts and adds them in when it ends, so the miss on y is
+ * hidden behind the tile's FMAs (loading y first stalled them: 1.2x slower at 2048 rows).
+ */
+#include "common.h"
+
+#define GEMM_F32_NR 16  /* columns of a panel and a tile: two ymm a row */
+#define GEMM_F32_MR 6   /* rows of a tile: 6 x 2 = 12 accumulators */
+#define GEMM_F32_KC 256 /* k's of a block: 256 x 16 floats, 16 KB of L1 */
+#define GEMM_F32_MC 96  /* rows of x a block sweeps: 96 x 256 floats, 96 KB of L2 */
+
+#if defined(HAVE_AVX2_FMA) && !defined(__AVX512F__)
+#define GEMM_F32_BUILT 1
+#else
+#define GEMM_F32_BUILT 0 /* AVX-512 hosts, and those without AVX2, keep F.linear and the few-row kernel */
+#endif
+
+int gemm_f32_supported(int64_t N, int64_t K) {
+    return GEMM_F32_BUILT && N > 0 && K > 0 && N % GEMM_F32_NR == 0;
+}
+
+/* w[N, K] float32 -> packed[N / 16][K][16]: row n of w is column n % 16 of panel n / 16. */
+int gemm_f32_pack(const float *w, int64_t N, int64_t K, float *packed) {
+    if (!gemm_f32_supported(N, K)) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float *column = packed + n / GEMM_F32_NR * K * GEMM_F32_NR + n % GEMM_F32_NR;
+        for (int64_t k = 0; k < K; k++) column[k * GEMM_F32_NR] = w[n * K + k];
+    }
+    return 0;
+}
+
+#if GEMM_F32_BUILT
+/* R rows of x (row stride K) times kc k's of a panel's block, into y's R x 16 (row stride
+ * N): y = the sums + start where start is given (the first block: bias or zeros), else
+ * y += the sums. */
+#define GEMM_F32_TILE(R)                                                                    \
+    static void gemm_f32_tile_##R(const float *x, int64_t K, const float *block, int64_t kc, \
+                                  float *y, int64_t N, const float *start) {                \
+        __m256 acc[R][2];                                                                   \
+        for (int r = 0; r < R; r++) {                                                       \
+            _mm_prefetch((const char *)(y + r * N), _MM_HINT_T0);                           \
+            acc[r][0] = start ? _mm256_loadu_ps(start) : _mm256_setzero_ps();               \
+            acc[r][1] = start ? _mm256_loadu_ps(start + 8) : _mm256_setzero_ps();           \
+        }                                                                                   \
+        for (int64_t k = 0; k < kc; k++, block += GEMM_F32_NR) {                            \
+            __m256 w0 = _mm256_load_ps(block), w1 = _mm256_load_ps(block + 8);              \
+            /* In registers: gcc would fold the loads into every FMA reading them. */       \
+            __asm__("" : "+x"(w0), "+x"(w1));                                               \
+            for (int r = 0; r < R; r++) {                                                   \
+                const __m256 b = _mm256_broadcast_ss(x + r * K + k);                        \
+                acc[r][0] = _mm256_fmadd_ps(b, w0, acc[r][0]);                              \
+                acc[r][1] = _mm256_fmadd_ps(b, w1, acc[r][1]);                              \
+            }                                                                               \
+        }                                                                                   \
+        for (int r = 0; r < R; r++)                                                         \
+            for (int j = 0; j < 2; j++) {                                                   \
+                float *out = y + r * N + 8 * j;                                             \
+                _mm256_storeu_ps(out, start ? acc[r][j]                                     \
+                                            : _mm256_add_ps(acc[r][j], _mm256_loadu_ps(out))); \
+            }                                                                               \
+    }
+EACH_TILE_ROWS(GEMM_F32_TILE)
+#endif
+
+/* y[M, N] float32 = x[M, K] float32 (contiguous) @ W^T + bias[N] (or NULL), W packed by
+ * gemm_f32_pack. */
+int gemm_f32(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
+             const float *bias, float *y) {
+    if (M < 1 || !gemm_f32_supported(N, K)) return -1;
+#if GEMM_F32_BUILT
+    static const float zeros[GEMM_F32_NR];
+#pragma omp parallel
+    for (int64_t k0 = 0; k0 < K; k0 += GEMM_F32_KC) {
+        const int64_t kc = K - k0 < GEMM_F32_KC ? K - k0 : GEMM_F32_KC;
+        for (int64_t m0 = 0; m0 < M; m0 += GEMM_F32_MC) {
+            const int64_t mc = M - m0 < GEMM_F32_MC ? M - m0 : GEMM_F32_MC;
+            /* No barrier between blocks: a thread's panels are the same in every block (a
+             * static schedule), so it only ever adds into its own columns of y. */
+#pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < N / GEMM_F32_NR; p++) {
+                const float *block = packed + (p * K + k0) * GEMM_F32_NR;
+                const float *start = k0 ? NULL : bias ? bias + p * GEMM_F32_NR : zeros;
+                for (int64_t i = 0; i < mc; i += GEMM_F32_MR) {
+                    float *yt = y + (m0 + i) * N + p * GEMM_F32_NR;
+                    const float *xt = x + (m0 + i) * K + k0;
+                    const int64_t rows = mc - i < GEMM_F32_MR ? mc - i : GEMM_F32_MR;
+                    TILE_OF_ROWS(gemm_f32_tile, rows, xt, K, block, kc, yt, N, start);
+                }
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)packed, (void)bias, (void)y;
+    return -1;
+#endif
+}

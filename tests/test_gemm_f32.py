@@ -1,0 +1,86 @@
+"""The float32 matmul kernel of CPUs with AVX2 but no AVX-512 (gpu_worker/kernels/gemm_f32.c):
+against a float64 reference across its tile, k-block and row-block tails, the shapes it
+leaves to oneDNN, which rows of a Linear it computes, and an engine on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.kernels import cpu_kernels
+from gpu_worker.kernels.cpu_kernels import MAX_SMALL_M
+from gpu_worker.models import layers
+from gpu_worker.models.layers import GEMM_F32_UNTIL_ROWS, Linear, attach_cpu_kernels
+from tests.gemm_engines import greedy_with_and_without_gemm
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = cpu_kernels.load()
+    assert loaded is not None, "the test machine has a C compiler: the kernels must build"
+    if loaded.avx512 or not loaded.vector_extend:
+        pytest.skip("gemm_f32 is built for AVX2 and FMA without AVX-512: not this CPU")
+    # Where it is built, packing must work: a broken one would skip every test here.
+    assert loaded.pack_gemm_weight(torch.zeros(16, 1)) is not None
+    return loaded
+
+
+# Rows: every tail of the 6-row tile, and past one and two 96-row blocks of x.
+@pytest.mark.parametrize("rows", [*range(1, 14), 64, 96, 97, 200])
+# In features: one k, a k-block and a part (256 + 88), two blocks and a part.
+@pytest.mark.parametrize("out_features,in_features", [(16, 1), (48, 344), (32, 600)])
+def test_gemm_matches_float64_reference(kernels, rows, out_features, in_features):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, in_features)
+    weight = torch.randn(out_features, in_features)
+    bias = torch.randn(out_features)
+    packed = kernels.pack_gemm_weight(weight)
+    expected = F.linear(x.double(), weight.double())
+    for b, want in ((None, expected), (bias, expected + bias.double())):
+        got = kernels.gemm(x, packed, b)
+        assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_shapes_it_does_not_take_are_left_to_onednn(kernels):
+    assert kernels.pack_gemm_weight(torch.zeros(24, 8)) is None  # columns not a multiple of 16
+    assert kernels.pack_gemm_weight(torch.zeros(16, 8, dtype=torch.bfloat16)) is None
+    layer = Linear(8, 24)
+    attach_cpu_kernels(layer, kernels)
+    assert layer.gemm_weight is None and layer.packed_weight is not None
+    assert layer.packed_from_rows == MAX_SMALL_M + 1  # the few-row kernel, then oneDNN
+    x = torch.randn(20, 8)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_a_float32_engine_on_it_generates_what_it_generates_without_it(kernels, monkeypatch):
+    """Greedy, mixed batch sizes: rows on both sides of GEMM_F32_UNTIL_ROWS."""
+    lengths = (1, 5, 17, 40, 3, 190, 2, 8)
+    with_gemm, without = greedy_with_and_without_gemm(monkeypatch, "float32", lengths)
+    assert with_gemm == without
+
+
+def test_a_linear_takes_it_below_its_row_count_and_onednn_from_it(kernels, monkeypatch):
+    layer = Linear(96, 64, bias=True)
+    attach_cpu_kernels(layer, kernels)
+    assert layer.gemm_weight is not None and layer.packed_weight is not None
+    calls = []
+    original = type(kernels).gemm
+    monkeypatch.setattr(
+        type(kernels), "gemm", lambda self, *a: calls.append(a[0].shape[0]) or original(self, *a)
+    )
+    for rows in (0, 1, 7, GEMM_F32_UNTIL_ROWS - 1, GEMM_F32_UNTIL_ROWS, 300):
+        calls.clear()
+        x = torch.randn(rows, 96)
+        got = layer(x)
+        assert bool(calls) == (0 < rows < GEMM_F32_UNTIL_ROWS), rows
+        want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    layers.repack_cpu_weights(layer)  # weights changed in place: both copies packed anew
+    x = torch.randn(5, 96)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    attach_cpu_kernels(layer, None)  # detached: plain torch, no packed copy kept
+    assert layer.gemm_weight is None and layer.packed_weight is None
