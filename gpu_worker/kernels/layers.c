@@ -157,6 +157,17 @@ static inline float sum_squares(const float *row, int64_t n) {
                                                           _mm512_loadu_ps(row + i), acc[0]);
     sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]),
                                              _mm512_add_ps(acc[2], acc[3])));
+#elif defined(HAVE_AVX2_FMA)
+    __m256 acc[4]; /* the same in ymm: the scalar chain took a float32 prefill's norms 2x */
+    for (int a = 0; a < 4; a++) acc[a] = _mm256_setzero_ps();
+    for (; i + 32 <= n; i += 32)
+        for (int a = 0; a < 4; a++) {
+            const __m256 v = _mm256_loadu_ps(row + i + 8 * a);
+            acc[a] = _mm256_fmadd_ps(v, v, acc[a]);
+        }
+    for (; i + 8 <= n; i += 8)
+        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(row + i), acc[0]);
+    sum = hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 #endif
     for (; i < n; i++) sum += row[i] * row[i];
     return sum;
@@ -179,6 +190,12 @@ static void norm_row(const float *row, const float *wf, int dtype, int64_t hidde
         if (dtype == DT_BF16) normed = round_to_bf16_16(normed);
         store16(out, dtype, offset + i, _mm512_mul_ps(_mm512_loadu_ps(wf + i), normed));
     }
+#elif defined(HAVE_AVX2_FMA)
+    const __m256 scale = _mm256_set1_ps(inv);
+    for (; dtype == DT_F32 && i + 8 <= hidden; i += 8) /* bfloat16: the rounding loop below */
+        _mm256_storeu_ps((float *)out + offset + i,
+                         _mm256_mul_ps(_mm256_loadu_ps(wf + i),
+                                       _mm256_mul_ps(_mm256_loadu_ps(row + i), scale)));
 #endif
     for (; i < hidden; i++) {
         const float normed = dtype == DT_BF16 ? round_bf16(row[i] * inv) : row[i] * inv;
@@ -232,6 +249,13 @@ int add_rms_norm(const void *x, const void *residual, const void *weight, void *
                     _mm512_storeu_ps(row + i, total);
                 }
             }
+#elif defined(HAVE_AVX2_FMA)
+            for (; dtype == DT_F32 && i + 8 <= hidden; i += 8) {
+                const float *xf = (const float *)x + offset, *rf = (const float *)residual + offset;
+                const __m256 total = _mm256_add_ps(_mm256_loadu_ps(xf + i), _mm256_loadu_ps(rf + i));
+                _mm256_storeu_ps((float *)sum + offset + i, total);
+                _mm256_storeu_ps(row + i, total);
+            }
 #endif
             for (; i < hidden; i++) {
                 float a, b;
@@ -279,6 +303,19 @@ int rotary_inplace(void *x, const void *cos, const void *sin, int dtype, int64_t
                     }
                     store16(x, dtype, offset + i, _mm512_sub_ps(a, b));
                     store16(x, dtype, offset + i + half, _mm512_add_ps(a2, b2));
+                }
+                continue;
+            }
+#elif defined(HAVE_AVX2_FMA)
+            if (dtype == DT_F32 && half % 8 == 0) { /* the same in ymm, float32 only */
+                float *head = (float *)x + offset;
+                for (; i < half; i += 8) {
+                    const __m256 lo = _mm256_loadu_ps(head + i), hi = _mm256_loadu_ps(head + i + half);
+                    _mm256_storeu_ps(head + i, _mm256_sub_ps(_mm256_mul_ps(lo, _mm256_loadu_ps(c + i)),
+                                                             _mm256_mul_ps(hi, _mm256_loadu_ps(s + i))));
+                    _mm256_storeu_ps(head + i + half,
+                                     _mm256_add_ps(_mm256_mul_ps(hi, _mm256_loadu_ps(c + i + half)),
+                                                   _mm256_mul_ps(lo, _mm256_loadu_ps(s + i + half))));
                 }
                 continue;
             }
