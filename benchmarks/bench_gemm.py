@@ -1,14 +1,16 @@
-"""The bfloat16 matmuls a model's layers make, per row count: gemm_bf16 against oneDNN's
-packed GEMM and the few-row kernel, with every layer's weights coming from memory.
+"""The matmuls a model's layers make, per row count: gemm_bf16 (or, in float32, gemm_f32)
+against oneDNN's packed GEMM and the few-row kernel, with every layer's weights coming from
+memory.
 
     python benchmarks/bench_gemm.py [--model-shape smollm2-135m] [--rows 1,2,8,16,32,56,64,256]
+        [--dtype bfloat16|float32]
 
 Builds the layers' weights of a `random:` shape (gpu_worker/models/random_shapes.py: the
 qkv, o, gate_up and down projections of every layer, ~212 MB for SmolLM2-135M, more than
 any cache), and times one pass over all of them for each row count and path, the paths
 alternated, the median of --runs. Prints one JSON line per (rows, path): milliseconds a pass,
 GFLOPS, and GB/s of weights read. A path this CPU does not have (gemm_bf16 without
-AVX512-BF16) is left out. Run alone on the machine.
+AVX512-BF16, gemm_f32 with AVX-512 or without AVX2) is left out. Run alone on the machine.
 """
 
 from __future__ import annotations
@@ -44,14 +46,17 @@ def main() -> None:
     parser.add_argument("--model-shape", default="smollm2-135m", choices=sorted(RANDOM_SHAPES))
     parser.add_argument("--rows", default="1,2,8,16,32,56,64,256")
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     kernels = cpu_kernels.load()
     config = ModelConfig.from_hf_dict(RANDOM_SHAPES[args.model_shape])
     shapes = layer_shapes(config)
+    dtype = getattr(torch, args.dtype)
+    gemm_path = "gemm_bf16" if dtype == torch.bfloat16 else "gemm_f32"
     torch.manual_seed(0)
     weights = [
-        [torch.randn(n, k, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
+        [torch.randn(n, k, dtype=dtype) * 0.02 for n, k in shapes]
         for _ in range(config.num_hidden_layers)
     ]
     paths = {
@@ -63,9 +68,9 @@ def main() -> None:
     if kernels is not None:
         gemm = [[kernels.pack_gemm_weight(w) for w in ws] for ws in weights]
         if all(p is not None for ws in gemm for p in ws):
-            paths["gemm_bf16"] = gemm
+            paths[gemm_path] = gemm
         paths["small_m"] = weights
-    weight_bytes = sum(w.numel() * 2 for ws in weights for w in ws)
+    weight_bytes = sum(w.numel() * w.element_size() for ws in weights for w in ws)
     flops_per_row = sum(2 * n * k for n, k in shapes) * len(weights)
 
     def one_pass(path: str, x: dict[int, torch.Tensor]) -> float:
@@ -74,14 +79,14 @@ def main() -> None:
             for w, (_, k) in zip(layer, shapes, strict=True):
                 if path == "onednn":
                     torch.ops.mkldnn._linear_pointwise(x[k], w, None, "none", [], "")
-                elif path == "gemm_bf16":
+                elif path == gemm_path:
                     kernels.gemm(x[k], w, None)
                 else:
                     kernels.linear(x[k], w, None)
         return time.perf_counter() - start
 
     for rows in (int(r) for r in args.rows.split(",")):
-        x = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in shapes}
+        x = {k: torch.randn(rows, k, dtype=dtype) for _, k in shapes}
         chosen = [p for p in paths if p != "small_m" or rows <= MAX_SMALL_M]
         times: dict[str, list[float]] = {p: [] for p in chosen}
         for _ in range(2):  # warm-up
@@ -93,7 +98,7 @@ def main() -> None:
         for path in chosen:
             seconds = statistics.median(times[path])
             emit({"benchmark": "gemm", "model_shape": args.model_shape, "rows": rows,
-                  "path": path, "ms": round(seconds * 1e3, 2),
+                  "path": path, "dtype": args.dtype, "ms": round(seconds * 1e3, 2),
                   "gflops": round(rows * flops_per_row / seconds / 1e9),
                   "weights_gb_s": round(weight_bytes / seconds / 1e9, 1),
                   "threads": torch.get_num_threads(), **machine()}, args.out)  # fmt: skip
