@@ -120,7 +120,8 @@ class Linear(nn.Linear):
             if (
                 self.gemm_weight is not None
                 and x.dtype == self.weight.dtype
-                and (not packed or 0 < rows < self.packed_from_rows)
+                and rows > 0  # the kernels take one row and more
+                and (not packed or rows < self.packed_from_rows)
             ):
                 return kernels.gemm(x, self.gemm_weight, bias)
             if 0 < rows < (self.packed_from_rows if packed else MAX_SMALL_M + 1):
