@@ -2,10 +2,12 @@
  * AVX-512: y[M, N] = x[M, K] W^T (+ bias), summed in float32 as every path there is.
  *
  * Why not oneDNN's: on SmolLM2's shapes, with 30 layers' weights coming from DRAM on two
- * Zen 3 cores, oneDNN's packed GEMM ran at 17-96 GFLOPS for 8-64 rows and this loop at
- * 34-117 (1.2-2x), and it beats the few-row kernel from 4 rows (34 against 38 ms at 4 rows,
- * 50 against 73 at 8; benchmarks/NOTES.md, 2026-11-29). From ~128 rows oneDNN leads
- * (132 against 118 GFLOPS at 2048): Linear keeps oneDNN's packed copy for those.
+ * Zen 3 cores, oneDNN's packed GEMM ran at 28-80 GFLOPS for 8-64 rows and this loop at
+ * 42-100 (1.25-1.5x), and it is level with the few-row kernel at one row and ahead from 4
+ * (31.6 against 32.8 ms at 4 rows, 40.2 against 46.6 at 8; benchmarks/bench_gemm.py
+ * --dtype float32, benchmarks/NOTES.md, 2026-11-29). The two GEMMs tie at 128 rows and
+ * oneDNN leads past it (129 against 121 GFLOPS at 2048): Linear keeps oneDNN's packed copy
+ * for those.
  *
  * A micro-tile is 6 rows x 16 columns: 12 accumulators, two weight loads and six broadcasts
  * of x per k, which ran at 91-93 GFLOPS a core in L1 (94-96% of the FMA peak). The weight
@@ -13,7 +15,8 @@
  * thread takes a run of panels; for each block of KC k's (the panel's 16 KB of it stays in
  * L1) and MC rows of x (in L2), it sweeps the rows six at a time, adding into y. Each tile
  * asks for its y rows when it starts and adds them in when it ends, so the miss on y is
- * hidden behind the tile's FMAs (loading y first stalled them: 1.2x slower at 2048 rows).
+ * hidden behind the tile's FMAs (loading y first left them waiting: ~1.1x slower at 2048
+ * rows).
  */
 #include "common.h"
 
@@ -25,7 +28,7 @@
 #if defined(HAVE_AVX2_FMA) && !defined(__AVX512F__)
 #define GEMM_F32_BUILT 1
 #else
-#define GEMM_F32_BUILT 0 /* AVX-512 hosts, and those without AVX2, keep F.linear and the few-row kernel */
+#define GEMM_F32_BUILT 0 /* elsewhere F.linear and the few-row kernel take float32 */
 #endif
 
 int gemm_f32_supported(int64_t N, int64_t K) {

@@ -33,10 +33,11 @@ PACKED_GEMM_FROM_ROWS = 3
 # few-row kernel in ymm registers took 22-43 ms at 1-8 rows, oneDNN on packed weights 35-49
 # and MKL's sgemm 48-97; at 64 and 2048 rows oneDNN packed led MKL by 1.25x and 1.12x
 # (benchmarks/NOTES.md, 2026-11-28 (tenth session)). gemm_f32 (gpu_worker/kernels/gemm_f32.c)
-# then took 31-116 ms at 1-64 rows against the few-row kernel's 29-1000 and oneDNN packed's
-# 59-141, tied with oneDNN at 128 and fell behind past it (118 against 132 GFLOPS at 2048;
-# 2026-11-29): float32 products there take gemm_f32 below this many rows, oneDNN's packed
-# copy from it. Three copies of the float32 weights, as on an AMX host's bfloat16.
+# then took 24-136 ms at 1-64 rows against oneDNN packed's 38-169 (the few-row kernel's
+# 23-47 at 1-8), tied with oneDNN at 128 and fell behind past it (121 against 129 GFLOPS at
+# 2048; bench_gemm.py --dtype float32, 2026-11-29): float32 products there take gemm_f32
+# below this many rows, oneDNN's packed copy from it. Three copies of the float32 weights,
+# as on an AMX host's bfloat16.
 GEMM_F32_UNTIL_ROWS = 128
 
 
