@@ -84,13 +84,6 @@ static inline __attribute__((always_inline)) void attend_chunk_d64(
         for (int i = 0; i < 4; i++) _mm512_storeu_ps(state + g * state_stride + 2 + 16 * i, acc[g][i]);
 }
 #elif defined(HAVE_AVX2_FMA)
-/* 8 elements from element `offset` of `base` as float32. */
-static inline __m256 load8(const void *base, int dtype, int64_t offset) {
-    if (dtype == DT_F32) return _mm256_loadu_ps((const float *)base + offset);
-    const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + offset));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
 /* attend_chunk_d64 in the 16 ymm registers AVX2 has: each key row in eight of them, and the
  * value sums in passes of 32 dimensions (16 for four query heads) over the chunk's rows, so
  * a pass's sums stay in registers; the rows come from L1 or L2 after the first pass, which

@@ -134,7 +134,13 @@ static inline __m512 load16(const void *base, int dtype, int64_t offset) {
     const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-
+#elif defined(HAVE_AVX2_FMA)
+/* 8 elements from element `offset` of `base` as float32. */
+static inline __m256 load8(const void *base, int dtype, int64_t offset) {
+    if (dtype == DT_F32) return _mm256_loadu_ps((const float *)base + offset);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + offset));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
 #endif
 
 #if defined(__AVX512F__)

@@ -64,17 +64,7 @@ static inline __attribute__((always_inline)) void row_dots(
     __m256 acc[MAX_SMALL_M][2];
     for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (; k + 16 <= K; k += 16) {
-        __m256 w0, w1;
-        if (w_dtype == DT_BF16) {
-            const uint16_t *wr = (const uint16_t *)w + n * K + k;
-            w0 = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)wr)), 16));
-            w1 = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wr + 8))), 16));
-        } else {
-            w0 = _mm256_loadu_ps((const float *)w + n * K + k);
-            w1 = _mm256_loadu_ps((const float *)w + n * K + k + 8);
-        }
+        const __m256 w0 = load8(w, w_dtype, n * K + k), w1 = load8(w, w_dtype, n * K + k + 8);
         for (int m = 0; m < M; m++) {
             acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xf + m * K + k), acc[m][0]);
             acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xf + m * K + k + 8), acc[m][1]);
