@@ -1,6 +1,6 @@
 """The float32 matmul kernel of CPUs with AVX2 but no AVX-512 (gpu_worker/kernels/gemm_f32.c):
 against a float64 reference across its tile, k-block and row-block tails, the shapes it
-leaves to oneDNN, which rows of a Linear it computes, and an engine on it."""
+leaves to oneDNN, a Linear's products of every row count, and an engine on it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from gpu_worker.kernels import cpu_kernels
 from gpu_worker.kernels.cpu_kernels import MAX_SMALL_M
 from gpu_worker.models import layers
-from gpu_worker.models.layers import GEMM_F32_UNTIL_ROWS, Linear, attach_cpu_kernels
+from gpu_worker.models.layers import Linear, attach_cpu_kernels
 from tests.gemm_engines import greedy_with_and_without_gemm
 
 
@@ -55,31 +55,31 @@ def test_shapes_it_does_not_take_are_left_to_onednn(kernels):
 
 
 def test_a_float32_engine_on_it_generates_what_it_generates_without_it(kernels, monkeypatch):
-    """Greedy, mixed batch sizes: rows on both sides of GEMM_F32_UNTIL_ROWS."""
+    """Greedy, mixed batch sizes: decode steps of a few rows, a prefill of up to 266 rows."""
     lengths = (1, 5, 17, 40, 3, 190, 2, 8)
     with_gemm, without = greedy_with_and_without_gemm(monkeypatch, "float32", lengths)
     assert with_gemm == without
 
 
-def test_a_linear_takes_it_below_its_row_count_and_onednn_from_it(kernels, monkeypatch):
+def test_a_linear_takes_it_for_every_row_count_and_keeps_no_onednn_copy(kernels, monkeypatch):
     layer = Linear(96, 64, bias=True)
     attach_cpu_kernels(layer, kernels)
-    assert layer.gemm_weight is not None and layer.packed_weight is not None
+    assert layer.gemm_weight is not None and layer.packed_weight is None
     calls = []
     original = type(kernels).gemm
     monkeypatch.setattr(
         type(kernels), "gemm", lambda self, *a: calls.append(a[0].shape[0]) or original(self, *a)
     )
-    for rows in (0, 1, 7, GEMM_F32_UNTIL_ROWS - 1, GEMM_F32_UNTIL_ROWS, 300):
+    for rows in (0, 1, 7, 127, 128, 300, 2049):
         calls.clear()
         x = torch.randn(rows, 96)
         got = layer(x)
-        assert bool(calls) == (0 < rows < GEMM_F32_UNTIL_ROWS), rows
+        assert calls == ([rows] if rows else []), rows  # zero rows: F.linear
         want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
     with torch.no_grad():
         layer.weight.mul_(2)
-    layers.repack_cpu_weights(layer)  # weights changed in place: both copies packed anew
+    layers.repack_cpu_weights(layer)  # weights changed in place: packed anew
     x = torch.randn(5, 96)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     attach_cpu_kernels(layer, None)  # detached: plain torch, no packed copy kept

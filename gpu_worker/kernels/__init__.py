@@ -9,7 +9,7 @@ extend_attention_bf16.h   its bfloat16 products on AVX512-BF16
 extend_attention_amx.h    its bfloat16 products on AMX tiles
 extend_attention_avx2.h   its float32 products in AVX2 registers
 gemm_bf16.c               bfloat16 matmuls on AVX512-BF16 (oneDNN's weakest at decode's rows)
-gemm_f32.c                float32 matmuls of decode's rows on AVX2 without AVX-512
+gemm_f32.c                float32 matmuls, every row count, on AVX2 without AVX-512
 layers.c                  Linear, RMSNorm, rotary and SiLU·mul
 sampling.c                greedy argmax and the grammar's token mask
 decoder_layers.c          a bfloat16 model's decoder layers in one call of the kernels above

@@ -1,13 +1,12 @@
-/* A float32 matmul for the row counts of decode steps, on CPUs with AVX2 and FMA but no
- * AVX-512: y[M, N] = x[M, K] W^T (+ bias), summed in float32 as every path there is.
+/* The float32 matmul of CPUs with AVX2 and FMA but no AVX-512, at every row count:
+ * y[M, N] = x[M, K] W^T (+ bias), summed in float32 as every path there is.
  *
- * Why not oneDNN's: on SmolLM2's shapes, with 30 layers' weights coming from DRAM on two
- * Zen 3 cores, oneDNN's packed GEMM ran at 28-80 GFLOPS for 8-64 rows and this loop at
- * 42-100 (1.25-1.5x), and it is level with the few-row kernel at one row and ahead from 4
- * (31.6 against 32.8 ms at 4 rows, 40.2 against 46.6 at 8; benchmarks/bench_gemm.py
- * --dtype float32, benchmarks/NOTES.md, 2026-11-29). The two GEMMs tie at 128 rows and
- * oneDNN leads past it (129 against 121 GFLOPS at 2048): Linear keeps oneDNN's packed copy
- * for those.
+ * Why not oneDNN's: on SmolLM2's shapes, two Zen 3 cores, 30 layers' weights, this loop
+ * led oneDNN's packed GEMM at every row count measured: 1.25-1.5x at a decode step's 8-64
+ * rows (40.2 against 60.1 ms at 8), 1.08x at 128, 1.08-1.1x at 256-2048 (167 against 154
+ * GFLOPS at 2048, 86% of the FMA peak), and it is level with the few-row kernel at one row
+ * and ahead from 4 (benchmarks/bench_gemm.py --dtype float32; benchmarks/NOTES.md, the
+ * eleventh and twelfth sessions of 2026-11-29). So Linear keeps no oneDNN copy of float32 weights there.
  *
  * A micro-tile is 6 rows x 16 columns: 12 accumulators, two weight loads and six broadcasts
  * of x per k, which ran at 91-93 GFLOPS a core in L1 (94-96% of the FMA peak). The weight
@@ -47,6 +46,11 @@ int gemm_f32_pack(const float *w, int64_t N, int64_t K, float *packed) {
 }
 
 #if GEMM_F32_BUILT
+/* Every loop over the accumulators unrolled in full, so that they live in registers: where
+ * gcc left one loop rolled it kept acc[][] on the stack, a store per FMA pair, and the GEMM
+ * ran at 60 GFLOPS in place of 170 (seen when the k-block size became a variable). */
+#define UNROLLED _Pragma("GCC unroll 8")
+
 /* R rows of x (row stride K) times kc k's of a panel's block, into y's R x 16 (row stride
  * N): y = the sums + start where start is given (the first block: bias or zeros), else
  * y += the sums. */
@@ -54,7 +58,7 @@ int gemm_f32_pack(const float *w, int64_t N, int64_t K, float *packed) {
     static void gemm_f32_tile_##R(const float *x, int64_t K, const float *block, int64_t kc, \
                                   float *y, int64_t N, const float *start) {                \
         __m256 acc[R][2];                                                                   \
-        for (int r = 0; r < R; r++) {                                                       \
+        UNROLLED for (int r = 0; r < R; r++) {                                              \
             _mm_prefetch((const char *)(y + r * N), _MM_HINT_T0);                           \
             acc[r][0] = start ? _mm256_loadu_ps(start) : _mm256_setzero_ps();               \
             acc[r][1] = start ? _mm256_loadu_ps(start + 8) : _mm256_setzero_ps();           \
@@ -63,14 +67,14 @@ int gemm_f32_pack(const float *w, int64_t N, int64_t K, float *packed) {
             __m256 w0 = _mm256_load_ps(block), w1 = _mm256_load_ps(block + 8);              \
             /* In registers: gcc would fold the loads into every FMA reading them. */       \
             __asm__("" : "+x"(w0), "+x"(w1));                                               \
-            for (int r = 0; r < R; r++) {                                                   \
+            UNROLLED for (int r = 0; r < R; r++) {                                          \
                 const __m256 b = _mm256_broadcast_ss(x + r * K + k);                        \
                 acc[r][0] = _mm256_fmadd_ps(b, w0, acc[r][0]);                              \
                 acc[r][1] = _mm256_fmadd_ps(b, w1, acc[r][1]);                              \
             }                                                                               \
         }                                                                                   \
-        for (int r = 0; r < R; r++)                                                         \
-            for (int j = 0; j < 2; j++) {                                                   \
+        UNROLLED for (int r = 0; r < R; r++)                                                \
+            UNROLLED for (int j = 0; j < 2; j++) {                                          \
                 float *out = y + r * N + 8 * j;                                             \
                 _mm256_storeu_ps(out, start ? acc[r][j]                                     \
                                             : _mm256_add_ps(acc[r][j], _mm256_loadu_ps(out))); \

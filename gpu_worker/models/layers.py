@@ -33,12 +33,10 @@ PACKED_GEMM_FROM_ROWS = 3
 # few-row kernel in ymm registers took 22-43 ms at 1-8 rows, oneDNN on packed weights 35-49
 # and MKL's sgemm 48-97; at 64 and 2048 rows oneDNN packed led MKL by 1.25x and 1.12x
 # (benchmarks/NOTES.md, 2026-11-28 (tenth session)). gemm_f32 (gpu_worker/kernels/gemm_f32.c)
-# then took 24-136 ms at 1-64 rows against oneDNN packed's 38-169 (the few-row kernel's
-# 23-47 at 1-8), tied with oneDNN at 128 and fell behind past it (121 against 129 GFLOPS at
-# 2048; bench_gemm.py --dtype float32, 2026-11-29): float32 products there take gemm_f32
-# below this many rows, oneDNN's packed copy from it. Three copies of the float32 weights,
-# as on an AMX host's bfloat16.
-GEMM_F32_UNTIL_ROWS = 128
+# then led oneDNN packed at every row count, 1.08-1.5x from 8 to 2048 rows (bench_gemm.py
+# --dtype float32, 2026-11-29), and a mixed-64 prefill on it took 29.3 s against 30.8 with
+# oneDNN from 128 rows: float32 products there all take gemm_f32, with no oneDNN copy, and
+# oneDNN's packed copy only a shape gemm_f32 does not take (columns not a multiple of 16).
 
 
 def hooked(*modules: nn.Module) -> bool:
@@ -101,11 +99,10 @@ class Linear(nn.Linear):
     # one and two rows (17.1 and 15.7 ms against the few-row kernel's 21.3 and 17.9 and
     # oneDNN's 22.9 and 15.8): a third copy of the weights there, for one request decoding
     # 1.14x faster in the engine (benchmarks/NOTES.md, 2026-11-27 (late)). float32 weights
-    # in gemm_f32's layout where the CPU lacks AVX-512 (see GEMM_F32_UNTIL_ROWS).
+    # in gemm_f32's layout where the CPU lacks AVX-512: it takes every row count there.
     gemm_weight: torch.Tensor | None = None
-    # Fewer rows than this go to a kernel (gemm_bf16, gemm_f32 or the few-row one) where
-    # packed_weight is set: PACKED_GEMM_FROM_ROWS for bfloat16, GEMM_F32_UNTIL_ROWS for
-    # float32 (past MAX_SMALL_M where gemm_f32 does not take the shape).
+    # Fewer rows than this go to a kernel (gemm_bf16 or the few-row one) where packed_weight
+    # is set: PACKED_GEMM_FROM_ROWS for bfloat16, MAX_SMALL_M + 1 for float32.
     packed_from_rows: int = PACKED_GEMM_FROM_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,8 +135,8 @@ def attach_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
     """Give every module of `model` that has a kernel path (a `cpu_kernels` attribute) the
     kernels (None detaches), and pack Linears' bfloat16 weights for gemm_bf16, and for
     oneDNN where gemm_bf16 does not take them or the CPU has AMX tiles (Linear.gemm_weight
-    says which rows each takes); float32 weights for oneDNN and gemm_f32 where the CPU lacks
-    AVX-512."""
+    says which rows each takes); float32 weights for gemm_f32 where the CPU lacks AVX-512
+    (for oneDNN where gemm_f32 does not take the shape)."""
     onednn_too = cpu_has_amx()  # oneDNN multiplies on the tiles from PACKED_GEMM_FROM_ROWS
     for module in model.modules():
         if hasattr(module, "fused_layers"):
@@ -155,13 +152,12 @@ def attach_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
                 and module.weight.dtype == torch.float32
                 and not kernels.avx512  # MKL's sgemm led by oneDNN there
             ):
-                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
-                    module.weight.detach(), PACKING_ROWS_HINT
-                )
                 module.gemm_weight = kernels.pack_gemm_weight(module.weight)
-                module.packed_from_rows = (
-                    MAX_SMALL_M + 1 if module.gemm_weight is None else GEMM_F32_UNTIL_ROWS
-                )
+                if module.gemm_weight is None:  # the few-row kernel, then oneDNN
+                    module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
+                        module.weight.detach(), PACKING_ROWS_HINT
+                    )
+                    module.packed_from_rows = MAX_SMALL_M + 1
                 continue
             if kernels is not None and module.weight.dtype == torch.bfloat16:
                 module.gemm_weight = kernels.pack_gemm_weight(module.weight)
