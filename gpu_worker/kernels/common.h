@@ -176,9 +176,13 @@ static inline void store16(void *base, int dtype, int64_t offset, __m512 x) {
 static inline __m512 round_to_bf16_16(__m512 x) { return widen_bf16_16(f32_to_bf16_16(x)); }
 #endif
 
-/* The GEMMs' micro-tiles are compiled for each constant row count, 1 to 6, so that their
- * accumulators stay in registers: EACH_TILE_ROWS(DEFINE) defines them, and TILE_OF_ROWS calls
- * tile_R(...) for R = rows (6 for more). */
+/* The micro-tiles (the GEMMs', float32 extend attention's on AVX2) are compiled for each
+ * constant row count, 1 to 6, so that their accumulators stay in registers:
+ * EACH_TILE_ROWS(DEFINE) defines them, and TILE_OF_ROWS calls tile_R(...) for R = rows (6
+ * for more). Their loops over the accumulators are UNROLLED in full: where gcc left one
+ * rolled it kept them on the stack, a store per FMA pair, and gemm_f32 ran at 60 GFLOPS in
+ * place of 170 (seen when its k-block size became a variable). */
+#define UNROLLED _Pragma("GCC unroll 8")
 #define EACH_TILE_ROWS(DEFINE) DEFINE(1) DEFINE(2) DEFINE(3) DEFINE(4) DEFINE(5) DEFINE(6)
 #define TILE_OF_ROWS(tile, rows, ...)                        \
     switch (rows) {                                          \

@@ -100,9 +100,18 @@ static inline __attribute__((always_inline)) void pv_4_rows(
         }                                                                                      \
     }
 
-static void pv_4_rows_all(const float *p, int64_t p_stride, const float *v, int64_t head_dim,
-                          int64_t keys, float *out, int64_t out_stride) {
-    PV_4_ROWS_ALL(pv_4_rows, p, p_stride, v, head_dim, keys, out, out_stride);
+/* The same two products over every row of a work item (rows a multiple of 8). */
+static void scores_rows(const float *q, int64_t rows, int64_t head_dim, const float *kt,
+                        int64_t keys, float *scores, int64_t score_stride) {
+    for (int64_t r = 0; r < rows; r += 8)
+        scores_8_rows(q + r * head_dim, head_dim, kt, keys, scores + r * score_stride, score_stride);
+}
+
+static void pv_rows(const float *p, int64_t p_stride, int64_t rows, const float *v,
+                    int64_t head_dim, int64_t keys, float *out, int64_t out_stride) {
+    for (int64_t r = 0; r < rows; r += 4)
+        PV_4_ROWS_ALL(pv_4_rows, p + r * p_stride, p_stride, v, head_dim, keys,
+                      out + r * out_stride, out_stride);
 }
 #endif
 
@@ -343,9 +352,8 @@ int extend_attention(const void *q, int q_dtype, int64_t q_token_stride,
                 }
             }
 #endif
-            for (int64_t r = 0; !bf16 && r < rows; r += 8)
-                scores_8_rows(qf + r * head_dim, head_dim, (const float *)kt + base, visible,
-                              scores + r * max_keys, max_keys);
+            if (!bf16)
+                scores_rows(qf, rows, head_dim, (const float *)kt + base, visible, scores, max_keys);
             for (int64_t r = 0; !bf16 && r < rows; r++) {
                 float *s = scores + r * max_keys;
                 const int64_t i = r % QUERY_BLOCK;
@@ -353,17 +361,14 @@ int extend_attention(const void *q, int q_dtype, int64_t q_token_stride,
                 /* Up to the keys P V reads: zeros past the row's own. */
                 for (int64_t j = seen[i]; j < visible; j++) s[j] = 0.f;
             }
-            for (int64_t r = 0; r < rows; r += 4) {
 #if defined(__AVX512BF16__)
-                if (bf16) {
-                    pv_4_rows_all_bf16(p16 + r * max_keys, max_keys, (const uint16_t *)vt + base,
-                                       head_dim, visible, acc + r * head_dim, head_dim);
-                    continue;
-                }
+            for (int64_t r = 0; bf16 && r < rows; r += 4)
+                pv_4_rows_all_bf16(p16 + r * max_keys, max_keys, (const uint16_t *)vt + base,
+                                   head_dim, visible, acc + r * head_dim, head_dim);
 #endif
-                pv_4_rows_all(scores + r * max_keys, max_keys, (const float *)vt + base, head_dim,
-                              visible, acc + r * head_dim, head_dim);
-            }
+            if (!bf16)
+                pv_rows(scores, max_keys, rows, (const float *)vt + base, head_dim, visible, acc,
+                        head_dim);
             store_rows(acc, inv, group, QUERY_BLOCK, count, token0[b] + first, num_heads, h,
                        head_dim, out, out_dtype);
         }

@@ -46,11 +46,6 @@ int gemm_f32_pack(const float *w, int64_t N, int64_t K, float *packed) {
 }
 
 #if GEMM_F32_BUILT
-/* Every loop over the accumulators unrolled in full, so that they live in registers: where
- * gcc left one loop rolled it kept acc[][] on the stack, a store per FMA pair, and the GEMM
- * ran at 60 GFLOPS in place of 170 (seen when the k-block size became a variable). */
-#define UNROLLED _Pragma("GCC unroll 8")
-
 /* R rows of x (row stride K) times kc k's of a panel's block, into y's R x 16 (row stride
  * N): y = the sums + start where start is given (the first block: bias or zeros), else
  * y += the sums. */
