@@ -55,6 +55,9 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* Round a float32 to the nearest bfloat16 and back: what a torch op in bfloat16 stores. */
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
 /* n elements starting at element `offset` of `base`, as float32 (auto-vectorized). */
 static inline void load_f32(const void *base, int dtype, int64_t offset, int64_t n, float *dst) {
     if (dtype == DT_F32) {
@@ -183,6 +186,24 @@ static inline __m512 round_to_bf16_16(__m512 x) { return widen_bf16_16(f32_to_bf
  * rolled it kept them on the stack, a store per FMA pair, and gemm_f32 ran at 60 GFLOPS in
  * place of 170 (seen when its k-block size became a variable). */
 #define UNROLLED _Pragma("GCC unroll 8")
+
+#if defined(HAVE_AVX2_FMA)
+/* The float32 6 x 16 micro-tile's loop in ymm registers (gemm_f32, and extend attention on
+ * AVX2): acc[r][0 .. 2) += sum over k < n of a[r * a_stride + k] times the 16 floats at
+ * b + k * b_stride, for R rows. The two b vectors are held in registers: gcc would fold their
+ * loads into every FMA that reads them, loading them again per row. */
+#define FMA_TILE_16(R, acc, a, a_stride, b, b_stride, n)                                    \
+    for (int64_t k_ = 0; k_ < (n); k_++) {                                                  \
+        __m256 b0_ = _mm256_loadu_ps((b) + k_ * (b_stride));                                \
+        __m256 b1_ = _mm256_loadu_ps((b) + k_ * (b_stride) + 8);                            \
+        __asm__("" : "+x"(b0_), "+x"(b1_));                                                 \
+        UNROLLED for (int r_ = 0; r_ < (R); r_++) {                                         \
+            const __m256 x_ = _mm256_broadcast_ss((a) + r_ * (a_stride) + k_);              \
+            acc[r_][0] = _mm256_fmadd_ps(x_, b0_, acc[r_][0]);                              \
+            acc[r_][1] = _mm256_fmadd_ps(x_, b1_, acc[r_][1]);                              \
+        }                                                                                   \
+    }
+#endif
 #define EACH_TILE_ROWS(DEFINE) DEFINE(1) DEFINE(2) DEFINE(3) DEFINE(4) DEFINE(5) DEFINE(6)
 #define TILE_OF_ROWS(tile, rows, ...)                        \
     switch (rows) {                                          \

@@ -1,7 +1,8 @@
 """The CPU kernels (attention.c, extend_attention.c with its bfloat16 and AMX halves
 extend_attention_bf16.h and extend_attention_amx.h, gemm_bf16.c, gemm_f32.c, layers.c,
-sampling.c, decoder_layers.c and common.h beside this file): built once per machine into one
-library (kernel_build.py), cached, and called through ctypes with the tensors' data pointers.
+activation.c, sampling.c, decoder_layers.c and common.h beside this file): built once per
+machine into one library (kernel_build.py), cached, and called through ctypes with the
+tensors' data pointers.
 Where it runs extend attention on AMX tiles, amx_check.py checks them against the
 AVX512-BF16 path once loaded.
 
@@ -51,8 +52,9 @@ class CpuKernels:
     """The loaded library with typed entry points."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        # Built with -march=native: without AVX-512 the silu_and_mul kernel refuses, and
-        # without AVX-512 or AVX2 with FMA the extend attention; their callers keep torch's.
+        # Built with -march=native: without AVX-512 the bfloat16 silu_and_mul refuses, and
+        # without AVX-512 or AVX2 with FMA the extend attention and the float32 silu_and_mul;
+        # their callers keep torch's.
         features = library.kernel_features()
         self.avx512, self.avx512_bf16 = bool(features & 1), bool(features & 2)
         self.vector_extend = bool(features & 4)
@@ -270,10 +272,12 @@ class CpuKernels:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of x [rows, 2 * inter] = [gate | up] (rows may be strided), rounded
-        as torch's two bfloat16 ops round; None for a dtype the kernel leaves to torch
-        (float32, or a CPU without AVX-512)."""
-        if x.dtype != torch.bfloat16 or not self.avx512:
-            return None  # before allocating: this runs on every MLP of a float32 model
+        as torch's two ops round (activation.c); None where the kernel leaves it to torch:
+        bfloat16 without AVX-512, float32 without AVX2 and FMA, other dtypes."""
+        if not (x.dtype == torch.bfloat16 and self.avx512) and not (
+            x.dtype == torch.float32 and self.vector_extend
+        ):
+            return None  # before allocating: this runs on every MLP
         rows, width = x.shape
         assert x.stride(1) == 1 and width % 2 == 0
         out = torch.empty(rows, width // 2, dtype=x.dtype)

@@ -13,10 +13,6 @@
 #include "common.h"
 #if defined(HAVE_AVX2_FMA) && !defined(__AVX512F__)
 
-/* Keeps a loaded vector in its register: gcc 12 otherwise folds the load into each FMA that
- * reads it, loading it again per row. */
-#define IN_REGISTER(x) __asm__("" : "+x"(x))
-
 /* out[r][0 .. 16) = sum_k a[r][k] b[k][0 .. 16) for R rows of a (row stride a_stride, k
  * stride 1) and b's 16 columns at stride b_stride, k < n: the scores (a = queries, b = a
  * transposed key block) and P V (a = probabilities, b = values) alike. */
@@ -26,16 +22,7 @@
                                        int64_t out_stride) {                                 \
         __m256 acc[R][2];                                                                     \
         UNROLLED for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();     \
-        for (int64_t k = 0; k < n; k++, b += b_stride) {                                      \
-            __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);                      \
-            IN_REGISTER(b0);                                                                  \
-            IN_REGISTER(b1);                                                                  \
-            UNROLLED for (int r = 0; r < R; r++) {                                            \
-                const __m256 x = _mm256_broadcast_ss(a + r * a_stride + k);                   \
-                acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);                                \
-                acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);                                \
-            }                                                                                 \
-        }                                                                                     \
+        FMA_TILE_16(R, acc, a, a_stride, b, b_stride, n);                                     \
         UNROLLED for (int r = 0; r < R; r++) {                                                \
             _mm256_storeu_ps(out + r * out_stride, acc[r][0]);                                \
             _mm256_storeu_ps(out + r * out_stride + 8, acc[r][1]);                            \

@@ -58,16 +58,7 @@ int gemm_f32_pack(const float *w, int64_t N, int64_t K, float *packed) {
             acc[r][0] = start ? _mm256_loadu_ps(start) : _mm256_setzero_ps();               \
             acc[r][1] = start ? _mm256_loadu_ps(start + 8) : _mm256_setzero_ps();           \
         }                                                                                   \
-        for (int64_t k = 0; k < kc; k++, block += GEMM_F32_NR) {                            \
-            __m256 w0 = _mm256_load_ps(block), w1 = _mm256_load_ps(block + 8);              \
-            /* In registers: gcc would fold the loads into every FMA reading them. */       \
-            __asm__("" : "+x"(w0), "+x"(w1));                                               \
-            UNROLLED for (int r = 0; r < R; r++) {                                          \
-                const __m256 b = _mm256_broadcast_ss(x + r * K + k);                        \
-                acc[r][0] = _mm256_fmadd_ps(b, w0, acc[r][0]);                              \
-                acc[r][1] = _mm256_fmadd_ps(b, w1, acc[r][1]);                              \
-            }                                                                               \
-        }                                                                                   \
+        FMA_TILE_16(R, acc, x, K, block, GEMM_F32_NR, kc);                                  \
         UNROLLED for (int r = 0; r < R; r++)                                                \
             UNROLLED for (int j = 0; j < 2; j++) {                                          \
                 float *out = y + r * N + 8 * j;                                             \

@@ -23,6 +23,7 @@ _HERE = Path(__file__).parent
 SOURCES = [
     _HERE / name
     for name in (
+        "activation.c",
         "attention.c",
         "decoder_layers.c",
         "extend_attention.c",

@@ -1,5 +1,5 @@
 /* The dense layers' CPU kernels: a linear for a few rows, RMSNorm (with or without the
- * residual add before it), rotary in place, SiLU-and-mul.
+ * residual add before it), rotary in place (SiLU-and-mul: activation.c).
  *
  * linear_small_m: y = x W^T (+ b) for a few rows of x. Decoding one or a few tokens streams
  * the whole weight from memory for a handful of multiply-adds per element; oneDNN's bf16
@@ -10,7 +10,8 @@
 
 /* What this build's vector paths use (bit 0: AVX-512F, bit 1: AVX512-BF16, bit 2: AVX-512F or
  * AVX2 with FMA): the kernels without them refuse (extend attention without bit 2,
- * silu_and_mul without bit 0) or take their generic loops. */
+ * silu_and_mul in bfloat16 without bit 0 and in float32 without bit 2) or take their generic
+ * loops. */
 int kernel_features(void) {
     int features = 0;
 #if defined(__AVX512F__)
@@ -126,9 +127,6 @@ int linear_small_m(const void *x, int x_dtype, int64_t M, int64_t K,
 }
 
 /* ---- RMSNorm and rotary, one pass each ---------------------------------------------------- */
-
-/* Round a float32 to the nearest bfloat16 and back: what a torch op in bfloat16 stores. */
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* The sum of squares of a float32 row. Four partial sums: with one, each FMA waited on the
  * last (36 in a chain for SmolLM2's 576), a quarter of the bfloat16 norm's time. */
@@ -320,72 +318,4 @@ int rotary_inplace(void *x, const void *cos, const void *sin, int dtype, int64_t
         }
     }
     return 0;
-}
-
-#if defined(__AVX512F__)
-/* exp(-g) for any float32 g, as 2^t with t = -g log2(e): n = round(t), 2^(t - n) by a
- * degree-5 polynomial fitted for least relative error on [-1/2, 1/2] (2.3e-7 in float32),
- * scaled by 2^n. t's own rounding adds |t| x 6e-8 (1e-6 at g = -20), far below bfloat16's
- * 2^-9 that SiLU rounds to (0 of 6.3M products differ from torch's at randn x 1-20); this
- * saved 8% of silu_and_mul over exp(x) = 2^n e^r with r = x - n ln 2, and that 10% over
- * exp_nonpositive's degree-7 series. Past t = 128 it is +inf, as expf's is (-inf: NaN). */
-static inline __m512 exp_negated(__m512 g) {
-    static const float coefficients[6] = { /* highest degree first */
-        1.32764713e-3f, 9.67554189e-3f, 5.55071309e-2f, 2.40221202e-1f, 6.93146944e-1f, 1.00000012f,
-    };
-    const __m512 t = _mm512_max_ps(_mm512_mul_ps(g, _mm512_set1_ps(-1.44269504f)),
-                                   _mm512_set1_ps(-150.f)); /* 2^-150 is 0; NaN -> -150 */
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(coefficients[0]);
-    for (int k = 1; k < 6; k++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(coefficients[k]));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
-
-/* out[r] = silu(gate[r]) * up[r] for bfloat16 rows x[r] = [gate | up] (x rows strided), as
- * torch's F.silu then mul_ compute it: silu(g) = g / (1 + exp(-g)) in float32 rounded to
- * bfloat16, then the product rounded again (exp(-g) overflows to +inf and silu to -0 where
- * torch's does). One pass where the two torch ops made two over the [tokens, 2 x intermediate]
- * activations: 123 against ~25 ms per 4096-token SmolLM2 prefill chunk. Float32 stays on
- * torch's ops (-1), so a float32 model keeps transformers' exact op results. */
-int silu_and_mul(const void *x, int64_t x_row_stride, void *out, int dtype, int64_t rows,
-                 int64_t inter)
-{
-#if defined(__AVX512F__)
-    if (dtype != DT_BF16) return -1;
-#pragma omp parallel for schedule(static) if (rows * inter >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *gate = (const uint16_t *)x + r * x_row_stride, *up = gate + inter;
-        uint16_t *dst = (uint16_t *)out + r * inter;
-        int64_t i = 0;
-        for (; i + 16 <= inter; i += 16) {
-            /* The next row's line at this column, a line a stream every other step: this
-             * pass reads the gate_up matmul's fresh output, which the hardware prefetcher
-             * left to memory latency (likely as its streams stop at each 4 KB page, and a
-             * row spans 1.5): 2.4 -> 1.5 ms at 2048 rows, one thread. A line 1 KB ahead in
-             * the same row did not help, nor this in the norms (slower there). */
-            if ((i & 31) == 0 && r + 1 < rows) {
-                _mm_prefetch((const char *)(gate + x_row_stride + i), _MM_HINT_T0);
-                _mm_prefetch((const char *)(up + x_row_stride + i), _MM_HINT_T0);
-            }
-            const __m512 g = load16(gate, DT_BF16, i), u = load16(up, DT_BF16, i);
-            /* One division, no branches: taking exp(-|g|) and blending the numerator by g's
-             * sign (as this did) cost 10% more, and exp(-g)'s overflow gives torch's -0. */
-            const __m512 e = exp_negated(g);
-            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-            /* the two bfloat16 roundings of torch's two ops */
-            const __m512 product = _mm512_mul_ps(round_to_bf16_16(silu), u);
-            _mm256_storeu_si256((__m256i *)(dst + i), f32_to_bf16_16(product));
-        }
-        for (; i < inter; i++) {
-            const float g = bf16_to_f32(gate[i]), u = bf16_to_f32(up[i]);
-            dst[i] = f32_to_bf16(round_bf16(g / (1.f + expf(-g))) * u);
-        }
-    }
-    return 0;
-#else
-    (void)x, (void)x_row_stride, (void)out, (void)dtype, (void)rows, (void)inter;
-    return -1;
-#endif
 }

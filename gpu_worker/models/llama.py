@@ -76,7 +76,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    # Attached by the ModelRunner on CPU (attach_cpu_kernels): bfloat16 silu * up in one pass.
+    # Attached by the ModelRunner on CPU (attach_cpu_kernels): silu * up in one pass.
     cpu_kernels: CpuKernels | None = None
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None, plan: ShardPlan) -> None:
