@@ -2,11 +2,12 @@
  * y[M, N] = x[M, K] W^T (+ bias), summed in float32 as every path there is.
  *
  * Why not oneDNN's: on SmolLM2's shapes, two Zen 3 cores, 30 layers' weights, this loop
- * led oneDNN's packed GEMM at every row count measured: 1.25-1.5x at a decode step's 8-64
- * rows (40.2 against 60.1 ms at 8), 1.08x at 128, 1.08-1.1x at 256-2048 (167 against 154
- * GFLOPS at 2048, 86% of the FMA peak), and it is level with the few-row kernel at one row
- * and ahead from 4 (benchmarks/bench_gemm.py --dtype float32; benchmarks/NOTES.md, the
- * eleventh and twelfth sessions of 2026-11-29). So Linear keeps no oneDNN copy of float32 weights there.
+ * led oneDNN's packed GEMM at every row count measured: 1.1-1.5x at a decode step's 8-64
+ * rows (40.2 against 60.1 ms at 8), 1.06-1.08x at 128, 1.08-1.11x at 256-2048 (176 against
+ * 161 GFLOPS at 2048, 91% of the FMA peak), and it is level with the few-row kernel at one
+ * row and ahead from 4 (benchmarks/bench_gemm.py --dtype float32; benchmarks/NOTES.md, the
+ * eleventh and twelfth sessions of 2026-11-29). So Linear keeps no oneDNN copy of float32
+ * weights there.
  *
  * A micro-tile is 6 rows x 16 columns: 12 accumulators, two weight loads and six broadcasts
  * of x per k, which ran at 91-93 GFLOPS a core in L1 (94-96% of the FMA peak). The weight
