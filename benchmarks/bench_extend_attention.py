@@ -17,10 +17,8 @@ reference. A wall-clock micro-benchmark: on a shared machine the figures are ind
 from __future__ import annotations
 
 import argparse
-import ctypes
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,15 +29,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpu_worker.kernels import cpu_kernels, kernel_build  # noqa: E402
+from benchmarks.kernel_revisions import build, kernels_at  # noqa: E402
+from gpu_worker.kernels import cpu_kernels  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PREFIX = 9, 3, 64, 300
-
-
-def build(folder: Path, target: Path) -> cpu_kernels.CpuKernels:
-    """The library from the kernel sources in `folder`, as cpu_kernels builds it."""
-    kernel_build.compile_library(kernel_build.find_compiler() or "gcc", target, folder)
-    return cpu_kernels.CpuKernels(ctypes.CDLL(str(target)))
 
 
 class Toggled:
@@ -52,15 +45,6 @@ class Toggled:
         if self.library.use_amx(self.amx) != self.amx:
             raise SystemExit("--amx: this CPU (or its kernels' build) has no AMX tiles")
         return self.library.extend_attention(*args)
-
-
-def checkout_kernels(revision: str, folder: Path) -> None:
-    """The kernel files as they were at `revision` (those it has) into `folder`."""
-    for path in kernel_build.SOURCES + kernel_build.HEADERS:
-        spec = f"{revision}:{path.relative_to(ROOT)}"
-        shown = subprocess.run(["git", "-C", str(ROOT), "show", spec], capture_output=True)
-        if shown.returncode == 0:
-            (folder / path.name).write_bytes(shown.stdout)
 
 
 def make_chunk(dtype: torch.dtype, tokens: int = 1900) -> tuple:
@@ -118,8 +102,7 @@ def main() -> None:
         if options.amx:
             libraries = {"base": Toggled(tree, False), "tree": Toggled(tree, True)}
         else:
-            checkout_kernels(options.base, base_folder)
-            libraries = {"base": build(base_folder, base_folder / "base.so"), "tree": tree}
+            libraries = {"base": kernels_at(options.base, base_folder), "tree": tree}
         # loaded: the folder may go
     outputs = {name: torch.empty(args[0].shape, dtype=args[0].dtype) for name in libraries}
     times: dict[str, list[float]] = {name: [] for name in libraries}

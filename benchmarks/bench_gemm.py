@@ -3,14 +3,17 @@ against oneDNN's packed GEMM and the few-row kernel, with every layer's weights 
 memory.
 
     python benchmarks/bench_gemm.py [--model-shape smollm2-135m] [--rows 1,2,8,16,32,56,64,256]
-        [--dtype bfloat16|float32]
+        [--dtype bfloat16|float32] [--base REV]
 
 Builds the layers' weights of a `random:` shape (gpu_worker/models/random_shapes.py: the
 qkv, o, gate_up and down projections of every layer, ~212 MB for SmolLM2-135M, more than
 any cache), and times one pass over all of them for each row count and path, the paths
 alternated, the median of --runs. Prints one JSON line per (rows, path): milliseconds a pass,
 GFLOPS, and GB/s of weights read. A path this CPU does not have (gemm_bf16 without
-AVX512-BF16, gemm_f32 with AVX-512 or without AVX2) is left out. Run alone on the machine.
+AVX512-BF16, gemm_f32 with AVX-512 or without AVX2) is left out. `--base REV` adds that
+revision's gemm kernel (built from `git show`) as the path `gemm_bf16@REV` or
+`gemm_f32@REV`, alternated with this tree's: a kernel change's before and after in one
+process. Run alone on the machine.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.jsonl import emit, machine  # noqa: E402
+from benchmarks.kernel_revisions import kernels_at  # noqa: E402
 from gpu_worker.kernels import cpu_kernels  # noqa: E402
 from gpu_worker.kernels.cpu_kernels import MAX_SMALL_M  # noqa: E402
 from gpu_worker.models.config import ModelConfig  # noqa: E402
@@ -47,9 +52,11 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,8,16,32,56,64,256")
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--base", help="a revision whose gemm kernel to time beside this tree's")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     kernels = cpu_kernels.load()
+    gemms = {}  # path -> the library whose gemm it calls
     config = ModelConfig.from_hf_dict(RANDOM_SHAPES[args.model_shape])
     shapes = layer_shapes(config)
     dtype = getattr(torch, args.dtype)
@@ -66,9 +73,14 @@ def main() -> None:
         ],  # fmt: skip
     }
     if kernels is not None:
-        gemm = [[kernels.pack_gemm_weight(w) for w in ws] for ws in weights]
-        if all(p is not None for ws in gemm for p in ws):
-            paths[gemm_path] = gemm
+        gemms[gemm_path] = kernels
+        if args.base:
+            with tempfile.TemporaryDirectory() as scratch:
+                gemms[f"{gemm_path}@{args.base}"] = kernels_at(args.base, Path(scratch))
+        for path, library in gemms.items():
+            gemm = [[library.pack_gemm_weight(w) for w in ws] for ws in weights]
+            if all(p is not None for ws in gemm for p in ws):
+                paths[path] = gemm
         paths["small_m"] = weights
     weight_bytes = sum(w.numel() * w.element_size() for ws in weights for w in ws)
     flops_per_row = sum(2 * n * k for n, k in shapes) * len(weights)
@@ -79,8 +91,8 @@ def main() -> None:
             for w, (_, k) in zip(layer, shapes, strict=True):
                 if path == "onednn":
                     torch.ops.mkldnn._linear_pointwise(x[k], w, None, "none", [], "")
-                elif path == gemm_path:
-                    kernels.gemm(x[k], w, None)
+                elif path in gemms:
+                    gemms[path].gemm(x[k], w, None)
                 else:
                     kernels.linear(x[k], w, None)
         return time.perf_counter() - start

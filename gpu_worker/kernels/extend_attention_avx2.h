@@ -22,7 +22,7 @@
                                        int64_t out_stride) {                                 \
         __m256 acc[R][2];                                                                     \
         UNROLLED for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();     \
-        FMA_TILE_16(R, acc, a, a_stride, b, b_stride, n);                                     \
+        FMA_TILE_16(R, acc, a, a_stride, b, b_stride, n, NULL);                               \
         UNROLLED for (int r = 0; r < R; r++) {                                                \
             _mm256_storeu_ps(out + r * out_stride, acc[r][0]);                                \
             _mm256_storeu_ps(out + r * out_stride + 8, acc[r][1]);                            \

@@ -16,7 +16,10 @@
  * L1) and MC rows of x (in L2), it sweeps the rows six at a time, adding into y. Each tile
  * asks for its y rows when it starts and adds them in when it ends, so the miss on y is
  * hidden behind the tile's FMAs (loading y first left them waiting: ~1.1x slower at 2048
- * rows).
+ * rows). The first tile of a sweep also asks for the next panel's block, a line per k: at a
+ * decode step's few rows a sweep is one to eleven tiles, and each panel's first tile had
+ * waited on its block from DRAM (30 layers: 39.5 -> 34.9 ms at 8 rows, 83.7 -> 72.1 at 32,
+ * 138.5 -> 132.3 at 64, level from 128; bench_gemm.py --dtype float32 --base f98986d).
  */
 #include "common.h"
 
@@ -52,14 +55,15 @@ int gemm_f32_pack(const float *w, int64_t N, int64_t K, float *packed) {
  * y += the sums. */
 #define GEMM_F32_TILE(R)                                                                    \
     static void gemm_f32_tile_##R(const float *x, int64_t K, const float *block, int64_t kc, \
-                                  float *y, int64_t N, const float *start) {                \
+                                  float *y, int64_t N, const float *start,                  \
+                                  const float *ahead) {                                     \
         __m256 acc[R][2];                                                                   \
         UNROLLED for (int r = 0; r < R; r++) {                                              \
             _mm_prefetch((const char *)(y + r * N), _MM_HINT_T0);                           \
             acc[r][0] = start ? _mm256_loadu_ps(start) : _mm256_setzero_ps();               \
             acc[r][1] = start ? _mm256_loadu_ps(start + 8) : _mm256_setzero_ps();           \
         }                                                                                   \
-        FMA_TILE_16(R, acc, x, K, block, GEMM_F32_NR, kc);                                  \
+        FMA_TILE_16(R, acc, x, K, block, GEMM_F32_NR, kc, ahead);                           \
         UNROLLED for (int r = 0; r < R; r++)                                                \
             UNROLLED for (int j = 0; j < 2; j++) {                                          \
                 float *out = y + r * N + 8 * j;                                             \
@@ -88,11 +92,13 @@ int gemm_f32(const float *x, int64_t M, int64_t K, const float *packed, int64_t 
             for (int64_t p = 0; p < N / GEMM_F32_NR; p++) {
                 const float *block = packed + (p * K + k0) * GEMM_F32_NR;
                 const float *start = k0 ? NULL : bias ? bias + p * GEMM_F32_NR : zeros;
+                /* The sweep's first tile asks for the next panel's block, a line a k. */
+                const float *next = p + 1 < N / GEMM_F32_NR ? block + K * GEMM_F32_NR : NULL;
                 for (int64_t i = 0; i < mc; i += GEMM_F32_MR) {
                     float *yt = y + (m0 + i) * N + p * GEMM_F32_NR;
                     const float *xt = x + (m0 + i) * K + k0;
                     const int64_t rows = mc - i < GEMM_F32_MR ? mc - i : GEMM_F32_MR;
-                    TILE_OF_ROWS(gemm_f32_tile, rows, xt, K, block, kc, yt, N, start);
+                    TILE_OF_ROWS(gemm_f32_tile, rows, xt, K, block, kc, yt, N, start, i ? NULL : next);
                 }
             }
         }
