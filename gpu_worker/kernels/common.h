@@ -192,12 +192,13 @@ static inline __m512 round_to_bf16_16(__m512 x) { return widen_bf16_16(f32_to_bf
  * AVX2): acc[r][0 .. 2) += sum over k < n of a[r * a_stride + k] times the 16 floats at
  * b + k * b_stride, for R rows. The two b vectors are held in registers: gcc would fold their
  * loads into every FMA that reads them, loading them again per row. Where `ahead` is not
- * NULL, each k also asks for the line at ahead + k * b_stride: the next b a caller will
- * read, on its way while these FMAs run. */
+ * NULL, each k also asks for the line at ahead + k * b_stride, into L2: the next b a caller
+ * will read, on its way while these FMAs run (into L1 it evicted the b being read: 5-9%
+ * slower in gemm_f32 once its blocks outgrew L1). */
 #define FMA_TILE_16(R, acc, a, a_stride, b, b_stride, n, ahead)                             \
     for (int64_t k_ = 0; k_ < (n); k_++) {                                                  \
         if (ahead) /* NULL where a caller asks for nothing: gcc drops the branch */         \
-            _mm_prefetch((const char *)((const float *)(ahead) + k_ * (b_stride)), _MM_HINT_T0); \
+            _mm_prefetch((const char *)((const float *)(ahead) + k_ * (b_stride)), _MM_HINT_T1); \
         __m256 b0_ = _mm256_loadu_ps((b) + k_ * (b_stride));                                \
         __m256 b1_ = _mm256_loadu_ps((b) + k_ * (b_stride) + 8);                            \
         __asm__("" : "+x"(b0_), "+x"(b1_));                                                 \

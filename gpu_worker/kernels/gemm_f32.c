@@ -6,27 +6,33 @@
  * rows (40.2 against 60.1 ms at 8), 1.06-1.08x at 128, 1.08-1.11x at 256-2048 (176 against
  * 161 GFLOPS at 2048, 91% of the FMA peak), and it is level with the few-row kernel at one
  * row and ahead from 4 (benchmarks/bench_gemm.py --dtype float32; benchmarks/NOTES.md, the
- * eleventh and twelfth sessions of 2026-11-29). So Linear keeps no oneDNN copy of float32
+ * eleventh and twelfth sessions of 2026-11-29). In minutes when the host's other tenants
+ * were busy, oneDNN led at 512-2048 rows instead (by 3-6%, the thirteenth session), while
+ * this loop stayed 1.2-1.7x ahead at 1-64 rows. So Linear keeps no oneDNN copy of float32
  * weights there.
  *
  * A micro-tile is 6 rows x 16 columns: 12 accumulators, two weight loads and six broadcasts
  * of x per k, which ran at 91-93 GFLOPS a core in L1 (94-96% of the FMA peak). The weight
  * is packed once (gemm_f32_pack) into panels of 16 columns, each k's 16 side by side. A
- * thread takes a run of panels; for each block of KC k's (the panel's 16 KB of it stays in
- * L1) and MC rows of x (in L2), it sweeps the rows six at a time, adding into y. Each tile
- * asks for its y rows when it starts and adds them in when it ends, so the miss on y is
- * hidden behind the tile's FMAs (loading y first left them waiting: ~1.1x slower at 2048
- * rows). The first tile of a sweep also asks for the next panel's block, a line per k: at a
- * decode step's few rows a sweep is one to eleven tiles, and each panel's first tile had
- * waited on its block from DRAM (30 layers: 39.5 -> 34.9 ms at 8 rows, 83.7 -> 72.1 at 32,
- * 138.5 -> 132.3 at 64, level from 128; bench_gemm.py --dtype float32 --base f98986d).
+ * thread takes a run of panels; for each block of k's and MC rows of x, it sweeps the rows
+ * six at a time, adding into y. A block is the whole K up to 2048 (SmolLM2's 576 and 1536:
+ * a panel's block is 36 or 96 KB, from L2): blocks of 256, which kept it in L1, cost a pass
+ * over y each and ran 4-5% slower at 512-2048 rows and up to 4% at a decode step's rows in
+ * busy minutes (bench_gemm.py --dtype float32 --base 63508e8; in quiet ones, even splits
+ * of 192 and 288 had measured level with 256). Each tile asks for its y rows when it starts
+ * and adds them in when it ends, so the miss on y is hidden behind the tile's FMAs (loading
+ * y first left them waiting: ~1.1x slower at 2048 rows). The first tile of a sweep also
+ * asks for the next panel's block, a line per k: at a decode step's few rows a sweep is one
+ * to eleven tiles, and each panel's first tile had waited on its block from DRAM (30
+ * layers: 39.5 -> 34.9 ms at 8 rows, 83.7 -> 72.1 at 32, 138.5 -> 132.3 at 64, level from
+ * 128; bench_gemm.py --dtype float32 --base f98986d).
  */
 #include "common.h"
 
 #define GEMM_F32_NR 16  /* columns of a panel and a tile: two ymm a row */
 #define GEMM_F32_MR 6   /* rows of a tile: 6 x 2 = 12 accumulators */
-#define GEMM_F32_KC 256 /* k's of a block: 256 x 16 floats, 16 KB of L1 */
-#define GEMM_F32_MC 96  /* rows of x a block sweeps: 96 x 256 floats, 96 KB of L2 */
+#define GEMM_F32_KC 2048 /* most k's of a block: 2048 x 16 floats, 128 KB of L2 */
+#define GEMM_F32_MC 96   /* rows of x a block sweeps */
 
 #if defined(HAVE_AVX2_FMA) && !defined(__AVX512F__)
 #define GEMM_F32_BUILT 1
@@ -81,9 +87,11 @@ int gemm_f32(const float *x, int64_t M, int64_t K, const float *packed, int64_t 
     if (M < 1 || !gemm_f32_supported(N, K)) return -1;
 #if GEMM_F32_BUILT
     static const float zeros[GEMM_F32_NR];
+    /* K in equal blocks of at most GEMM_F32_KC: each block is another pass adding into y. */
+    const int64_t blocks = (K + GEMM_F32_KC - 1) / GEMM_F32_KC, even = (K + blocks - 1) / blocks;
 #pragma omp parallel
-    for (int64_t k0 = 0; k0 < K; k0 += GEMM_F32_KC) {
-        const int64_t kc = K - k0 < GEMM_F32_KC ? K - k0 : GEMM_F32_KC;
+    for (int64_t k0 = 0; k0 < K; k0 += even) {
+        const int64_t kc = K - k0 < even ? K - k0 : even;
         for (int64_t m0 = 0; m0 < M; m0 += GEMM_F32_MC) {
             const int64_t mc = M - m0 < GEMM_F32_MC ? M - m0 : GEMM_F32_MC;
             /* No barrier between blocks: a thread's panels are the same in every block (a
