@@ -20,8 +20,9 @@
  * over y each and ran 4-5% slower at 512-2048 rows and up to 4% at a decode step's rows in
  * busy minutes (bench_gemm.py --dtype float32 --base 63508e8; in quiet ones, even splits
  * of 192 and 288 had measured level with 256). Each tile asks for its y rows when it starts
- * and adds them in when it ends, so the miss on y is hidden behind the tile's FMAs (loading
- * y first left them waiting: ~1.1x slower at 2048 rows). The first tile of a sweep also
+ * and stores into them (past the first block, adds into them) when it ends, so the miss on
+ * y is hidden behind the tile's FMAs (loading y first left them waiting: ~1.1x slower at
+ * 2048 rows). The first tile of a sweep also
  * asks for the next panel's block, a line per k: at a decode step's few rows a sweep is one
  * to eleven tiles, and each panel's first tile had waited on its block from DRAM (30
  * layers: 39.5 -> 34.9 ms at 8 rows, 83.7 -> 72.1 at 32, 138.5 -> 132.3 at 64, level from
@@ -58,7 +59,7 @@ int gemm_f32_pack(const float *w, int64_t N, int64_t K, float *packed) {
 #if GEMM_F32_BUILT
 /* R rows of x (row stride K) times kc k's of a panel's block, into y's R x 16 (row stride
  * N): y = the sums + start where start is given (the first block: bias or zeros), else
- * y += the sums. */
+ * y += the sums; a line of the block at `ahead` (NULL: none) is asked for per k. */
 #define GEMM_F32_TILE(R)                                                                    \
     static void gemm_f32_tile_##R(const float *x, int64_t K, const float *block, int64_t kc, \
                                   float *y, int64_t N, const float *start,                  \
