@@ -4,7 +4,8 @@
 
 Prefills every prompt of a workload (one output token each, greedy) through `Engine`, with
 the prefix cache cleared before each round, and times on the wall clock each call into a
-linear layer (the matmuls: oneDNN, or the small-row kernel), into each CPU kernel (extend
+linear layer (the matmuls: oneDNN, gemm_bf16 or gemm_f32, or the small-row kernel; and
+gemm_f32's gate_up product with the activation in it), into each CPU kernel (extend
 attention, RMSNorm with or without its residual add, rotary, SiLU-and-mul, the KV write) and
 the whole; where the decoder layers run in one C call (gpu_worker/models/fused_layers.py)
 that call times the same parts itself. "rest" is what is left: the embedding, copies,
@@ -42,6 +43,9 @@ KERNEL_PARTS = {
     "add_rms_norm": "rms_norm",
     "rotary_inplace": "rotary",
     "silu_and_mul": "silu_and_mul",
+    # The gate_up product with SiLU·mul in its epilogue (float32 on gemm_f32): a matmul
+    # whose activation costs no pass of its own.
+    "gemm_silu_mul": "matmuls",
 }
 
 

@@ -1,6 +1,7 @@
 """The float32 matmul kernel of CPUs with AVX2 but no AVX-512 (gpu_worker/kernels/gemm_f32.c):
 against a float64 reference across its tile, k-block and row-block tails, the shapes it
-leaves to oneDNN, a Linear's products of every row count, and an engine on it."""
+leaves to oneDNN, a Linear's products of every row count, an engine on it, and the MLP's
+gate_up product with SiLU·mul in its epilogue (bit for bit the two calls)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,57 @@ def test_a_linear_takes_it_for_every_row_count_and_keeps_no_onednn_copy(kernels,
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     attach_cpu_kernels(layer, None)  # detached: plain torch, no packed copy kept
     assert layer.gemm_weight is None and layer.packed_weight is None
+
+
+# Rows: the tile's tails and past a 96-row block; [gate | up] of 16 and 48 columns each, K
+# of one k and of a block's 600.
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 96, 97, 200])
+@pytest.mark.parametrize("out_features,in_features", [(32, 1), (96, 600)])
+def test_the_gate_up_product_with_silu_mul_is_bit_for_bit_the_two_calls(
+    kernels, rows, out_features, in_features
+):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, in_features)
+    packed = kernels.pack_gemm_weight(torch.randn(out_features, in_features) * 0.2)
+    for bias in (None, torch.randn(out_features)):
+        fused = kernels.gemm_silu_mul(x, packed, bias)
+        assert torch.equal(fused, kernels.silu_and_mul(kernels.gemm(x, packed, bias)))
+
+
+def test_shapes_the_fused_activation_does_not_take_are_left_to_the_two_calls(kernels):
+    x = torch.randn(3, 4100)
+    assert kernels.gemm_silu_mul(x, kernels.pack_gemm_weight(torch.zeros(32, 4100)), None) is None
+    halves_of_24 = kernels.pack_gemm_weight(torch.zeros(48, 8))  # gate and up of 24 columns
+    assert kernels.gemm_silu_mul(torch.randn(3, 8), halves_of_24, None) is None
+    as_bf16 = torch.randn(3, 8, dtype=torch.bfloat16)
+    packed = kernels.pack_gemm_weight(torch.zeros(32, 8))
+    assert kernels.gemm_silu_mul(as_bf16, packed, None) is None
+
+
+@torch.no_grad()  # as the engine runs its model (torch's silu is in place)
+def test_the_mlp_takes_the_fused_activation_unless_a_hook_must_see_gate_up(kernels, monkeypatch):
+    from gpu_worker.models.config import ModelConfig
+    from gpu_worker.models.llama import LlamaMLP
+    from gpu_worker.models.random_shapes import RANDOM_SHAPES
+    from gpu_worker.parallel.shard import ShardPlan, TPShard
+
+    config = ModelConfig.from_hf_dict(RANDOM_SHAPES["tiny-llama"])
+    mlp = LlamaMLP(config, torch.float32, ShardPlan(config, TPShard()))
+    torch.nn.init.normal_(mlp.gate_up_proj.weight, std=0.2)
+    torch.nn.init.normal_(mlp.down_proj.weight, std=0.2)
+    x = torch.randn(9, config.hidden_size)
+    unfused = mlp(x)  # no kernels attached: torch's silu and mul
+    attach_cpu_kernels(mlp, kernels)
+    fused_calls = []
+    original = type(kernels).gemm_silu_mul
+    monkeypatch.setattr(
+        type(kernels),
+        "gemm_silu_mul",
+        lambda self, *a: fused_calls.append(a[0].shape[0]) or original(self, *a),
+    )
+    torch.testing.assert_close(mlp(x), unfused, rtol=1e-5, atol=1e-5)
+    assert fused_calls == [9]
+    seen = []
+    mlp.gate_up_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    torch.testing.assert_close(mlp(x), unfused, rtol=1e-5, atol=1e-5)
+    assert fused_calls == [9] and seen == [(9, 2 * mlp.down_proj.in_features)]

@@ -76,6 +76,8 @@ class CpuKernels:
                 pack = _entry(library, f"gemm_{name}_pack", _ptr, _i64, _i64, _ptr)
                 supported = _entry(library, f"gemm_{name}_supported", _i64, _i64)
                 self._gemms[dtype] = (gemm, pack, supported)
+        # gemm_f32 with SiLU·mul in its epilogue (the MLP's gate_up product), where built.
+        self._gemm_silu_mul = _entry(library, "gemm_f32_silu_mul", *args, optional=True)
         self._linear = _entry(library, "linear_small_m",
             _ptr, _int, _i64, _i64, _ptr, _int, _i64, _ptr, _int, _ptr, _int,
         )  # fmt: skip
@@ -234,6 +236,24 @@ class CpuKernels:
         if status != 0:
             raise RuntimeError(f"gemm failed with status {status}")
         return out
+
+    def gemm_silu_mul(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """silu(gate) * up of [gate | up] = x @ W^T + bias in one pass (gemm_f32.c), bit for
+        bit `silu_and_mul(gemm(x, packed, bias))`; None where those two must run instead:
+        not float32 on gemm_f32, or a shape the fused kernel does not take."""
+        if x.dtype != torch.float32 or self._gemm_silu_mul is None or packed.dtype != x.dtype:
+            return None
+        x = x.contiguous()
+        n, k = packed.shape
+        assert x.shape[1] == k and (bias is None or bias.is_contiguous())
+        out = torch.empty((x.shape[0], n // 2), dtype=x.dtype)
+        status = self._gemm_silu_mul(
+            x.data_ptr(), x.shape[0], k, packed.data_ptr(), n,
+            None if bias is None else bias.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        return out if status == 0 else None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """transformers' LlamaRMSNorm of x [rows, hidden] (x and weight of one dtype)."""

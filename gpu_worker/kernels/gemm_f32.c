@@ -29,6 +29,7 @@
  * 128; bench_gemm.py --dtype float32 --base f98986d).
  */
 #include "common.h"
+#include "silu_avx2.h"
 
 #define GEMM_F32_NR 16  /* columns of a panel and a tile: two ymm a row */
 #define GEMM_F32_MR 6   /* rows of a tile: 6 x 2 = 12 accumulators */
@@ -115,6 +116,58 @@ int gemm_f32(const float *x, int64_t M, int64_t K, const float *packed, int64_t 
     return 0;
 #else
     (void)x, (void)packed, (void)bias, (void)y;
+    return -1;
+#endif
+}
+
+/* out[M, N / 2] float32 = silu(gate) * up, where [gate | up] = x[M, K] @ W^T + bias is the
+ * MLP's gate_up product (W packed by gemm_f32_pack; N / 2 a multiple of 16, K one block).
+ *
+ * Why: gemm_f32 wrote the [M, N] product for silu_and_mul to read back, twice the
+ * activation's size, out of cache at a prefill's rows. Here each tile of gate (panel p) is
+ * followed by the same rows' tile of up (panel p + N / 32), both into scratch in L1 from
+ * the x rows the first left there, and only the activation is stored: the same sums and
+ * the same silu_mul_8_f32 as the two calls, so the same bits. -1 where gemm_f32 and
+ * silu_and_mul must run instead (K past a block: the activation needs whole sums). */
+int gemm_f32_silu_mul(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
+                      const float *bias, float *out) {
+    const int64_t half = N / 2;
+    if (M < 1 || !gemm_f32_supported(N, K) || half % GEMM_F32_NR || K > GEMM_F32_KC) return -1;
+#if GEMM_F32_BUILT
+    static const float zeros[GEMM_F32_NR];
+    const int64_t panels = half / GEMM_F32_NR; /* of gate; up's follow them */
+#pragma omp parallel
+    for (int64_t m0 = 0; m0 < M; m0 += GEMM_F32_MC) {
+        const int64_t mc = M - m0 < GEMM_F32_MC ? M - m0 : GEMM_F32_MC;
+#pragma omp for schedule(static) nowait
+        for (int64_t p = 0; p < panels; p++) {
+            const float *gate = packed + p * K * GEMM_F32_NR;
+            const float *up = gate + panels * K * GEMM_F32_NR;
+            const float *gate_start = bias ? bias + p * GEMM_F32_NR : zeros;
+            const float *up_start = bias ? bias + (p + panels) * GEMM_F32_NR : zeros;
+            const int last = p + 1 == panels;
+            for (int64_t i = 0; i < mc; i += GEMM_F32_MR) {
+                float gate_sums[GEMM_F32_MR * GEMM_F32_NR] __attribute__((aligned(32)));
+                float up_sums[GEMM_F32_MR * GEMM_F32_NR] __attribute__((aligned(32)));
+                const float *xt = x + (m0 + i) * K;
+                float *dst = out + (m0 + i) * half + p * GEMM_F32_NR;
+                const int64_t rows = mc - i < GEMM_F32_MR ? mc - i : GEMM_F32_MR;
+                for (int64_t r = 0; r < rows; r++) _mm_prefetch((const char *)(dst + r * half), _MM_HINT_T0);
+                /* The sweep's first tiles ask for the next panels' blocks, as gemm_f32's. */
+                TILE_OF_ROWS(gemm_f32_tile, rows, xt, K, gate, K, gate_sums, GEMM_F32_NR,
+                             gate_start, i || last ? NULL : gate + K * GEMM_F32_NR);
+                TILE_OF_ROWS(gemm_f32_tile, rows, xt, K, up, K, up_sums, GEMM_F32_NR, up_start,
+                             i || last ? NULL : up + K * GEMM_F32_NR);
+                for (int64_t r = 0; r < rows; r++)
+                    for (int j = 0; j < GEMM_F32_NR; j += 8)
+                        silu_mul_8_f32(gate_sums + r * GEMM_F32_NR + j,
+                                       up_sums + r * GEMM_F32_NR + j, dst + r * half + j);
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)packed, (void)bias, (void)out, (void)half;
     return -1;
 #endif
 }
