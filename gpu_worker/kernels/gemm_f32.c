@@ -13,9 +13,10 @@
  *
  * A micro-tile is 6 rows x 16 columns: 12 accumulators, two weight loads and six broadcasts
  * of x per k, which ran at 91-93 GFLOPS a core in L1 (94-96% of the FMA peak). The weight
- * is packed once (gemm_f32_pack) into panels of 16 columns, each k's 16 side by side. A
- * thread takes a run of panels; for each block of k's and MC rows of x, it sweeps the rows
- * six at a time, adding into y. A block is the whole K up to 2048 (SmolLM2's 576 and 1536:
+ * is packed once (gemm_f32_pack) into panels of 16 columns, each k's 16 side by side. For
+ * each block of k's and MC rows of x, a thread takes a panel (a fixed run of them at a
+ * decode step's rows, the next free pair at a prefill's) and sweeps the rows six at a time,
+ * adding into y. A block is the whole K up to 2048 (SmolLM2's 576 and 1536:
  * a panel's block is 36 or 96 KB, from L2): blocks of 256, which kept it in L1, cost a pass
  * over y each and ran 4-5% slower at 512-2048 rows and up to 4% at a decode step's rows in
  * busy minutes (bench_gemm.py --dtype float32 --base 63508e8; in quiet ones, even splits
@@ -82,35 +83,62 @@ int gemm_f32_pack(const float *w, int64_t N, int64_t K, float *packed) {
 EACH_TILE_ROWS(GEMM_F32_TILE)
 #endif
 
+/* From this many rows the panels go to threads as they come free, two at a time; below it
+ * each thread takes a fixed run of them. On a shared host one of the two cores is often
+ * slower for a while (its other tenants), and a fixed split waits on it: at 2048 rows the
+ * dynamic split took 2846-2957 against 3365-3508 ms (30 layers; oneDNN's 3233-3245), at
+ * 256 364 against 410, at 128 198 against 230, at 512 822 against 886. At a decode
+ * step's 1-8 rows a panel is a tile or two, and taking each pair through a shared counter
+ * cost more (36.6 against 30.2 ms at 8 rows), as did losing the next panel's prefetch to
+ * the other thread; level at 64 (bench_gemm.py --dtype float32). */
+#define GEMM_F32_SHARED_FROM_ROWS 128
+
+#if GEMM_F32_BUILT
+/* Panel p's block of k's from k0 (kc of them) times rows m0 .. m0 + mc of x, into y: see
+ * gemm_f32. */
+static void gemm_f32_sweep(const float *x, int64_t K, const float *packed, int64_t N,
+                           int64_t p, int64_t k0, int64_t kc, int64_t m0, int64_t mc,
+                           const float *bias, float *y) {
+    static const float zeros[GEMM_F32_NR];
+    const float *block = packed + (p * K + k0) * GEMM_F32_NR;
+    const float *start = k0 ? NULL : bias ? bias + p * GEMM_F32_NR : zeros;
+    /* The sweep's first tile asks for the next panel's block, a line a k. */
+    const float *next = p + 1 < N / GEMM_F32_NR ? block + K * GEMM_F32_NR : NULL;
+    for (int64_t i = 0; i < mc; i += GEMM_F32_MR) {
+        float *yt = y + (m0 + i) * N + p * GEMM_F32_NR;
+        const float *xt = x + (m0 + i) * K + k0;
+        const int64_t rows = mc - i < GEMM_F32_MR ? mc - i : GEMM_F32_MR;
+        TILE_OF_ROWS(gemm_f32_tile, rows, xt, K, block, kc, yt, N, start, i ? NULL : next);
+    }
+}
+#endif
+
 /* y[M, N] float32 = x[M, K] float32 (contiguous) @ W^T + bias[N] (or NULL), W packed by
  * gemm_f32_pack. */
 int gemm_f32(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
              const float *bias, float *y) {
     if (M < 1 || !gemm_f32_supported(N, K)) return -1;
 #if GEMM_F32_BUILT
-    static const float zeros[GEMM_F32_NR];
     /* K in equal blocks of at most GEMM_F32_KC: each block is another pass adding into y. */
     const int64_t blocks = (K + GEMM_F32_KC - 1) / GEMM_F32_KC, even = (K + blocks - 1) / blocks;
+    /* Past one block a thread must own its columns of y in every block (below). */
+    const int shared = blocks == 1 && M >= GEMM_F32_SHARED_FROM_ROWS;
 #pragma omp parallel
     for (int64_t k0 = 0; k0 < K; k0 += even) {
         const int64_t kc = K - k0 < even ? K - k0 : even;
         for (int64_t m0 = 0; m0 < M; m0 += GEMM_F32_MC) {
             const int64_t mc = M - m0 < GEMM_F32_MC ? M - m0 : GEMM_F32_MC;
+            if (shared) {
+#pragma omp for schedule(dynamic, 2) nowait
+                for (int64_t p = 0; p < N / GEMM_F32_NR; p++)
+                    gemm_f32_sweep(x, K, packed, N, p, k0, kc, m0, mc, bias, y);
+                continue;
+            }
             /* No barrier between blocks: a thread's panels are the same in every block (a
              * static schedule), so it only ever adds into its own columns of y. */
 #pragma omp for schedule(static) nowait
-            for (int64_t p = 0; p < N / GEMM_F32_NR; p++) {
-                const float *block = packed + (p * K + k0) * GEMM_F32_NR;
-                const float *start = k0 ? NULL : bias ? bias + p * GEMM_F32_NR : zeros;
-                /* The sweep's first tile asks for the next panel's block, a line a k. */
-                const float *next = p + 1 < N / GEMM_F32_NR ? block + K * GEMM_F32_NR : NULL;
-                for (int64_t i = 0; i < mc; i += GEMM_F32_MR) {
-                    float *yt = y + (m0 + i) * N + p * GEMM_F32_NR;
-                    const float *xt = x + (m0 + i) * K + k0;
-                    const int64_t rows = mc - i < GEMM_F32_MR ? mc - i : GEMM_F32_MR;
-                    TILE_OF_ROWS(gemm_f32_tile, rows, xt, K, block, kc, yt, N, start, i ? NULL : next);
-                }
-            }
+            for (int64_t p = 0; p < N / GEMM_F32_NR; p++)
+                gemm_f32_sweep(x, K, packed, N, p, k0, kc, m0, mc, bias, y);
         }
     }
     return 0;
@@ -119,6 +147,39 @@ int gemm_f32(const float *x, int64_t M, int64_t K, const float *packed, int64_t 
     return -1;
 #endif
 }
+
+#if GEMM_F32_BUILT
+/* Gate panel p and up panel p + panels times rows m0 .. m0 + mc of x, into out's 16
+ * columns from p * 16: see gemm_f32_silu_mul. */
+static void gemm_f32_silu_mul_sweep(const float *x, int64_t K, const float *packed,
+                                    int64_t panels, int64_t p, int64_t m0, int64_t mc,
+                                    const float *bias, float *out) {
+    static const float zeros[GEMM_F32_NR];
+    const int64_t half = panels * GEMM_F32_NR;
+    const float *gate = packed + p * K * GEMM_F32_NR;
+    const float *up = gate + panels * K * GEMM_F32_NR;
+    const float *gate_start = bias ? bias + p * GEMM_F32_NR : zeros;
+    const float *up_start = bias ? bias + (p + panels) * GEMM_F32_NR : zeros;
+    const int last = p + 1 == panels;
+    for (int64_t i = 0; i < mc; i += GEMM_F32_MR) {
+        float gate_sums[GEMM_F32_MR * GEMM_F32_NR] __attribute__((aligned(32)));
+        float up_sums[GEMM_F32_MR * GEMM_F32_NR] __attribute__((aligned(32)));
+        const float *xt = x + (m0 + i) * K;
+        float *dst = out + (m0 + i) * half + p * GEMM_F32_NR;
+        const int64_t rows = mc - i < GEMM_F32_MR ? mc - i : GEMM_F32_MR;
+        for (int64_t r = 0; r < rows; r++) _mm_prefetch((const char *)(dst + r * half), _MM_HINT_T0);
+        /* The sweep's first tiles ask for the next panels' blocks, as gemm_f32's. */
+        TILE_OF_ROWS(gemm_f32_tile, rows, xt, K, gate, K, gate_sums, GEMM_F32_NR,
+                     gate_start, i || last ? NULL : gate + K * GEMM_F32_NR);
+        TILE_OF_ROWS(gemm_f32_tile, rows, xt, K, up, K, up_sums, GEMM_F32_NR, up_start,
+                     i || last ? NULL : up + K * GEMM_F32_NR);
+        for (int64_t r = 0; r < rows; r++)
+            for (int j = 0; j < GEMM_F32_NR; j += 8)
+                silu_mul_8_f32(gate_sums + r * GEMM_F32_NR + j,
+                               up_sums + r * GEMM_F32_NR + j, dst + r * half + j);
+    }
+}
+#endif
 
 /* out[M, N / 2] float32 = silu(gate) * up, where [gate | up] = x[M, K] @ W^T + bias is the
  * MLP's gate_up product (W packed by gemm_f32_pack; N / 2 a multiple of 16, K one block).
@@ -134,36 +195,20 @@ int gemm_f32_silu_mul(const float *x, int64_t M, int64_t K, const float *packed,
     const int64_t half = N / 2;
     if (M < 1 || !gemm_f32_supported(N, K) || half % GEMM_F32_NR || K > GEMM_F32_KC) return -1;
 #if GEMM_F32_BUILT
-    static const float zeros[GEMM_F32_NR];
     const int64_t panels = half / GEMM_F32_NR; /* of gate; up's follow them */
+    const int shared = M >= GEMM_F32_SHARED_FROM_ROWS;
 #pragma omp parallel
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_F32_MC) {
         const int64_t mc = M - m0 < GEMM_F32_MC ? M - m0 : GEMM_F32_MC;
-#pragma omp for schedule(static) nowait
-        for (int64_t p = 0; p < panels; p++) {
-            const float *gate = packed + p * K * GEMM_F32_NR;
-            const float *up = gate + panels * K * GEMM_F32_NR;
-            const float *gate_start = bias ? bias + p * GEMM_F32_NR : zeros;
-            const float *up_start = bias ? bias + (p + panels) * GEMM_F32_NR : zeros;
-            const int last = p + 1 == panels;
-            for (int64_t i = 0; i < mc; i += GEMM_F32_MR) {
-                float gate_sums[GEMM_F32_MR * GEMM_F32_NR] __attribute__((aligned(32)));
-                float up_sums[GEMM_F32_MR * GEMM_F32_NR] __attribute__((aligned(32)));
-                const float *xt = x + (m0 + i) * K;
-                float *dst = out + (m0 + i) * half + p * GEMM_F32_NR;
-                const int64_t rows = mc - i < GEMM_F32_MR ? mc - i : GEMM_F32_MR;
-                for (int64_t r = 0; r < rows; r++) _mm_prefetch((const char *)(dst + r * half), _MM_HINT_T0);
-                /* The sweep's first tiles ask for the next panels' blocks, as gemm_f32's. */
-                TILE_OF_ROWS(gemm_f32_tile, rows, xt, K, gate, K, gate_sums, GEMM_F32_NR,
-                             gate_start, i || last ? NULL : gate + K * GEMM_F32_NR);
-                TILE_OF_ROWS(gemm_f32_tile, rows, xt, K, up, K, up_sums, GEMM_F32_NR, up_start,
-                             i || last ? NULL : up + K * GEMM_F32_NR);
-                for (int64_t r = 0; r < rows; r++)
-                    for (int j = 0; j < GEMM_F32_NR; j += 8)
-                        silu_mul_8_f32(gate_sums + r * GEMM_F32_NR + j,
-                                       up_sums + r * GEMM_F32_NR + j, dst + r * half + j);
-            }
+        if (shared) {
+#pragma omp for schedule(dynamic, 2) nowait
+            for (int64_t p = 0; p < panels; p++)
+                gemm_f32_silu_mul_sweep(x, K, packed, panels, p, m0, mc, bias, out);
+            continue;
         }
+#pragma omp for schedule(static) nowait
+        for (int64_t p = 0; p < panels; p++)
+            gemm_f32_silu_mul_sweep(x, K, packed, panels, p, m0, mc, bias, out);
     }
     return 0;
 #else
