@@ -1,6 +1,8 @@
 """Every decoder layer in one C call (gpu_worker/models/fused_layers.py): bit for bit the
 layer modules' output, in prefill, chunks, prefix hits, decode and verify, and taken only
-where each module would have called the same kernels."""
+where each module would have called the same kernels. bfloat16 where gemm_bf16 multiplies
+(AVX512-BF16), float32 where gemm_f32 does (AVX2 without AVX-512): a CPU has one or the
+other, and the tests not about the dtype run on the one it has."""
 
 from __future__ import annotations
 
@@ -14,17 +16,26 @@ from gpu_worker.models import llama
 from gpu_worker.models.random_shapes import RANDOM_SHAPES, fill_random_weights
 
 kernels = cpu_kernels.load()
+ONE_CALL = kernels is not None and kernels.decoder_layers is not None
+BF16 = ONE_CALL and kernels.avx512_bf16
+F32 = ONE_CALL and not kernels.avx512 and kernels.vector_extend  # where gemm_f32 is built
+DTYPE = "bfloat16" if BF16 else "float32"  # this CPU's, for the tests not about the dtype
 pytestmark = pytest.mark.skipif(
-    kernels is None or not kernels.avx512_bf16 or kernels.decoder_layers is None,
-    reason="the one-call layers multiply on gemm_bf16, which needs AVX512-BF16",
+    not (BF16 or F32),
+    reason="the one-call layers multiply on gemm_bf16 (AVX512-BF16) or gemm_f32 (AVX2 and FMA "
+    "without AVX-512)",
 )
+ON_THIS_CPU = {
+    "bfloat16": pytest.mark.skipif(not BF16, reason="gemm_bf16 needs AVX512-BF16"),
+    "float32": pytest.mark.skipif(not F32, reason="gemm_f32 is built for AVX2 without AVX-512"),
+}
 
 
-def _generate(shape: str, fused: bool, monkeypatch, **options) -> list:
+def _generate(shape: str, fused: bool, monkeypatch, dtype: str = DTYPE, **options) -> list:
     with monkeypatch.context() as patch:
         if not fused:
             patch.setattr(llama, "run_fused_layers", lambda *args: None)
-        engine = Engine(f"random:{shape}", dtype="bfloat16", **options)
+        engine = Engine(f"random:{shape}", dtype=dtype, **options)
         fill_random_weights(engine.runner.model, seed=0, std=0.2)
         rng = random.Random(0)
         shared = [rng.randrange(3, 500) for _ in range(40)]
@@ -50,14 +61,15 @@ def _generate(shape: str, fused: bool, monkeypatch, **options) -> list:
     ],
     ids=["default", "pages-chunked", "mistral", "qwen2-bias", "ngram"],
 )
-def test_one_call_layers_equal_the_modules_bit_for_bit(monkeypatch, shape, options):
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=m) for d, m in ON_THIS_CPU.items()])
+def test_one_call_layers_equal_the_modules_bit_for_bit(monkeypatch, shape, options, dtype):
     monkeypatch.setitem(
         RANDOM_SHAPES,
         "tiny-qwen2-128",
         {**RANDOM_SHAPES["tiny-qwen2"], "hidden_size": 128, "num_attention_heads": 8},
     )
-    fused, taken, _ = _generate(shape, True, monkeypatch, **options)
-    modules, not_taken, _ = _generate(shape, False, monkeypatch, **options)
+    fused, taken, _ = _generate(shape, True, monkeypatch, dtype, **options)
+    modules, not_taken, _ = _generate(shape, False, monkeypatch, dtype, **options)
     assert taken and not not_taken
     assert fused == modules  # the tokens and their logprobs, exactly
 
@@ -78,7 +90,7 @@ def test_weights_packed_anew_are_the_ones_multiplied(monkeypatch):
     builds them from the new packed weights."""
     from gpu_worker.models.layers import attach_cpu_kernels
 
-    engine = Engine("random:tiny-llama", dtype="bfloat16")
+    engine = Engine("random:tiny-llama", dtype=DTYPE)
     fill_random_weights(engine.runner.model, seed=0, std=0.2)
     params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
     before = engine.generate(input_ids=[5, 6, 7], sampling_params=params)["output_ids"]
@@ -107,7 +119,7 @@ def test_a_hook_on_any_layer_module_sees_it_called(target):
         "hook_factory": "tests.hook_factories:count_calls",
         "config": {"key": "fused"},
     }
-    engine = Engine("random:tiny-llama", dtype="bfloat16", forward_hooks=[spec])
+    engine = Engine("random:tiny-llama", dtype=DTYPE, forward_hooks=[spec])
     params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
     engine.generate(input_ids=[5, 6, 7], sampling_params=params)
     assert hook_factories.CALLS["fused"] == 4  # one prefill, three decode steps
@@ -123,20 +135,21 @@ def test_the_embeddings_a_hook_keeps_are_not_written_over():
         "hook_factory": "tests.hook_factories:keep_outputs",
         "config": {"key": "embeddings"},
     }
-    engine = Engine("random:tiny-llama", dtype="bfloat16", forward_hooks=[spec])
+    engine = Engine("random:tiny-llama", dtype=DTYPE, forward_hooks=[spec])
     params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
     engine.generate(input_ids=[5, 6, 7], sampling_params=params)
     kept = hook_factories.KEPT["embeddings"]
     assert kept and all(tensor.equal(copy) for tensor, copy in kept)
 
 
+@ON_THIS_CPU["bfloat16"]
 def test_where_onednn_multiplies_many_rows_only_few_row_forwards_are_one_call(monkeypatch):
     """On a CPU with AMX oneDNN takes the matmuls from PACKED_GEMM_FROM_ROWS rows: there a
     prefill runs on the modules and a one-request decode step in one call."""
     from gpu_worker.models import layers
 
     monkeypatch.setattr(layers, "cpu_has_amx", lambda: True)
-    engine = Engine("random:tiny-llama", dtype="bfloat16")
+    engine = Engine("random:tiny-llama", dtype=DTYPE)
     rows = []
     # The engine's kernels: another test may have loaded the library anew since this
     # module's import.

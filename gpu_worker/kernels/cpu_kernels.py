@@ -93,7 +93,7 @@ class CpuKernels:
             _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64,
         )  # fmt: skip
         # Every decoder layer in one call (decoder_layers.c; gpu_worker/models/fused_layers.py).
-        self.decoder_layers = _entry(library, "decoder_layers_bf16", _ptr, _ptr, optional=True)
+        self.decoder_layers = _entry(library, "decoder_layers", _ptr, _ptr, optional=True)
         self._argmax = _entry(library, "argmax_rows", _ptr, _i64, _i64, _i64, _ptr)
         self._bitmask = _entry(library, "apply_token_bitmask",
             _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64,

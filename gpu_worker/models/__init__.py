@@ -2,7 +2,7 @@
 
 llama.py           the Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2)
 layers.py          Linear and RMSNorm with a CPU-kernel path
-fused_layers.py    every decoder layer in one C call on CPU (bfloat16, no hooks)
+fused_layers.py    every decoder layer in one C call on CPU (gemm_bf16 or gemm_f32, no hooks)
 rotary.py          rotary position embeddings
 config.py          `ModelConfig`, parsed from a HF config.json
 loader.py          the model a model argument names, built and loaded

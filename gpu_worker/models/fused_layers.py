@@ -1,16 +1,19 @@
-"""Every decoder layer of a bfloat16 Llama-family model in one C call, on CPU.
+"""Every decoder layer of a Llama-family model in one C call, on CPU: bfloat16 on gemm_bf16,
+or float32 on gemm_f32.
 
 kernels/decoder_layers.c runs the kernels the layer modules call one by one, in their order
 on the same values (bit for bit the modules' output), with no Python between them: each
 torch op between two kernels started with cold caches, and a mixed-64 prefill on two AMD
-cores spent 0.30-0.35 s of 11 s outside its C calls. The layers' intermediates live in a
-few buffers allocated once a forward.
+cores spent 0.30-0.35 s of 11 s outside its C calls in bfloat16; in float32 on an AVX2-only
+EPYC the one call took what bench_prefill_profile.py counts as "rest" from 0.45 to 0.09 s
+of ~32. The layers' intermediates live in a few buffers allocated once a forward.
 
 `run_fused_layers` takes this path only where every module would have called those
 kernels, and returns None otherwise (the modules then run as before): bfloat16 weights that
-gemm_bf16 multiplies at this row count, the CPU attention backend with its kernels taking
-the batch, no tensor parallelism, and no forward hook or pre-hook on the embedding or on
-any module of a layer (a hook must see the module called).
+gemm_bf16 multiplies at this row count, or float32 ones on gemm_f32 (AVX2 without
+AVX-512), the CPU attention backend with its kernels taking the batch, no tensor
+parallelism, and no forward hook or pre-hook on the embedding or on any module of a layer
+(a hook must see the module called).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from gpu_worker.models.layers import PACKED_GEMM_FROM_ROWS, Linear
 
 _ptr, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _DT_BF16, _DT_F32 = 1, 0
+_DTYPE_CODES = {torch.bfloat16: _DT_BF16, torch.float32: _DT_F32}  # the dtypes the C call takes
 # The parts decoder_layers.c times, in its order (PART_* there).
 FUSED_PARTS = ("matmuls", "attention", "rms_norm", "rotary", "kv_write", "silu_and_mul")
 # Seconds per part of FUSED_PARTS, added to by every fused call while not None: the
@@ -42,7 +46,7 @@ class _LayerWeights(ctypes.Structure):
 class _LayerRun(ctypes.Structure):
     _fields_ = [
         *[(name, _i64) for name in ("layers", "tokens", "width", "heads", "kv_heads")],
-        ("head_dim", _i64), ("inter", _i64), ("eps", _f32), ("scale", _f32),
+        ("head_dim", _i64), ("inter", _i64), ("eps", _f32), ("scale", _f32), ("dtype", _int),
         ("kv_dtype", _int), ("kv_head_stride", _i64), ("kv_slot_stride", _i64),
         ("cos", _ptr), ("sin", _ptr), ("out_cache_loc", _ptr), ("req_to_token", _ptr),
         ("table_stride", _i64), ("req_pool_indices", _ptr), ("bs", _i64), ("decode", _int),
@@ -60,6 +64,7 @@ class FusedLayers:
     def __init__(self, model: nn.Module, kv_pool) -> None:
         self.kv_pool = kv_pool
         self.layers = list(model.layers)
+        self.dtype = self.layers[0].input_layernorm.weight.dtype  # of every layer (fusable)
         self.modules = [model.embed_tokens, *(m for layer in self.layers for m in layer.modules())]
         # Every module's hook registries (register_forward_hook adds to these very dicts):
         # one any() over them a forward: 3.6 us for SmolLM2, where hooked() took 25 (warm).
@@ -102,14 +107,23 @@ class FusedLayers:
 def fusable(model: nn.Module) -> bool:
     """Whether every layer module of `model` would call the fused kernels (shape, dtype,
     packed weights, no tensor parallelism); what a forward adds is checked per call."""
+    if not len(model.layers):
+        return False
+    dtype = model.layers[0].input_layernorm.weight.dtype
+    if dtype not in _DTYPE_CODES:
+        return False
     for layer in model.layers:
         linears = [m for m in layer.modules() if isinstance(m, Linear)]
         if len(linears) != 4 or any(
-            type(m) is not Linear or m.gemm_weight is None or m.cpu_kernels is None for m in linears
+            type(m) is not Linear
+            or m.gemm_weight is None
+            or m.gemm_weight.dtype != dtype
+            or m.cpu_kernels is None
+            for m in linears
         ):
             return False
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if any(n.weight.dtype != torch.bfloat16 or n.cpu_kernels is None for n in norms):
+        if any(n.weight.dtype != dtype or n.cpu_kernels is None for n in norms):
             return False
         if layer.mlp.cpu_kernels is None or layer.self_attn.cpu_kernels is None:
             return False
@@ -122,9 +136,9 @@ def run_fused_layers(
     """(residual, the last MLP's output) after every layer, as the modules' loop leaves them
     (hidden, the embeddings, is written over); None where the modules must run instead."""
     kernels = model.layers[0].mlp.cpu_kernels if len(model.layers) else None
-    if kernels is None or kernels.decoder_layers is None or hidden.dtype != torch.bfloat16:
+    if kernels is None or kernels.decoder_layers is None or hidden.dtype not in _DTYPE_CODES:
         return None
-    if cos.dtype != torch.bfloat16 or hidden.dim() != 2 or not hidden.is_contiguous():
+    if cos.dtype != hidden.dtype or hidden.dim() != 2 or not hidden.is_contiguous():
         return None
     context = get_forward_context()
     fused_attention = getattr(context.attn_backend, "fused_attention", None)
@@ -136,7 +150,9 @@ def run_fused_layers(
         if not fusable(model):
             return None
         fused = model.fused_layers = FusedLayers(model, attention.kv_pool)
-    if not fused.kv_uniform or not _int64_vectors(context.forward_batch, attention):
+    if fused.dtype != hidden.dtype or not fused.kv_uniform:
+        return None
+    if not _int64_vectors(context.forward_batch, attention):
         return None  # the modules' own checks then say what is wrong
     tokens = hidden.shape[0]
     if (fused.max_rows is not None and tokens > fused.max_rows) or any(fused.hook_dicts):
@@ -151,7 +167,7 @@ def _int64_vectors(batch, attention) -> bool:
 
 
 def _call(kernels, fused, attention, batch, hidden, cos, sin):
-    """decoder_layers_bf16 on this forward's buffers: (residual, the last MLP's output), or
+    """decoder_layers on this forward's buffers: (residual, the last MLP's output), or
     None where the attention kernel declined the shape."""
     first = fused.layers[0]
     attn = first.self_attn
@@ -161,7 +177,7 @@ def _call(kernels, fused, attention, batch, hidden, cos, sin):
     qkv_width = (heads + 2 * kv_heads) * head_dim
 
     def buffer(columns: int) -> torch.Tensor:
-        return torch.empty(tokens, columns, dtype=torch.bfloat16)
+        return torch.empty(tokens, columns, dtype=hidden.dtype)
 
     pending, qkv = buffer(width), buffer(qkv_width)
     attended, gate_up, act = buffer(heads * head_dim), buffer(2 * inter), buffer(inter)
@@ -170,6 +186,7 @@ def _call(kernels, fused, attention, batch, hidden, cos, sin):
     run = _LayerRun(
         layers=len(fused.layers), tokens=tokens, width=width, heads=heads, kv_heads=kv_heads,
         head_dim=head_dim, inter=inter, eps=first.input_layernorm.eps, scale=attn.attn.scaling,
+        dtype=_DTYPE_CODES[hidden.dtype],
         kv_dtype=fused.kv_dtype, kv_head_stride=fused.kv_strides[0],
         kv_slot_stride=fused.kv_strides[1], cos=cos.data_ptr(), sin=sin.data_ptr(),
         out_cache_loc=loc.data_ptr(), req_to_token=attention.req_to_token.data_ptr(),
@@ -187,5 +204,5 @@ def _call(kernels, fused, attention, batch, hidden, cos, sin):
     if status == -1:
         return None  # the attention kernel declines the shape: the modules take the batch
     if status != 0:
-        raise RuntimeError(f"decoder_layers_bf16 failed with status {status}")
+        raise RuntimeError(f"decoder_layers failed with status {status}")
     return hidden, pending
