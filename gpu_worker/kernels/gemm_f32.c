@@ -7,9 +7,11 @@
  * 161 GFLOPS at 2048, 91% of the FMA peak), and it is level with the few-row kernel at one
  * row and ahead from 4 (benchmarks/bench_gemm.py --dtype float32; benchmarks/NOTES.md, the
  * eleventh and twelfth sessions of 2026-11-29). In minutes when the host's other tenants
- * were busy, oneDNN led at 2048 rows instead (by 5-8%; level at 256, behind at 512: the
- * thirteenth session), while this loop stayed 1.2-1.6x ahead at 1-64 rows. So Linear keeps
- * no oneDNN copy of float32 weights there.
+ * were busy, oneDNN led at 2048 rows instead (by 5-8%: the thirteenth session), which was
+ * this loop's fixed split of panels waiting on the slower core; shared out as threads come
+ * free (GEMM_F32_SHARED_FROM_ROWS), it led oneDNN again in such minutes, 1.02-1.26x at
+ * 128-2048 rows (the fourteenth), and 1.3-1.8x at 1-64. So Linear keeps no oneDNN copy of
+ * float32 weights there.
  *
  * A micro-tile is 6 rows x 16 columns: 12 accumulators, two weight loads and six broadcasts
  * of x per k, which ran at 91-93 GFLOPS a core in L1 (94-96% of the FMA peak). The weight
