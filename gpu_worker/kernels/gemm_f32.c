@@ -95,15 +95,31 @@ EACH_TILE_ROWS(GEMM_F32_TILE)
  * the other thread; level at 64 (bench_gemm.py --dtype float32). */
 #define GEMM_F32_SHARED_FROM_ROWS 128
 
+/* `sweep` (a statement of p) for each panel p < count, inside a parallel region: the panels
+ * go to threads as they come free, two at a time, where `shared`, else in fixed runs (the
+ * same run for a thread in every call). No barrier after: the caller knows whether the
+ * next call may start. */
+#define EACH_PANEL(shared, count, sweep)                                  \
+    do {                                                                  \
+        if (shared) {                                                     \
+            _Pragma("omp for schedule(dynamic, 2) nowait")                \
+            for (int64_t p = 0; p < (count); p++) sweep;                  \
+        } else {                                                          \
+            _Pragma("omp for schedule(static) nowait")                    \
+            for (int64_t p = 0; p < (count); p++) sweep;                  \
+        }                                                                 \
+    } while (0)
+
 #if GEMM_F32_BUILT
+static const float gemm_f32_zeros[GEMM_F32_NR]; /* the start of a product without a bias */
+
 /* Panel p's block of k's from k0 (kc of them) times rows m0 .. m0 + mc of x, into y: see
  * gemm_f32. */
 static void gemm_f32_sweep(const float *x, int64_t K, const float *packed, int64_t N,
                            int64_t p, int64_t k0, int64_t kc, int64_t m0, int64_t mc,
                            const float *bias, float *y) {
-    static const float zeros[GEMM_F32_NR];
     const float *block = packed + (p * K + k0) * GEMM_F32_NR;
-    const float *start = k0 ? NULL : bias ? bias + p * GEMM_F32_NR : zeros;
+    const float *start = k0 ? NULL : bias ? bias + p * GEMM_F32_NR : gemm_f32_zeros;
     /* The sweep's first tile asks for the next panel's block, a line a k. */
     const float *next = p + 1 < N / GEMM_F32_NR ? block + K * GEMM_F32_NR : NULL;
     for (int64_t i = 0; i < mc; i += GEMM_F32_MR) {
@@ -130,17 +146,10 @@ int gemm_f32(const float *x, int64_t M, int64_t K, const float *packed, int64_t 
         const int64_t kc = K - k0 < even ? K - k0 : even;
         for (int64_t m0 = 0; m0 < M; m0 += GEMM_F32_MC) {
             const int64_t mc = M - m0 < GEMM_F32_MC ? M - m0 : GEMM_F32_MC;
-            if (shared) {
-#pragma omp for schedule(dynamic, 2) nowait
-                for (int64_t p = 0; p < N / GEMM_F32_NR; p++)
-                    gemm_f32_sweep(x, K, packed, N, p, k0, kc, m0, mc, bias, y);
-                continue;
-            }
-            /* No barrier between blocks: a thread's panels are the same in every block (a
-             * static schedule), so it only ever adds into its own columns of y. */
-#pragma omp for schedule(static) nowait
-            for (int64_t p = 0; p < N / GEMM_F32_NR; p++)
-                gemm_f32_sweep(x, K, packed, N, p, k0, kc, m0, mc, bias, y);
+            /* No barrier between blocks: past one, a thread's panels are the same in every
+             * block (the fixed runs), so it only ever adds into its own columns of y. */
+            EACH_PANEL(shared, N / GEMM_F32_NR,
+                       gemm_f32_sweep(x, K, packed, N, p, k0, kc, m0, mc, bias, y));
         }
     }
     return 0;
@@ -156,12 +165,11 @@ int gemm_f32(const float *x, int64_t M, int64_t K, const float *packed, int64_t 
 static void gemm_f32_silu_mul_sweep(const float *x, int64_t K, const float *packed,
                                     int64_t panels, int64_t p, int64_t m0, int64_t mc,
                                     const float *bias, float *out) {
-    static const float zeros[GEMM_F32_NR];
     const int64_t half = panels * GEMM_F32_NR;
     const float *gate = packed + p * K * GEMM_F32_NR;
     const float *up = gate + panels * K * GEMM_F32_NR;
-    const float *gate_start = bias ? bias + p * GEMM_F32_NR : zeros;
-    const float *up_start = bias ? bias + (p + panels) * GEMM_F32_NR : zeros;
+    const float *gate_start = bias ? bias + p * GEMM_F32_NR : gemm_f32_zeros;
+    const float *up_start = bias ? bias + (p + panels) * GEMM_F32_NR : gemm_f32_zeros;
     const int last = p + 1 == panels;
     for (int64_t i = 0; i < mc; i += GEMM_F32_MR) {
         float gate_sums[GEMM_F32_MR * GEMM_F32_NR] __attribute__((aligned(32)));
@@ -198,19 +206,11 @@ int gemm_f32_silu_mul(const float *x, int64_t M, int64_t K, const float *packed,
     if (M < 1 || !gemm_f32_supported(N, K) || half % GEMM_F32_NR || K > GEMM_F32_KC) return -1;
 #if GEMM_F32_BUILT
     const int64_t panels = half / GEMM_F32_NR; /* of gate; up's follow them */
-    const int shared = M >= GEMM_F32_SHARED_FROM_ROWS;
 #pragma omp parallel
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_F32_MC) {
         const int64_t mc = M - m0 < GEMM_F32_MC ? M - m0 : GEMM_F32_MC;
-        if (shared) {
-#pragma omp for schedule(dynamic, 2) nowait
-            for (int64_t p = 0; p < panels; p++)
-                gemm_f32_silu_mul_sweep(x, K, packed, panels, p, m0, mc, bias, out);
-            continue;
-        }
-#pragma omp for schedule(static) nowait
-        for (int64_t p = 0; p < panels; p++)
-            gemm_f32_silu_mul_sweep(x, K, packed, panels, p, m0, mc, bias, out);
+        EACH_PANEL(M >= GEMM_F32_SHARED_FROM_ROWS, panels,
+                   gemm_f32_silu_mul_sweep(x, K, packed, panels, p, m0, mc, bias, out));
     }
     return 0;
 #else
