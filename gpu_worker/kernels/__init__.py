@@ -16,5 +16,6 @@ activation.c              SiLU·mul: bfloat16 on AVX-512, float32 on AVX2
 silu_avx2.h               its float32 arithmetic, shared with gemm_f32.c's epilogue
 sampling.c                greedy argmax and the grammar's token mask
 decoder_layers.c          a model's decoder layers in one call of the kernels above
+kernel_entries.h          the entry points it calls, one signature for caller and definition
 common.h                  what the C files share
 """

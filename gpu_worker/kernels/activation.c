@@ -16,6 +16,7 @@
  *
  * Both overflow exp(-g) to +inf, and silu to -0, where torch's does. */
 #include "common.h"
+#include "kernel_entries.h"
 #include "silu_avx2.h"
 
 #if defined(__AVX512F__)

@@ -4,6 +4,7 @@
  * three passes over the bytes instead of one.
  */
 #include "common.h"
+#include "kernel_entries.h"
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16

@@ -32,6 +32,7 @@
  * (extend_attention_amx.h): the same chunk on a Xeon with AMX, one thread, 17.2 -> 5.6 ms.
  */
 #include "common.h"
+#include "kernel_entries.h"
 
 #define KEY_BLOCK 32   /* keys per transposed block: two zmm of scores per row */
 #define QUERY_BLOCK 8  /* new queries per work item; rows = group x QUERY_BLOCK */

@@ -16,6 +16,7 @@
  * return -1: the caller keeps oneDNN.
  */
 #include "common.h"
+#include "kernel_entries.h"
 
 #define GEMM_NR 64 /* columns of a panel and a micro-tile: four zmm of accumulators a row */
 #define GEMM_MR 6  /* rows of a micro-tile: 6 x 4 = 24 accumulators */

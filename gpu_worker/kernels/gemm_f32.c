@@ -32,6 +32,7 @@
  * 128; bench_gemm.py --dtype float32 --base f98986d).
  */
 #include "common.h"
+#include "kernel_entries.h"
 #include "silu_avx2.h"
 
 #define GEMM_F32_NR 16  /* columns of a panel and a tile: two ymm a row */

@@ -7,6 +7,7 @@
  * each weight row once and FMAs it into every row of x keeps up with it.
  */
 #include "common.h"
+#include "kernel_entries.h"
 
 /* What this build's vector paths use (bit 0: AVX-512F, bit 1: AVX512-BF16, bit 2: AVX-512F or
  * AVX2 with FMA): the kernels without them refuse (extend attention without bit 2,
