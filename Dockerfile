@@ -61,8 +61,12 @@ COPY batch_store ./batch_store
 COPY observability ./observability
 COPY runtime ./runtime
 COPY cli ./cli
-# --no-deps: every dependency is in the layers above.
-RUN pip install --no-cache-dir --no-deps . && rm -rf build *.egg-info
+# --no-deps: every dependency is in the layers above. The services run /app's copy (`python -m`
+# puts the working directory first on the path), and PYTHONDONTWRITEBYTECODE keeps them from
+# caching its bytecode, so it is compiled here once: otherwise every stage and worker start
+# compiles the project's modules again (0.2-0.8 s of CPU each).
+RUN pip install --no-cache-dir --no-deps . && rm -rf build *.egg-info \
+    && python -m compileall -q bus stages gpu_worker jobs batch_store observability runtime cli
 
 USER streamserve
 EXPOSE 8000
