@@ -227,13 +227,22 @@ class Actor(StaleClaims):
                            self.stage.group, sum(map(len, self._acks.values())), exc)  # fmt: skip
 
     def _still_ours(self, reads: Read) -> Read:
-        """Of entries a failed turn left pending, those no peer has claimed since."""
+        """Of entries a failed turn left pending, those no peer has claimed since. Those of
+        an extra input whose group is gone went with it (Redis came back empty, or a reaper
+        deleted the log), and are dropped: asked about again, they failed every turn, in a
+        spin, until a writer made that stream anew."""
         ours: Read = []
         for stream, entries in reads:
-            pending = self.client.xpending_range(
-                stream, self.stage.group, "-", "+", count=len(entries) + 1000,
-                consumername=self.consumer,
-            )  # fmt: skip
+            try:
+                pending = self.client.xpending_range(
+                    stream, self.stage.group, "-", "+", count=len(entries) + 1000,
+                    consumername=self.consumer,
+                )  # fmt: skip
+            except redis.ResponseError as exc:
+                if stream == self.stream or not is_missing_group(exc):
+                    raise  # our own group: the reconnecting loop makes it again
+                self.extra.lost()
+                continue
             held = {p["message_id"] for p in pending}
             kept = [entry for entry in entries if entry[0] in held]
             if kept:

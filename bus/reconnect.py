@@ -4,10 +4,12 @@ A consumer outlives Redis outages: a turn that fails with a connection error or 
 is tried again after a backoff (``RECONNECT_BACKOFF_S``, the last step repeated), and
 whatever the turn had not yet written stays with its owner for the next try. A Redis that
 restarted without persistence has no groups: the group is made again after an outage, and
-at once when a command says it is gone (NOGROUP). A Redis at ``maxmemory`` (it runs with
-``noeviction``) refuses writes with OOM until memory is freed: that is an outage too, retried
-the same way, so a turn whose MULTI was refused leaves its inputs pending rather than
-acknowledging them. Any other error ends the loop.
+at once when a command says it is gone (NOGROUP); when that repeats with no turn done in
+between, the group a command misses is not one this loop makes, and each try waits as a
+reconnect does rather than spin a core and flood the log. A Redis at ``maxmemory`` (it runs
+with ``noeviction``) refuses writes with OOM until memory is freed: that is an outage too,
+retried the same way, so a turn whose MULTI was refused leaves its inputs pending rather
+than acknowledging them. Any other error ends the loop.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class ReconnectingLoop:
     def run(self, turn: Callable[[], object], *, group_made: bool = False) -> None:
         """Call `turn` until `stop` is set; the group is made before the first turn unless
         `group_made` says the caller has made it."""
-        failures = 0
+        failures = regroups = 0
         first = not group_made
         while not self.stop.is_set():
             try:
@@ -85,7 +87,7 @@ class ReconnectingLoop:
                     self.make_group()
                     first = False
                 turn()
-                failures = 0
+                failures = regroups = 0
             except REDIS_TRANSIENT as exc:
                 delay = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
                 failures += 1
@@ -99,4 +101,7 @@ class ReconnectingLoop:
                     raise
                 logger.warning("%s: consumer group gone (Redis restarted?); recreating it",
                                self.who)  # fmt: skip
+                if regroups:  # made and missing again at once: a group it does not make
+                    self.stop.wait(RECONNECT_BACKOFF_S[min(regroups, len(RECONNECT_BACKOFF_S)) - 1])
+                regroups += 1
                 self.make_group()

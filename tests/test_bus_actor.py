@@ -11,7 +11,7 @@ import redis
 
 from bus.actor import Actor, Inbound, unique_consumer_name
 from bus.effects import IncrHash, Outbound, Output, SetKey
-from bus.reconnect import ensure_group
+from bus.reconnect import ReconnectingLoop, ensure_group
 from jobs.protocol import (
     ENTRY_FIELD,
     Abort,
@@ -369,3 +369,18 @@ def test_a_reply_stream_holding_a_500_expires_after_reply_ttl(redis_client, conf
     (reply,) = _replies(redis_client, "t:lonely-reply")
     assert isinstance(reply, ErrorReply) and reply.status == 500
     assert 0 < redis_client.ttl("t:lonely-reply") <= config.reply_ttl_s
+
+
+def test_a_group_missing_again_as_soon_as_made_is_retried_with_backoff(redis_client):
+    # NOGROUP for a group the loop does not make (another stream's): remade at once the
+    # first time, as after a restart, then at the reconnect backoff's pace, not in a spin.
+    made: list[float] = []
+    stop = threading.Event()
+    loop = ReconnectingLoop("t", stop, lambda: made.append(time.monotonic()))
+    runner = threading.Thread(target=loop.run, args=(lambda: redis_client.xpending("gone", "g"),))
+    runner.start()
+    time.sleep(1.0)
+    stop.set()
+    runner.join(timeout=5)
+    assert not runner.is_alive()
+    assert 3 <= len(made) <= 6  # at 0 (the first turn's), 0, 0.1, 0.3, 0.8 s

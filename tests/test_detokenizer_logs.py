@@ -5,17 +5,19 @@ streams and a real detokenizer Actor and reaper."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import pytest
+import redis
 
 import jobs.protocol as wire
 from bus.actor import Actor
 from bus.effects import Outbound
 from bus.extra_inputs import REFRESH_S
 from bus.fenced_stream import LOG_READERS_GROUP, FencedStream
-from bus.reconnect import ensure_group
+from bus.reconnect import ReconnectingLoop, ensure_group
 from runtime.config import BusConfig
 from stages.detokenizer.stage import DetokenizerStage
 from stages.router.worker_reaper import WorkerReaper
@@ -186,3 +188,38 @@ def test_the_reaper_moves_a_dead_workers_unacknowledged_batches_to_the_tokens_st
     assert not redis_client.sismember(config.workers_key(), "dead")
     _drain(actor)
     assert _delivered(redis_client) == {"a": [1, 2, 3]}
+
+
+def test_a_turn_redis_refused_then_lost_with_its_log_leaves_the_loop_serving(
+    redis_client, config, caplog
+):
+    # The detokenizer read a worker's log, and Redis refused its commit (full, or going
+    # down); then Redis came back empty, as one restarted without persistence does. The
+    # entries it held went with the log: asking Redis about them again made each turn fail
+    # the same way, a spin of thousands of turns a second until the worker wrote its log anew.
+    bus = _worker(redis_client, config, "w1")
+    actor = _detokenizer(redis_client, config)
+    _drain(actor, turns=2)  # reading the log
+    _publish(bus, "a", 0, [1])
+    limit = redis_client.config_get("maxmemory")["maxmemory"]
+    redis_client.config_set("maxmemory", 1)  # below what it uses: every write refused
+    try:
+        with pytest.raises(redis.OutOfMemoryError):
+            actor.run_once()
+    finally:
+        redis_client.config_set("maxmemory", limit)
+    redis_client.flushall()  # the restart: no stream, group or key left
+    loop = ReconnectingLoop("detokenizer", actor.stop, actor._ensure_group)
+    runner = threading.Thread(target=loop.run, args=(actor.run_once,))
+    with caplog.at_level(logging.WARNING, logger="bus.reconnect"):
+        runner.start()
+        time.sleep(0.5)
+        bus.restart_fenced()  # the worker: its log opened again, where it goes on
+        _publish(bus, "b", 0, [2])
+        deadline = time.monotonic() + 5
+        while "b" not in _delivered(redis_client) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        actor.stop.set()
+        runner.join(timeout=5)
+    assert _delivered(redis_client) == {"b": [2]}
+    assert len(caplog.records) <= 1, caplog.text
