@@ -14,16 +14,11 @@ few million blocks a deployment holds has odds of about 1e-7.
 from __future__ import annotations
 
 import hashlib
-import sys
-from array import array
 from collections.abc import Sequence
 
-# Tokens as little-endian int32, as on the wire (jobs/wire.py pack_ids). The standard
-# library's array, not numpy: every stage imports this module, and numpy's import was
-# ~0.15 s of each one's start.
-_TOKEN_TYPE = "i"
-_TOKEN_BYTES = 4
-assert array(_TOKEN_TYPE).itemsize == _TOKEN_BYTES
+from jobs.wire import pack_ids
+
+_TOKEN_BYTES = 4  # a token as on the wire: little-endian int32 (`pack_ids`)
 ROOT_HASH = 0  # the "block" before the first: every chain starts from it
 MAX_HASH = 2**64 - 1
 
@@ -46,10 +41,7 @@ def block_hashes(
         if start > 0:
             return block_hashes(token_ids, block_tokens)[start:]
         parent = ROOT_HASH
-    tokens = array(_TOKEN_TYPE, token_ids[start * block_tokens : full * block_tokens])
-    if sys.byteorder == "big":
-        tokens.byteswap()
-    raw = tokens.tobytes()
+    raw = pack_ids(token_ids[start * block_tokens : full * block_tokens])
     step = block_tokens * _TOKEN_BYTES
     hashes = []
     previous = parent
